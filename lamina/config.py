@@ -1,0 +1,70 @@
+"""Engine arguments (vLLM names) and their resolution against the machine and the model config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the built-in (untrained) default model
+    tokenizer: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    seed: int = 0
+    num_gpu_blocks_override: int | None = None  # vLLM's name: fixes the number of KV blocks
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # KV budget; default on CPU: 4 GiB
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not valid; use auto, cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if isinstance(config_dtype, torch.dtype) and config_dtype in (torch.bfloat16, torch.float16):
+            return config_dtype
+        if isinstance(config_dtype, str) and config_dtype in ("bfloat16", "float16"):
+            return _DTYPES[config_dtype]
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]

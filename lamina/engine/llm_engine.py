@@ -1,0 +1,297 @@
+"""The engine loop: requests in, step plans to the executor, sampled tokens back, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lamina.config import EngineArgs, resolve_device, resolve_dtype
+from lamina.engine.cache_manager import CacheManager
+from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from lamina.engine.executor import InProcessExecutor
+from lamina.engine.request import Request, RequestStatus
+from lamina.engine.scheduler import Scheduler, SchedulerConfig
+from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lamina.parallel.context import ParallelContext
+from lamina.sampling_params import SamplingParams
+from lamina.worker.model_loader import build_model, read_model_config
+from lamina.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 4 << 30
+DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class _RequestState:
+    """Engine-side output bookkeeping of one request (text, logprobs, timing)."""
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer | None):
+        self.request = request
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if request.sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if self.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        if args.model is None:
+            from lamina.models.default_model import ensure_default_model
+
+            args.model = str(ensure_default_model())
+        self.model_path = Path(args.model)
+        hf_config = read_model_config(self.model_path)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, getattr(hf_config, "dtype", None))
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
+
+        ctx = ParallelContext.single(self.device)
+        model, cfg, self.load_report = build_model(
+            self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress
+        )
+        self.model_config = cfg
+        self.max_model_len = self._resolve_max_model_len(cfg)
+        max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
+        max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        num_blocks = self._num_kv_blocks(model, max_num_seqs)
+        runner = ModelRunner(
+            model, device=self.device, num_kv_blocks=num_blocks, block_size=args.block_size,
+            num_state_slots=max_num_seqs, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size,
+        )
+        self.executor = InProcessExecutor(runner)
+        self.cache = CacheManager(num_blocks, args.block_size, max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_batched, self.max_model_len), self.cache)
+        self._states: dict[str, _RequestState] = {}
+        self._arrivals = itertools.count()
+        self._request_ids = itertools.count()
+        self.num_kv_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_batched
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("no tokenizer loaded from %s (%s): only token-id prompts will work", path, e)
+            return None
+
+    def _resolve_max_model_len(self, cfg) -> int:
+        limit = cfg.max_position_embeddings
+        requested = self.args.max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len = {requested} exceeds the model's max_position_embeddings = {limit}"
+            )
+        return requested
+
+    def _eos_token_ids(self, cfg) -> tuple[int, ...]:
+        ids = list(cfg.eos_token_ids)
+        gen_path = self.model_path / "generation_config.json"
+        if gen_path.exists():
+            import json
+
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def _num_kv_blocks(self, model, max_num_seqs: int) -> int:
+        args = self.args
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            bytes_per_block = sum(
+                2 * torch.Size(attn.kv_cache_shape(1, args.block_size)).numel() * self.dtype.itemsize
+                for attn in model.attention_layers().values()
+            )
+            wanted = blocks_per_seq * max_num_seqs
+            budget = args.kv_cache_memory_bytes
+            if budget is None and self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                reserve = total * (1.0 - args.gpu_memory_utilization)
+                budget = int(max(0, free - reserve) * 0.8)  # leave room for activations
+            elif budget is None:
+                budget = CPU_KV_CACHE_BYTES
+            num_blocks = min(wanted, budget // max(1, bytes_per_block))
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than one sequence of "
+                f"max_model_len = {self.max_model_len} needs ({blocks_per_seq}); lower max_model_len or give the "
+                f"cache more memory"
+            )
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request before it is queued; returns its resolved max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len = {self.max_model_len}"
+            )
+        room = self.max_model_len - len(prompt_token_ids)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        text = None
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        elif isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], self.tokenize(prompt["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
+        max_tokens = self.validate_request(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+            arrival_index=next(self._arrivals), max_tokens=max_tokens, prompt=text,
+            eos_token_ids=self.eos_token_ids,
+        )
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+            if self.tokenizer is not None else None
+        )
+        self._states[request_id] = _RequestState(request, detok)
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None and not state.request.status.finished:
+            self.scheduler.finish(state.request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that got a new token."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if plan.finished_request_ids:
+                self.executor.execute(plan)  # let workers drop per-request state
+            return []
+        sampled = self.executor.execute(plan)
+        self.scheduler.on_step_done(plan)
+        outputs = []
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            result = sampled.get(chunk.request_id)
+            state = self._states.get(chunk.request_id)
+            if result is None or state is None:
+                continue
+            request = state.request
+            request.append_output(result.token_id)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if state.logprobs is not None and result.logprobs is not None:
+                state.logprobs.append(result.logprobs)
+                state.cumulative_logprob += result.logprobs.get(result.token_id, 0.0)
+            new_text = state.detokenizer.push([result.token_id]) if state.detokenizer else ""
+            state.text += new_text
+            self._check_stop(state, len(new_text))
+            if request.status.finished:
+                state.metrics.finished_time = now
+                state.metrics.num_preemptions = request.num_preemptions
+                if state.detokenizer is not None and not isinstance(request.stop_reason, str):
+                    state.text += state.detokenizer.flush()  # text held back for an unfinished character
+            outputs.append(self._make_output(state))
+            if request.status.finished:
+                del self._states[request.request_id]
+        return outputs
+
+    def _check_stop(self, state: _RequestState, new_text_len: int) -> None:
+        request = state.request
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        num_out = len(request.output_token_ids)
+        status = None
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif params.stop:
+                hit = find_stop_string(state.text, new_text_len, params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    stop, cut = hit
+                    state.text = state.text[:cut]
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is None and (num_out >= request.max_tokens or request.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(request, status)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.status.finished,
+            metrics=state.metrics,
+        )
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+        self._states.clear()

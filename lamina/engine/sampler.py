@@ -1,0 +1,397 @@
+"""Token sampler: turns last-position logits into next tokens.
+
+The engine builds a :class:`SamplingBatch` once per step on the host from the
+running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
+:class:`Sampler` on the model's logits.  The pipeline, per row, is:
+
+1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
+   float32, top-N and the sampled token's logprob/rank are reported from these;
+2. ``min_tokens`` bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids``
+   are set to ``-inf`` while the request has generated fewer than
+   ``min_tokens`` tokens;
+3. greedy rows take the argmax of the (banned) logits;
+4. other rows: divide by temperature, top-k mask, top-p mask, min-p mask, then
+   draw a token with the exponential race ``argmax(p / E)`` with
+   ``E ~ Exponential(1)`` i.i.d. per token, which samples exactly from ``p``.
+
+Rows with a per-request ``torch.Generator`` draw their noise from it (one
+small loop over those rows only), so a seeded request gets the same tokens
+whatever else is in the batch; all other rows share one draw from the global
+RNG.  Nothing in the common path syncs the device with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from lamina.sampling_params import SamplingParams
+
+__all__ = [
+    "SamplingBatch",
+    "Sampler",
+    "SamplerOutput",
+    "LogprobsTensors",
+    "create_generator",
+    "apply_top_k_top_p",
+    "apply_min_p",
+]
+
+
+def create_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """Return a ``torch.Generator`` on ``device`` seeded with ``seed``.
+
+    Any Python int is accepted; it is reduced to 64 bits so negative or huge
+    seeds are valid.  The engine keeps one per seeded request and passes it to
+    :meth:`SamplingBatch.build` every step (the generator's state advances as
+    tokens are drawn).
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+# ---------------------------------------------------------------------- #
+# Batch metadata
+# ---------------------------------------------------------------------- #
+@dataclass
+class SamplingBatch:
+    """Per-step sampling metadata for a batch of ``B`` requests (rows).
+
+    Build it with :meth:`build`; the fields are documented there.  Host-side
+    flags (``all_greedy``, ``need_top_k`` ...) let the sampler skip whole
+    stages without touching the device.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor  # [B] float32, 1.0 where disabled
+    min_p: torch.Tensor  # [B] float32, 0.0 where disabled
+    greedy: torch.Tensor  # [B] bool
+    ban_rows: torch.Tensor  # [M] int64, row index of each banned (row, token) pair
+    ban_cols: torch.Tensor  # [M] int64, token id of each banned pair
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    num_logprobs: list[int | None]  # per row, None when not requested
+    max_num_logprobs: int | None  # max over rows, None when no row asked
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a generator
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_logprobs)
+
+    @property
+    def has_bans(self) -> bool:
+        return self.ban_rows.numel() > 0
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[SamplingParams],
+        output_lens: Sequence[int],
+        eos_token_ids: Sequence[int],
+        generators: Sequence[torch.Generator | None] | None,
+        device: torch.device | str,
+        vocab_size: int,
+    ) -> SamplingBatch:
+        """Collect per-request sampling options into batched tensors.
+
+        Args:
+            params_list: One :class:`SamplingParams` per row.
+            output_lens: Number of tokens each request has generated so far
+                (used for ``min_tokens``).
+            eos_token_ids: The model's EOS token ids.
+            generators: Per-row ``torch.Generator`` (set for seeded requests)
+                or ``None``; the whole argument may be ``None`` for "no
+                generators".
+            device: Device of the logits the sampler will receive.
+            vocab_size: Number of valid token ids (normally the logits' last
+                dimension). Disabled top-k rows get ``top_k = vocab_size``;
+                banned ids ``>= vocab_size`` are ignored.
+        """
+        bsz = len(params_list)
+        if len(output_lens) != bsz:
+            raise ValueError(f"output_lens has {len(output_lens)} entries, expected {bsz}")
+        if generators is None:
+            generators = [None] * bsz
+        if len(generators) != bsz:
+            raise ValueError(f"generators has {len(generators)} entries, expected {bsz}")
+
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
+        greedy: list[bool] = []
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        num_logprobs: list[int | None] = []
+        seeded_rows: list[int] = []
+
+        for row, (p, out_len, gen) in enumerate(zip(params_list, output_lens, generators)):
+            is_greedy = p.greedy
+            greedy.append(is_greedy)
+            temps.append(1.0 if is_greedy else float(p.temperature))
+            top_ks.append(min(int(p.top_k), vocab_size) if p.top_k > 0 else vocab_size)
+            top_ps.append(float(p.top_p))
+            min_ps.append(float(p.min_p))
+            num_logprobs.append(None if p.logprobs is None else int(p.logprobs))
+            if gen is not None and not is_greedy:
+                seeded_rows.append(row)
+            if out_len < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.update(int(t) for t in eos_token_ids)
+                for tok in sorted(banned):
+                    if 0 <= tok < vocab_size:
+                        ban_rows.append(row)
+                        ban_cols.append(tok)
+
+        # Flags computed only over rows that actually sample.
+        sampling_rows = [i for i in range(bsz) if not greedy[i]]
+        requested = [n for n in num_logprobs if n is not None]
+
+        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=to_dev(temps, torch.float32),
+            top_k=to_dev(top_ks, torch.int64),
+            top_p=to_dev(top_ps, torch.float32),
+            min_p=to_dev(min_ps, torch.float32),
+            greedy=to_dev(greedy, torch.bool),
+            ban_rows=to_dev(ban_rows, torch.int64),
+            ban_cols=to_dev(ban_cols, torch.int64),
+            vocab_size=vocab_size,
+            all_greedy=not sampling_rows,
+            any_greedy=any(greedy),
+            need_top_k=any(top_ks[i] < vocab_size for i in sampling_rows),
+            need_top_p=any(top_ps[i] < 1.0 for i in sampling_rows),
+            need_min_p=any(min_ps[i] > 0.0 for i in sampling_rows),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(requested) if requested else None,
+            generators=list(generators),
+            seeded_rows=seeded_rows,
+        )
+
+
+# ---------------------------------------------------------------------- #
+# Outputs
+# ---------------------------------------------------------------------- #
+@dataclass
+class LogprobsTensors:
+    """Raw logprobs of one step, still on the device.
+
+    ``N`` is the largest number of logprobs any row asked for; rows that asked
+    for fewer just ignore the trailing columns.
+    """
+
+    sampled_logprobs: torch.Tensor  # [B] float32, logprob of the sampled token
+    sampled_ranks: torch.Tensor  # [B] int64, 1-based rank of the sampled token
+    top_token_ids: torch.Tensor  # [B, N] int64, most likely tokens, best first
+    top_logprobs: torch.Tensor  # [B, N] float32
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampler call.
+
+    Attributes:
+        token_ids: ``[B]`` int64 sampled tokens (on the logits' device).
+        logprobs: Raw logprobs when any row asked for them, else ``None``.
+        num_logprobs: Per-row requested count (``None`` = not requested).
+    """
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+
+    def logprobs_lists(self) -> list[dict[int, float] | None]:
+        """Per-row ``{token_id: logprob}`` dicts (host sync happens here).
+
+        Each dict holds the sampled token first, followed by the row's top-N
+        tokens in decreasing probability (a top-N token equal to the sampled
+        one appears once), so it has N or N+1 entries.  Rows that did not ask
+        for logprobs get ``None``.
+        """
+        if self.logprobs is None:
+            return [None] * len(self.num_logprobs)
+        lp = self.logprobs
+        sampled = self.token_ids.tolist()
+        sampled_lp = lp.sampled_logprobs.tolist()
+        top_ids = lp.top_token_ids.tolist()
+        top_lps = lp.top_logprobs.tolist()
+        result: list[dict[int, float] | None] = []
+        for row, n in enumerate(self.num_logprobs):
+            if n is None:
+                result.append(None)
+                continue
+            entry = {sampled[row]: sampled_lp[row]}
+            for tok, val in zip(top_ids[row][:n], top_lps[row][:n]):
+                entry.setdefault(tok, val)
+            result.append(entry)
+        return result
+
+    def sampled_ranks_list(self) -> list[int | None]:
+        """Per-row 1-based rank of the sampled token (None if not requested)."""
+        if self.logprobs is None:
+            return [None] * len(self.num_logprobs)
+        ranks = self.logprobs.sampled_ranks.tolist()
+        return [None if n is None else ranks[i] for i, n in enumerate(self.num_logprobs)]
+
+
+# ---------------------------------------------------------------------- #
+# Masking helpers (functional, usable on their own)
+# ---------------------------------------------------------------------- #
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to ``-inf``.
+
+    Args:
+        logits: ``[B, V]`` float logits (already temperature-scaled).
+        top_k: ``[B]`` int64; values ``>= V`` mean disabled. ``None`` skips.
+        top_p: ``[B]`` float in (0, 1]; ``1`` means disabled. ``None`` skips.
+
+    Top-k keeps exactly ``k`` tokens (ties broken by sort order).  Top-p is
+    applied after top-k, on the renormalised distribution, and keeps the
+    smallest prefix of the sorted tokens whose cumulative probability reaches
+    ``top_p``; the most likely token is always kept.  Returns a new tensor.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    bsz, vocab = logits.shape
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V], [B, V]
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    if top_k is not None:
+        k = top_k.clamp(min=1, max=vocab).unsqueeze(1)  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)  # [B, V]
+        # Probability mass strictly before each position; a position is kept
+        # while the mass before it is still short of top_p.
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+        drop = mass_before >= top_p.unsqueeze(1)  # [B, V]
+        drop &= (top_p < 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
+        drop[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # Undo the sort: out[b, sorted_idx[b, j]] = sorted_logits[b, j].
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)  # [B, V]
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero probabilities below ``min_p * max(prob)`` per row (in place).
+
+    Args:
+        probs: ``[B, V]`` probabilities (need not be normalised).
+        min_p: ``[B]`` in [0, 1]; ``0`` disables the row's filter.
+    """
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+# ---------------------------------------------------------------------- #
+# Sampler
+# ---------------------------------------------------------------------- #
+class Sampler:
+    """Stateless sampler; call it with ``(logits, batch)``."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[B, V]`` logits of the last position, any float dtype.
+            batch: Metadata built by :meth:`SamplingBatch.build`.
+
+        Returns:
+            :class:`SamplerOutput` with ``token_ids`` ``[B]`` and, if any row
+            asked for them, raw logprobs.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        # float32 working copy; the raw logits are left untouched.
+        work = logits.to(torch.float32, copy=True)  # [B, V]
+
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(work, dim=-1)  # [B, V]
+
+        if batch.has_bans:
+            work[batch.ban_rows, batch.ban_cols] = float("-inf")
+
+        if batch.all_greedy:
+            token_ids = work.argmax(dim=-1)  # [B]
+        else:
+            token_ids = self._sample(work, batch)
+
+        lp = None
+        if raw_logprobs is not None:
+            lp = self._gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=lp, num_logprobs=list(batch.num_logprobs))
+
+    # -- stages ----------------------------------------------------------- #
+    @staticmethod
+    def _sample(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Random (and mixed greedy) sampling over the banned float32 logits."""
+        greedy_ids = work.argmax(dim=-1) if batch.any_greedy else None  # [B]
+
+        work.div_(batch.temperature.unsqueeze(1))  # [B, V]
+        if batch.need_top_k or batch.need_top_p:
+            work = apply_top_k_top_p(
+                work,
+                batch.top_k if batch.need_top_k else None,
+                batch.top_p if batch.need_top_p else None,
+            )
+        probs = work.softmax(dim=-1)  # [B, V]
+        if batch.need_min_p:
+            probs = apply_min_p(probs, batch.min_p)
+
+        sampled = _exponential_race(probs, batch)  # [B]
+        if greedy_ids is not None:
+            sampled = torch.where(batch.greedy, greedy_ids, sampled)
+        return sampled
+
+    @staticmethod
+    def _gather_logprobs(
+        raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int
+    ) -> LogprobsTensors:
+        """Top-``max_n`` raw logprobs plus the sampled token's logprob and rank."""
+        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+        # Rank = 1 + number of tokens strictly more likely than the sampled one.
+        ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1  # [B]
+        top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # [B, N], [B, N]
+        return LogprobsTensors(
+            sampled_logprobs=sampled_lp.squeeze(1),  # [B]
+            sampled_ranks=ranks,
+            top_token_ids=top_ids,
+            top_logprobs=top_lp,
+        )
+
+
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row from (unnormalised) ``probs`` [B, V].
+
+    ``argmax_j p_j / E_j`` with ``E_j ~ Exponential(1)`` picks ``j`` with
+    probability ``p_j / sum(p)``.  Seeded rows draw their ``E`` from their
+    own generator, everything else from the global RNG.
+    """
+    bsz, vocab = probs.shape
+    noise = torch.empty_like(probs)  # [B, V]
+    if len(batch.seeded_rows) < bsz:
+        noise.exponential_()
+    for row in batch.seeded_rows:
+        gen = batch.generators[row]
+        row_noise = torch.empty(vocab, dtype=probs.dtype, device=gen.device)  # [V]
+        row_noise.exponential_(generator=gen)
+        noise[row].copy_(row_noise, non_blocking=True)
+    # An exact zero would turn 0/0 into NaN (which argmax would pick).
+    noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)  # [B]

@@ -1,0 +1,139 @@
+"""Continuous-batching scheduler: FCFS, chunked prefill mixed with decodes, preemption by recompute.
+
+Pure CPU policy over `Request` objects and the `CacheManager`'s integers; it never touches tensors.
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running requests are served first, in arrival order: a decode takes one token, an unfinished
+prefill takes what is left of the budget. When KV blocks run out, the most recently arrived
+running request is preempted: its cache is freed and it goes back to the front of the queue,
+to be recomputed from its prompt plus the tokens it already generated (so its output continues
+exactly where it stopped). Waiting requests are admitted while budget, sequences and cache allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lamina.engine.cache_manager import CacheManager
+from lamina.engine.request import Request, RequestStatus
+from lamina.engine.step_plan import ScheduledChunk, StepPlan
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._step_id = 0
+        self._finished_since_last_plan: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop, length, abort, error) and release its cache."""
+        assert status.finished
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.cache.free(request.request_id)
+        self._finished_since_last_plan.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- planning ------------------------------------------------------------------------
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted_request_ids.append(request.request_id)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_table=list(self.cache.block_table(request.request_id)),
+            state_slot=self.cache.state_slot(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    def schedule(self) -> StepPlan:
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id, finished_request_ids=self._finished_since_last_plan)
+        self._finished_since_last_plan = []
+        budget = self.config.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            scheduled = True
+            while not self.cache.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim, plan)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            plan.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        if not plan.preempted_request_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self.cache.allocate(request.request_id, request.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                plan.chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+        return plan
+
+    def on_step_done(self, plan: StepPlan) -> None:
+        """Advance each scheduled request by the tokens it computed (sampled tokens are appended by the engine)."""
+        by_id = {r.request_id: r for r in self.running}
+        for chunk in plan.chunks:
+            request = by_id.get(chunk.request_id)
+            if request is not None:
+                request.num_computed_tokens = chunk.end_position

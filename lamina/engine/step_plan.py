@@ -1,0 +1,49 @@
+"""A step plan: the scheduler's decision for one step, delivered to every rank of a replica.
+
+Pure Python data (no tensors), so it can be pickled to worker processes. Each rank derives its
+own input tensors from it; the token ids, positions and block tables are all here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lamina.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # the tokens computed in this step
+    start_position: int  # tokens of this request already in the cache
+    block_table: list[int]
+    state_slot: int
+    sample: bool  # this chunk reaches the request's last known token: sample the next one
+    sampling_params: SamplingParams
+    num_output_tokens: int  # generated so far (for min_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests that ended (finished, aborted or preempted) since the last plan: workers drop
+    # per-request state they keep (sampling generators on finish; nothing on preemption).
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,105 @@
+"""The `lamina` command line: `lamina generate ...` (more commands join as they are built)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lamina.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, with vLLM's names."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in untrained model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from lamina import LLM
+    from lamina.models.default_model import ensure_default_model, is_untrained_default
+
+    model = args.model or str(ensure_default_model())
+    if is_untrained_default(model):
+        print(
+            f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): the text below is "
+            "not meaningful; pass --model PATH for a real checkpoint",
+            file=sys.stderr,
+        )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    with LLM(model, **engine_kwargs(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs):
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+            }))
+        else:
+            print(f"{prompt}{completion.text}")
+            print(f"[lamina] {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    add_engine_args(gen)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the (first) prompt")
+    s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"lamina: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The offline API: `LLM(...).generate(...)` / `.chat(...)`, as vLLM users know it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from lamina.config import EngineArgs
+from lamina.engine.llm_engine import LLMEngine
+from lamina.outputs import RequestOutput
+from lamina.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    """Load a checkpoint and generate from it.
+
+    `model=None` uses the built-in untrained default model. Keyword arguments follow vLLM:
+    `device`, `dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
+    `seed`, `num_gpu_blocks_override`, `gpu_memory_utilization`, `kv_cache_memory_bytes`,
+    `tokenizer`.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        show_progress: bool = True,
+    ):
+        args = EngineArgs(
+            model=None if model is None else str(model), tokenizer=tokenizer, device=device, dtype=dtype,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            show_progress=show_progress,
+        )
+        self.llm_engine: LLMEngine | None = LLMEngine(args)
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.llm_engine
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or `{"prompt_token_ids": [...]}`); outputs keep prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams() for _ in prompts]
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts: give one, or one per prompt"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("a conversation must have at least one message")
+            ids = tokenizer.apply_chat_template(
+                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **(chat_template_kwargs or {}),
+            )
+            if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
+        prepared = []
+        for prompt, params in zip(prompts, params_list):
+            token_ids = prompt if isinstance(prompt, list) else None
+            if isinstance(prompt, str):
+                token_ids = engine.tokenize(prompt)
+            elif isinstance(prompt, dict):
+                token_ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else engine.tokenize(prompt.get("prompt", ""))
+            elif not isinstance(prompt, list):
+                raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
+            engine.validate_request(token_ids, params)
+            prepared.append((prompt if not isinstance(prompt, list) else {"prompt_token_ids": prompt}, params))
+        ids = [engine.add_request(p, params) for p, params in prepared]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while engine.has_unfinished_requests() and any(r is None for r in results):
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
+            self.llm_engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

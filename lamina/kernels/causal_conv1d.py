@@ -1,0 +1,63 @@
+"""Depthwise causal 1-D convolution over a flat varlen batch, with a rolling input state.
+
+Each request keeps the last K-1 inputs it has seen (`conv_state [B, C, K-1]`, oldest
+first; zeros for a fresh request). For this step's tokens x_1..x_n of one request, the
+convolution runs over the sequence [state, x_1..x_n]:
+
+    y_t[c] = sum_{j=0}^{K-1} weight[c, j] * seq[c, t + j]       (seq is K-1+n long)
+
+so y_t sees the K-1 inputs before x_t and x_t itself. The new state is the last K-1
+entries of that sequence, which also works when n < K-1 (part of the old state survives).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
+
+__all__ = ["causal_conv1d_varlen"]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Args:
+        x: `[T, C]` flat inputs; weight: `[C, K]` (no bias);
+        conv_state: `[B, C, K-1]` previous inputs per request (not modified);
+        query_start_loc: `[B+1]`; max_query_len: host int;
+        activation: "silu" or None.
+
+    Returns:
+        out `[T, C]` in x's dtype, new_conv_state `[B, C, K-1]` in conv_state's dtype.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    total_tokens, channels = x.shape
+    kernel = weight.shape[1]
+    bsz = query_start_loc.shape[0] - 1
+    max_len = max(1, max_query_len)
+
+    index, valid = padded_index(query_start_loc, max_len)  # [B, L]
+    xp = to_padded(x.float(), index, valid)  # [B, L, C]
+    # Request b's tokens sit at seq[:, :, K-1 : K-1+len_b]; zeros follow (never read by valid outputs).
+    seq = torch.cat([conv_state.float(), xp.transpose(1, 2)], dim=2)  # [B, C, K-1+L]
+    y = F.conv1d(seq, weight.float().unsqueeze(1), groups=channels)  # [B, C, L]
+    if activation is not None:
+        y = F.silu(y)
+
+    flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
+    out = from_padded(y.transpose(1, 2), valid, flat)  # [T, C]
+
+    # Last K-1 inputs of [old state, this request's tokens]: seq[:, :, len_b : len_b + K-1].
+    lens = query_lens(query_start_loc)  # [B]
+    take = lens[:, None] + torch.arange(kernel - 1, device=seq.device)  # [B, K-1]
+    take = take[:, None, :].expand(bsz, channels, kernel - 1)  # [B, C, K-1]
+    new_state = seq.gather(2, take)  # [B, C, K-1]
+    return out.to(x.dtype), new_state.to(conv_state.dtype)

@@ -1,0 +1,209 @@
+"""Gated delta rule (the linear-attention core of Qwen3-Next / Qwen3.5 GatedDeltaNet).
+
+Per value head, the state S is a `[Dk, Dv]` matrix. For each token t:
+
+    S   <- exp(g_t) * S
+    u_t  = beta_t * (v_t - S^T k_t)          # the correction the state still needs
+    S   <- S + k_t u_t^T
+    o_t  = S^T q_t
+
+with q (after the optional l2norm) scaled by Dk**-0.5.
+
+Chunked form. Inside a chunk of C tokens starting from state S0, let gam_r be the
+cumulative log decay up to position r (inclusive) and D[r, s] = exp(gam_r - gam_s) for
+s <= r. Unrolling the recurrence,
+
+    u_r = beta_r (v_r - exp(gam_r) S0^T k_r - sum_{s<r} D[r, s] (k_r . k_s) u_s)
+
+so with A[r, s] = beta_r D[r, s] (k_r . k_s) for s < r (strictly lower triangular),
+
+    (I + A) U = beta*V - (beta*exp(gam)*K) S0
+    U = T0 - W S0,   T0 = (I + A)^-1 (beta*V),   W = (I + A)^-1 (beta*exp(gam)*K)
+
+and then
+
+    O   = (exp(gam)*Q) S0 + (tril(Q K^T) * D) U
+    S_C = exp(gam_C) S0 + (exp(gam_C - gam)*K)^T U.
+
+T0, W and the intra-chunk scores only depend on the chunk's own tokens, so they are computed
+for all chunks at once; only the short scan over chunks is sequential. All exponents are
+<= 0 (g <= 0), so nothing overflows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lamina.kernels.varlen import flat_positions, from_padded, padded_index, to_padded
+
+__all__ = [
+    "chunk_gated_delta_rule_varlen",
+    "recurrent_gated_delta_rule_step",
+    "gated_delta_rule_varlen",
+]
+
+_L2NORM_EPS = 1e-6
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
+
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32, optional l2norm, q scaled by Dk**-0.5, heads repeated up to Hv.
+
+    q, k: `[N, Hk, Dk]` -> `[N, Hv, Dk]` (value head h reads key head h // (Hv // Hk)).
+    """
+    num_k_heads, head_k_dim = k.shape[-2:]
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"Hv={num_v_heads} is not a multiple of Hk={num_k_heads}")
+    q = q.float()
+    k = k.float()
+    if use_qk_l2norm:
+        q = _l2norm(q)
+        k = _l2norm(k)
+    q = q * head_k_dim**-0.5
+    group = num_v_heads // num_k_heads
+    if group > 1:
+        q = q.repeat_interleave(group, dim=-2)  # [N, Hv, Dk]
+        k = k.repeat_interleave(group, dim=-2)  # [N, Hv, Dk]
+    return q, k
+
+
+def recurrent_gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request.
+
+    Args:
+        q, k: `[B, Hk, Dk]`; v: `[B, Hv, Dv]`; g, beta: `[B, Hv]`;
+        state: `[B, Hv, Dk, Dv]` float32 (not modified).
+
+    Returns:
+        out `[B, Hv, Dv]` in v's dtype, new_state `[B, Hv, Dk, Dv]` float32.
+    """
+    num_v_heads = v.shape[1]
+    qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [B, Hv, Dk]
+    vf = v.float()
+    s = state.float() * g.float().exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, kf)  # [B, Hv, Dv]
+    delta = beta.float()[:, :, None] * (vf - predicted)  # [B, Hv, Dv]
+    s = s + kf[:, :, :, None] * delta[:, :, None, :]  # [B, Hv, Dk, Dv]
+    out = torch.einsum("bhkv,bhk->bhv", s, qf)  # [B, Hv, Dv]
+    return out.to(v.dtype), s
+
+
+def _split_chunks(x: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """`[B, N*C, H, D]` -> `[B, H, N, C, D]` (or `[B, N*C, H]` -> `[B, H, N, C]`)."""
+    bsz, _, heads = x.shape[:3]
+    tail = x.shape[3:]
+    x = x.reshape(bsz, num_chunks, chunk_size, heads, *tail)  # [B, N, C, H, (D)]
+    if tail:
+        return x.permute(0, 3, 1, 2, 4)  # [B, H, N, C, D]
+    return x.permute(0, 3, 1, 2)  # [B, H, N, C]
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule over a flat varlen batch.
+
+    Args:
+        q, k: `[T, Hk, Dk]`; v: `[T, Hv, Dv]`; g (log decay, <= 0), beta: `[T, Hv]`;
+        initial_state: `[B, Hv, Dk, Dv]` float32 (zeros for fresh requests; not modified);
+        query_start_loc: `[B+1]` cumulative query lengths; max_query_len: host int.
+
+    Returns:
+        out `[T, Hv, Dv]` in v's dtype, final_state `[B, Hv, Dk, Dv]` float32 (the state
+        after each request's last token).
+    """
+    total_tokens = q.shape[0]
+    num_v_heads, head_v_dim = v.shape[1:]
+    head_k_dim = k.shape[2]
+    bsz = query_start_loc.shape[0] - 1
+    csz = chunk_size
+    num_chunks = max(1, -(-max_query_len // csz))
+    padded_len = num_chunks * csz
+    device = v.device
+
+    qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [T, Hv, Dk]
+    # Pad straight to a multiple of the chunk size: pad positions get q = k = v = 0,
+    # g = 0 (no decay) and beta = 0 (no write), so they leave the state untouched.
+    index, valid = padded_index(query_start_loc, padded_len)  # [B, Lp]
+    qc = _split_chunks(to_padded(qf, index, valid), num_chunks, csz)  # [B, Hv, N, C, Dk]
+    kc = _split_chunks(to_padded(kf, index, valid), num_chunks, csz)  # [B, Hv, N, C, Dk]
+    vc = _split_chunks(to_padded(v.float(), index, valid), num_chunks, csz)  # [B, Hv, N, C, Dv]
+    gc = _split_chunks(to_padded(g.float(), index, valid), num_chunks, csz)  # [B, Hv, N, C]
+    bc = _split_chunks(to_padded(beta.float(), index, valid), num_chunks, csz)  # [B, Hv, N, C]
+
+    gam = gc.cumsum(dim=-1)  # [B, Hv, N, C]
+    lower = torch.ones(csz, csz, dtype=torch.bool, device=device).tril()  # [C, C], s <= r
+    log_d = gam[..., :, None] - gam[..., None, :]  # [B, Hv, N, C, C], (r, s)
+    dmat = log_d.masked_fill(~lower, float("-inf")).exp()  # [B, Hv, N, C, C]
+
+    kb = kc * bc[..., None]  # [B, Hv, N, C, Dk]
+    # Strictly lower part of A; solve_triangular(unitriangular=True) reads only that part
+    # and treats the diagonal as ones, i.e. it solves (I + A) X = rhs.
+    a_mat = (kb @ kc.transpose(-1, -2)) * dmat  # [B, Hv, N, C, C]
+    rhs = torch.cat([vc * bc[..., None], kb * gam.exp()[..., None]], dim=-1)  # [B, Hv, N, C, Dv+Dk]
+    sol = torch.linalg.solve_triangular(a_mat, rhs, upper=False, unitriangular=True)
+    t0, w = sol.split([head_v_dim, head_k_dim], dim=-1)  # [B, Hv, N, C, Dv], [B, Hv, N, C, Dk]
+
+    scores = (qc @ kc.transpose(-1, -2)) * dmat  # [B, Hv, N, C, C]
+    q_dec = qc * gam.exp()[..., None]  # [B, Hv, N, C, Dk]
+    k_dec = kc * (gam[..., -1:] - gam).exp()[..., None]  # [B, Hv, N, C, Dk]
+    chunk_dec = gam[..., -1].exp()[..., None, None]  # [B, Hv, N, 1, 1]
+
+    state = initial_state.float()  # [B, Hv, Dk, Dv]
+    outs = []
+    for n in range(num_chunks):
+        u = t0[:, :, n] - w[:, :, n] @ state  # [B, Hv, C, Dv]
+        outs.append(q_dec[:, :, n] @ state + scores[:, :, n] @ u)  # [B, Hv, C, Dv]
+        state = state * chunk_dec[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u  # [B, Hv, Dk, Dv]
+
+    out = torch.stack(outs, dim=2)  # [B, Hv, N, C, Dv]
+    out = out.permute(0, 2, 3, 1, 4).reshape(bsz, padded_len, num_v_heads, head_v_dim)  # [B, Lp, Hv, Dv]
+    flat = flat_positions(query_start_loc, padded_len, total_tokens)  # [T]
+    out = from_padded(out, valid, flat)  # [T, Hv, Dv]
+    return out.to(v.dtype), state
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: decode-only batches (`max_query_len == 1`, so T == B) take the single-step
+    form, everything else the chunked form. Same arguments and results as
+    `chunk_gated_delta_rule_varlen`."""
+    if max_query_len == 1:
+        if q.shape[0] != initial_state.shape[0]:
+            raise ValueError("max_query_len == 1 needs exactly one token per request (T == B)")
+        return recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    return chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, initial_state, query_start_loc, max_query_len, chunk_size, use_qk_l2norm
+    )

@@ -1,0 +1,130 @@
+"""Paged KV cache write and causal attention over it, for a flat varlen batch.
+
+Cache layout: `[num_blocks, block_size, Hkv, D]`; token slot = block_id * block_size + offset.
+A request's logical position p lives in block `block_tables[b, p // block_size]` at offset
+`p % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
+
+__all__ = ["write_kv_cache", "paged_attention"]
+
+
+def _write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+    """`cache.view(S, ...)[slots[t]] = rows[t]` for valid t, without a host sync.
+
+    Invalid rows are redirected to slot 0 and carry the value slot 0 must hold afterwards:
+    the row of a valid token that writes slot 0 if there is one, else slot 0's current
+    contents. Every duplicate write of slot 0 then carries the same value, so the
+    (unspecified) order of duplicate writes in index_copy_ does not matter.
+    """
+    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
+    rows = rows.to(cache.dtype)
+    hits0 = valid & (slots == 0)  # [T]
+    first0 = hits0.to(torch.int32).argmax().reshape(1)  # [1]: first valid writer of slot 0 (0 if none)
+    fill = torch.where(hits0.any(), rows.index_select(0, first0)[0], flat[0])  # [Hkv, D]
+    src = torch.where(valid[:, None, None], rows, fill)  # [T, Hkv, D]
+    dst = torch.where(valid, slots, torch.zeros_like(slots))  # [T]
+    flat.index_copy_(0, dst, src)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's keys/values in the paged caches, in place.
+
+    Args:
+        k, v: `[T, Hkv, D]`; k_cache, v_cache: `[num_blocks, block_size, Hkv, D]` (contiguous);
+        slot_mapping: `[T]` int; entries < 0 (padding tokens) are skipped.
+    """
+    if k.shape[0] == 0:
+        return
+    slots = slot_mapping.long()
+    valid = slots >= 0  # [T]
+    _write_rows(k_cache, k, slots, valid)
+    _write_rows(v_cache, v, slots, valid)
+
+
+def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[num_blocks, block_size, Hkv, D]` x slots `[B, S]` -> `[B, S, Hkv, D]`."""
+    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
+    rows = flat.index_select(0, slots.reshape(-1))  # [B*S, Hkv, D]
+    return rows.reshape(*slots.shape, *cache.shape[2:])  # [B, S, Hkv, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new queries over its cached context.
+
+    Args:
+        q: `[T, Hq, D]`; k_cache, v_cache: `[num_blocks, block_size, Hkv, D]`, already holding
+            this step's keys/values; block_tables: `[B, max_blocks]` int (unused entries any
+            valid block id); seq_lens: `[B]` context length including this step's tokens;
+            query_start_loc: `[B+1]`; max_query_len, max_seq_len: host ints; scale: softmax scale.
+
+    Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
+    attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
+
+    Returns:
+        `[T, Hq, D]` in q's dtype.
+    """
+    total_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    bsz = query_start_loc.shape[0] - 1
+    max_len = max(1, max_query_len)
+    num_blocks_used = max(1, -(-max_seq_len // block_size))
+    ctx_len = num_blocks_used * block_size  # S: whole blocks, masked beyond seq_lens
+    device = q.device
+
+    # Context slots of every request, in logical order.
+    blocks = block_tables[:, :num_blocks_used].long()  # [B, nb]
+    in_block = torch.arange(block_size, device=device)  # [bs]
+    slots = (blocks[:, :, None] * block_size + in_block).reshape(bsz, ctx_len)  # [B, S]
+    keys = _gather_context(k_cache, slots)  # [B, S, Hkv, D]
+    values = _gather_context(v_cache, slots)  # [B, S, Hkv, D]
+    if group > 1:
+        keys = keys[:, :, :, None].expand(bsz, ctx_len, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, D]
+        keys = keys.reshape(bsz, ctx_len, num_q_heads, head_dim)  # [B, S, Hq, D]
+        values = values[:, :, :, None].expand(bsz, ctx_len, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, D]
+        values = values.reshape(bsz, ctx_len, num_q_heads, head_dim)  # [B, S, Hq, D]
+
+    index, valid = padded_index(query_start_loc, max_len)  # [B, Lq]
+    queries = to_padded(q, index, valid)  # [B, Lq, Hq, D]
+
+    # Causal mask in absolute positions; padded query rows still see key 0, so no row is empty.
+    seq = seq_lens.long()  # [B]
+    q_pos = (seq - query_lens(query_start_loc))[:, None] + torch.arange(max_len, device=device)  # [B, Lq]
+    k_pos = torch.arange(ctx_len, device=device)  # [S]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq[:, None, None])  # [B, Lq, S]
+
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [B, Hq, Lq, D]
+        keys.transpose(1, 2).to(q.dtype),  # [B, Hq, S, D]
+        values.transpose(1, 2).to(q.dtype),  # [B, Hq, S, D]
+        attn_mask=mask[:, None],  # [B, 1, Lq, S]
+        scale=scale,
+    )  # [B, Hq, Lq, D]
+    out = out.transpose(1, 2)  # [B, Lq, Hq, D]
+    flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
+    return from_padded(out, valid, flat)  # [T, Hq, D]

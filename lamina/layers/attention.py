@@ -1,0 +1,84 @@
+"""Gated full attention (Qwen3-Next / Qwen3.5-MoE): output gate, q/k norm, partial RoPE, paged KV."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lamina.kernels.paged_attention import paged_attention, write_kv_cache
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear
+from lamina.layers.metadata import ForwardMetadata
+from lamina.layers.norm import RMSNorm
+from lamina.layers.rotary import RotaryEmbedding
+from lamina.parallel.context import ParallelContext, divide_exact
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields per head [query D | gate D]; output = o_proj(attn * sigmoid(gate)), Partial over TP."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        rms_norm_eps: float,
+        attention_bias: bool,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device=None,
+    ):
+        super().__init__()
+        tp = ctx.tp_size
+        self.head_dim = head_dim
+        self.num_heads = divide_exact(total_num_heads, tp, "num_attention_heads vs tensor_parallel_size")
+        # KV heads are split while there are enough, else replicated across groups of ranks.
+        self.num_kv_heads = max(1, total_num_kv_heads // tp)
+        if total_num_kv_heads >= tp:
+            divide_exact(total_num_kv_heads, tp, "num_key_value_heads vs tensor_parallel_size")
+        else:
+            divide_exact(tp, total_num_kv_heads, "tensor_parallel_size vs num_key_value_heads")
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        self.q_proj = ColumnParallelLinear(
+            hidden_size, [total_num_heads * head_dim * 2], ctx, bias=attention_bias,
+            shard_units=[2 * head_dim], dtype=dtype, device=device,
+        )
+        self.k_proj = ColumnParallelLinear(
+            hidden_size, [total_num_kv_heads * head_dim], ctx, bias=attention_bias,
+            shard_units=[head_dim], dtype=dtype, device=device,
+        )
+        self.v_proj = ColumnParallelLinear(
+            hidden_size, [total_num_kv_heads * head_dim], ctx, bias=attention_bias,
+            shard_units=[head_dim], dtype=dtype, device=device,
+        )
+        self.o_proj = RowParallelLinear(total_num_heads * head_dim, hidden_size, ctx, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, D], bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
+        num_tokens = meta.num_tokens
+        query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
+        query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
+        gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        query = self.rotary.apply(self.q_norm(query), cos, sin)
+        key = self.rotary.apply(self.k_norm(key), cos, sin)
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        write_kv_cache(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+        attn = paged_attention(
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, meta.max_seq_len, self.scale,
+        )  # [T, H, D]
+        attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        attn = attn * torch.sigmoid(gate)
+        return self.o_proj(attn)

@@ -1,0 +1,139 @@
+"""Gated delta net (linear attention) of the Qwen hybrid family, with per-request state slots.
+
+Internal weight layout (independent of the checkpoint family): `in_proj_qkvz` with sub-outputs
+[q (Hk*Dk), k (Hk*Dk), v (Hv*Dv), z (Hv*Dv)] and `in_proj_ba` with [b (Hv), a (Hv)], each split
+by heads over TP. Qwen3-Next's per-key-head interleaved `in_proj_qkvz`/`in_proj_ba` and
+Qwen3.5's separate `in_proj_qkv/z/b/a` are both converted into it by the model's loader.
+
+Recurrent state lives in two per-layer tensors indexed by the request's state slot:
+`conv_state [num_slots, conv_dim_per_rank, K-1]` and `ssm_state [num_slots, Hv_per_rank, Dk, Dv]`
+(float32). A request whose first chunk is in this step starts from zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lamina.kernels.causal_conv1d import causal_conv1d_varlen
+from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
+from lamina.layers.metadata import ForwardMetadata
+from lamina.layers.norm import GatedRMSNorm
+from lamina.parallel.context import ParallelContext, divide_exact
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        total_num_k_heads: int,
+        total_num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int,
+        rms_norm_eps: float,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device=None,
+        output_gate_activation: str = "silu",
+    ):
+        super().__init__()
+        tp, rank = ctx.tp_size, ctx.tp_rank
+        if total_num_v_heads % total_num_k_heads != 0:
+            raise ValueError(
+                f"linear_num_value_heads = {total_num_v_heads} must be a multiple of "
+                f"linear_num_key_heads = {total_num_k_heads}"
+            )
+        self.num_k_heads = divide_exact(total_num_k_heads, tp, "linear_num_key_heads vs tensor_parallel_size")
+        self.num_v_heads = divide_exact(total_num_v_heads, tp, "linear_num_value_heads vs tensor_parallel_size")
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim = self.num_k_heads * head_k_dim  # per rank
+        self.value_dim = self.num_v_heads * head_v_dim  # per rank
+        self.conv_dim = 2 * self.key_dim + self.value_dim  # per rank
+        self.conv_kernel_size = conv_kernel_size
+        self.total_key_dim = total_num_k_heads * head_k_dim
+        self.total_value_dim = total_num_v_heads * head_v_dim
+        self.total_num_v_heads = total_num_v_heads
+        self.tp_rank = rank
+
+        self.in_proj_qkvz = ColumnParallelLinear(
+            hidden_size,
+            [self.total_key_dim, self.total_key_dim, self.total_value_dim, self.total_value_dim],
+            ctx, shard_units=[head_k_dim, head_k_dim, head_v_dim, head_v_dim], dtype=dtype, device=device,
+        )
+        self.in_proj_ba = ColumnParallelLinear(
+            hidden_size, [total_num_v_heads, total_num_v_heads], ctx, dtype=dtype, device=device
+        )
+        self.conv_weight = nn.Parameter(
+            torch.empty(self.conv_dim, conv_kernel_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype, device=device), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype, device=device), requires_grad=False)
+        self.norm = GatedRMSNorm(head_v_dim, rms_norm_eps, activation=output_gate_activation, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(self.total_value_dim, hidden_size, ctx, dtype=dtype, device=device)
+        self.conv_state: torch.Tensor | None = None  # bound by the runner
+        self.ssm_state: torch.Tensor | None = None
+
+    # ---- loading -------------------------------------------------------------------------
+    def load_conv_weight(self, name: str, loaded: torch.Tensor) -> None:
+        """Checkpoint conv1d.weight [total_conv_dim, 1, K]: take this rank's q, k and v rows."""
+        total_conv = 2 * self.total_key_dim + self.total_value_dim
+        check_shape(name, loaded, (total_conv, 1, self.conv_kernel_size))
+        weight = loaded[:, 0, :]  # [total_conv_dim, K]
+        q_all, k_all, v_all = weight.split([self.total_key_dim, self.total_key_dim, self.total_value_dim])
+        parts = (
+            q_all.narrow(0, self.tp_rank * self.key_dim, self.key_dim),
+            k_all.narrow(0, self.tp_rank * self.key_dim, self.key_dim),
+            v_all.narrow(0, self.tp_rank * self.value_dim, self.value_dim),
+        )
+        self.conv_weight.data.copy_(torch.cat(parts, dim=0))
+
+    def load_head_vector(self, name: str, loaded: torch.Tensor) -> None:
+        """`A_log` / `dt_bias` [total Hv]: this rank's heads."""
+        check_shape(name, loaded, (self.total_num_v_heads,))
+        target = self.A_log if name.endswith("A_log") else self.dt_bias
+        target.data.copy_(loaded.narrow(0, self.tp_rank * self.num_v_heads, self.num_v_heads))
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (
+            (num_slots, self.conv_dim, self.conv_kernel_size - 1),
+            (num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        )
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
+        assert self.conv_state is not None and self.ssm_state is not None, "recurrent state not bound"
+        num_tokens = meta.num_tokens
+        qkvz = self.in_proj_qkvz(x)  # [T, 2*key_dim + 2*value_dim]
+        mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)  # [T, Hv] each
+
+        slots = meta.state_slots
+        keep = meta.has_initial_state
+        conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
+        mixed_qkv, conv_out = causal_conv1d_varlen(
+            mixed_qkv, self.conv_weight, conv_in, meta.query_start_loc, meta.max_query_len, activation="silu"
+        )
+        self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
+
+        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        beta = torch.sigmoid(b.float())  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+
+        state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
+        core, state_out = gated_delta_rule_varlen(
+            query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True
+        )  # core [T, Hv, Dv]
+        self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))
+
+        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        core = self.norm(core, z).reshape(num_tokens, self.value_dim)  # [T, Hv*Dv]
+        return self.out_proj(core)

@@ -1,0 +1,26 @@
+"""Per-step tensor metadata every layer reads: the flat batch's description.
+
+Built by the worker from a step plan; never inferred from activation shapes. Host ints
+(`num_tokens`, `max_query_len`, `max_seq_len`) come from the plan, not from tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardMetadata:
+    num_tokens: int  # T: scheduled tokens of all requests, concatenated
+    num_reqs: int  # B
+    max_query_len: int
+    max_seq_len: int
+    positions: torch.Tensor  # [T] long: position of each token in its request
+    query_start_loc: torch.Tensor  # [B+1] long: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] long: context length after this step
+    slot_mapping: torch.Tensor  # [T] long: paged KV slot of each token
+    block_tables: torch.Tensor  # [B, max_blocks] long
+    state_slots: torch.Tensor  # [B] long: recurrent-state slot of each request
+    has_initial_state: torch.Tensor  # [B] bool: False for a request whose first chunk this is

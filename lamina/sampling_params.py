@@ -1,0 +1,203 @@
+"""Per-request sampling parameters.
+
+:class:`SamplingParams` uses the same field names and defaults as vLLM's
+``SamplingParams`` so that OpenAI-style request bodies and offline callers can
+pass values straight through.  Only the subset of options that lamina
+implements is exposed; every value is validated in ``__post_init__`` and a bad
+value raises :class:`ValueError` whose message names the offending value and
+the valid range.
+
+Normalisation performed at construction time:
+
+* ``stop`` (``None``, a string, or a sequence of strings) becomes ``list[str]``.
+* ``stop_token_ids`` (``None`` or a sequence of ints) becomes ``list[int]``.
+* ``top_k`` of ``0`` or ``-1`` both mean "disabled"; the value is kept as given
+  (see :attr:`SamplingParams.top_k_enabled`).
+* ``max_tokens=None`` means "generate until the context is full"; the engine
+  resolves it against ``max_model_len`` (the value stays ``None`` here).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from dataclasses import dataclass
+
+__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS"]
+
+# Temperatures below this are treated as greedy decoding (same cut-off as
+# vLLM): dividing logits by such a small number only risks overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    """True for Python/numpy integers, False for bools and everything else."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """True for real numbers (ints or floats), False for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling options of one request (vLLM-compatible names and defaults).
+
+    Attributes:
+        n: Number of completions per prompt. Only ``1`` is supported.
+        temperature: Softmax temperature, ``>= 0``. Values below
+            ``GREEDY_TEMPERATURE_EPS`` (in particular ``0``) select greedy
+            (argmax) decoding.
+        top_p: Nucleus sampling threshold in ``(0, 1]``; ``1`` disables it.
+        top_k: Keep only the ``top_k`` most likely tokens; ``0`` or ``-1``
+            disable it.
+        min_p: Drop tokens whose probability is below ``min_p`` times the
+            probability of the most likely token; in ``[0, 1]``, ``0``
+            disables it.
+        seed: Optional integer seed for a per-request random generator, making
+            the request's sampling reproducible independently of the batch.
+        max_tokens: Maximum number of generated tokens (``> 0``), or ``None``
+            for "until ``max_model_len``" (resolved by the engine).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this
+            many tokens have been generated.
+        stop: Stop strings; generation ends when the output text contains one.
+        stop_token_ids: Token ids that end generation (in addition to EOS).
+        ignore_eos: Do not stop when the model's EOS token is sampled.
+        logprobs: If not ``None``, return the sampled token's logprob plus the
+            ``logprobs`` most likely tokens' logprobs at every step.
+        include_stop_str_in_output: Keep the matched stop string in the
+            returned text.
+        skip_special_tokens: Drop special tokens when detokenizing.
+        spaces_between_special_tokens: Put spaces between special tokens when
+            detokenizing (honoured only by tokenizers that support it).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    # ------------------------------------------------------------------ #
+    # Normalisation and validation
+    # ------------------------------------------------------------------ #
+    def _normalise(self) -> None:
+        """Convert ``stop`` / ``stop_token_ids`` to lists (type-checked)."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            try:
+                stops = list(self.stop)
+            except TypeError:
+                raise ValueError(
+                    f"stop must be a string or a list of strings, got {self.stop!r}"
+                ) from None
+            for s in stops:
+                if not isinstance(s, str):
+                    raise ValueError(
+                        f"stop must be a string or a list of strings, got entry {s!r} "
+                        f"of type {type(s).__name__}"
+                    )
+            self.stop = stops
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            try:
+                ids = list(self.stop_token_ids)
+            except TypeError:
+                raise ValueError(
+                    f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
+                ) from None
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(
+                        f"stop_token_ids must contain non-negative ints, got {t!r}"
+                    )
+            self.stop_token_ids = [int(t) for t in ids]
+
+    def _validate(self) -> None:
+        """Raise ValueError for any out-of-range field."""
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n={self.n!r} is not supported: only n=1 is supported")
+
+        if not _is_real(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        if math.isinf(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature!r}")
+
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}"
+            )
+
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
+            raise ValueError(
+                f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}"
+            )
+
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens (in [0, {self.max_tokens}]), "
+                f"got min_tokens={self.min_tokens!r}"
+            )
+
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
+
+        for s in self.stop:
+            if s == "":
+                raise ValueError(f"stop strings must be non-empty, got {s!r} in stop={self.stop!r}")
+
+    # ------------------------------------------------------------------ #
+    # Convenience
+    # ------------------------------------------------------------------ #
+    @property
+    def greedy(self) -> bool:
+        """True when this request decodes greedily (temperature ~ 0)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        """True when top-k filtering is active (``top_k`` > 0)."""
+        return self.top_k > 0
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 when there are none)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        """Return an independent deep copy (lists are not shared)."""
+        return copy.deepcopy(self)

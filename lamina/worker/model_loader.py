@@ -1,0 +1,63 @@
+"""Build a model for a checkpoint directory and stream its weights in.
+
+Everything that can be checked without reading weights is checked first: the directory, its
+config (architecture, fields), the shard headers and the tensor inventory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from lamina.models.loader import CheckpointError, load_checkpoint, resolve_shards
+from lamina.models.registry import resolve_model_class
+from lamina.parallel.context import ParallelContext
+
+
+def read_model_config(model_dir: str | Path):
+    """The transformers config of `model_dir`, with a clear error when it is not a checkpoint."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise CheckpointError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"model path {str(path)!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def build_model(
+    model_dir: str | Path,
+    hf_config,
+    ctx: ParallelContext,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    layer_range: tuple[int, int] | None = None,
+):
+    """Returns (model, text_config, load_report)."""
+    architecture, model_cls = resolve_model_class(hf_config)
+    cfg = model_cls.parse_config(hf_config, architecture)
+    resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
+    model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range)
+    start, end = model.layer_range
+
+    def other_stage(name: str) -> bool:
+        from lamina.models.qwen3_next import checkpoint_layer_index
+
+        if not name.startswith(model.checkpoint_prefix + "layers."):
+            return False
+        idx = checkpoint_layer_index(name)
+        return idx is not None and not start <= idx < end
+
+    report = load_checkpoint(
+        model.build_weight_map(), model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress
+    )
+    model.eval()
+    return model, cfg, report

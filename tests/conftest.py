@@ -1,0 +1,38 @@
+import os
+
+import pytest
+
+from tests import tiny_checkpoints as tc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    # The built-in default model is built into a per-session cache, never the user's.
+    if "LAMINA_CACHE_DIR" not in os.environ:
+        os.environ["LAMINA_CACHE_DIR"] = str(tmp_path_factory.mktemp("lamina-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory):
+    return tc.make_qwen3_next(tmp_path_factory.mktemp("q3next") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_mixed_dir(tmp_path_factory):
+    return tc.make_qwen3_next(tmp_path_factory.mktemp("q3next_mixed") / "ckpt", mixed_dense=True, seed=3)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory):
+    return tc.make_qwen3_5_moe(tmp_path_factory.mktemp("q35") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_vl_dir(tmp_path_factory):
+    return tc.make_qwen3_5_moe_vl(tmp_path_factory.mktemp("q35vl") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_fused_dir(tmp_path_factory, qwen3_next_dir):
+    return tc.fuse_experts_copy(qwen3_next_dir, tmp_path_factory.mktemp("q3next_fused") / "ckpt")

@@ -1,0 +1,236 @@
+"""Tests for lamina.engine.sampler."""
+
+import math
+
+import pytest
+import torch
+
+from lamina.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_top_k_top_p,
+    create_generator,
+)
+from lamina.sampling_params import SamplingParams
+
+V = 64
+EOS = [1, 2]
+
+
+def build(params, output_lens=None, generators=None, vocab=V):
+    output_lens = output_lens if output_lens is not None else [0] * len(params)
+    return SamplingBatch.build(params, output_lens, EOS, generators, "cpu", vocab)
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, V, dtype=torch.bfloat16)
+    batch = build([SamplingParams(temperature=0.0)] * 5)
+    out = Sampler()(logits, batch)
+    assert out.token_ids.dtype == torch.long
+    assert torch.equal(out.token_ids, logits.float().argmax(-1))
+    assert out.logprobs is None
+
+
+def test_mixed_greedy_and_random_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    out = Sampler()(logits, build(params))
+    assert out.token_ids[0] == logits[0].argmax()
+    assert out.token_ids[2] == logits[2].argmax()
+
+
+def _run_seeded(seed, logits_rows, batch_rows, target_row, steps=6):
+    """Sample `steps` times with the seeded request at `target_row` of a batch."""
+    gen = create_generator(seed)
+    tokens = []
+    for step in range(steps):
+        params, gens = [], []
+        for r in range(batch_rows):
+            if r == target_row:
+                params.append(SamplingParams(temperature=1.0, seed=seed))
+                gens.append(gen)
+            else:
+                params.append(SamplingParams(temperature=0.9, top_p=0.95))
+                gens.append(None)
+        logits = torch.randn(batch_rows, V)  # other rows: arbitrary
+        logits[target_row] = logits_rows[step]
+        out = Sampler()(logits, build(params, generators=gens))
+        tokens.append(int(out.token_ids[target_row]))
+    return tokens
+
+
+def test_seeded_reproducible_and_batch_independent():
+    base = torch.Generator().manual_seed(123)
+    rows = torch.randn(6, V, generator=base) * 0.5  # flat-ish: many plausible tokens
+    alone = _run_seeded(7, rows, batch_rows=1, target_row=0)
+    torch.manual_seed(1)
+    again = _run_seeded(7, rows, batch_rows=1, target_row=0)
+    torch.manual_seed(99)
+    in_batch = _run_seeded(7, rows, batch_rows=5, target_row=3)
+    other_seed = _run_seeded(8, rows, batch_rows=1, target_row=0)
+    assert alone == again == in_batch
+    assert other_seed != alone
+
+
+def test_two_seeded_rows_are_independent_of_each_other():
+    logits = torch.zeros(2, V)
+    g1, g2 = create_generator(5), create_generator(5)
+    p = SamplingParams(seed=5)
+    out = Sampler()(logits, build([p, p], generators=[g1, g2]))
+    # Same seed, same logits -> same token in both rows.
+    assert out.token_ids[0] == out.token_ids[1]
+
+
+def test_top_k_keeps_exactly_k():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    logits[2, :10] = 5.0  # ties straddle the cut
+    top_k = torch.tensor([1, 7, 4])
+    masked = apply_top_k_top_p(logits, top_k, None)
+    kept = torch.isfinite(masked).sum(-1)
+    assert kept.tolist() == [1, 7, 4]
+    for r, k in enumerate([1, 7, 4]):
+        kept_vals = masked[r][torch.isfinite(masked[r])]
+        assert kept_vals.min() >= logits[r].topk(k).values.min()
+        assert torch.equal(masked[r][torch.isfinite(masked[r])], logits[r][torch.isfinite(masked[r])])
+
+
+def test_top_k_disabled_rows_untouched_and_sampled_in_set():
+    torch.manual_seed(0)
+    logits = torch.randn(200, V)
+    params = [SamplingParams(top_k=3) if i % 2 == 0 else SamplingParams() for i in range(200)]
+    batch = build(params)
+    assert batch.top_k.tolist()[:2] == [3, V]
+    out = Sampler()(logits, batch)
+    top3 = logits.topk(3, dim=-1).indices
+    even = torch.arange(0, 200, 2)
+    assert (top3[even] == out.token_ids[even].unsqueeze(1)).any(-1).all()
+
+
+def test_top_p_keeps_minimal_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(4, 1)
+    logits = probs.log()[:, [2, 0, 3, 1]]  # shuffled: token 1 is 0.5, 3 is 0.3, 0 is 0.15, 2 is 0.05
+    top_p = torch.tensor([0.4, 0.75, 0.81, 1.0])
+    masked = apply_top_k_top_p(logits, None, top_p)
+    kept = [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in masked]
+    assert kept == [{1}, {1, 3}, {1, 3, 0}, {0, 1, 2, 3}]
+
+
+def test_top_p_tiny_keeps_top_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    masked = apply_top_k_top_p(logits, None, torch.tensor([1e-9]))
+    assert torch.isfinite(masked).tolist() == [[False, True, False]]
+
+
+def test_top_k_then_top_p_on_renormalised():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    # top-k=2 -> renormalised {0.571, 0.429}; top_p=0.55 keeps only token 0,
+    # top_p=0.6 keeps both.
+    for p, want in [(0.55, 1), (0.6, 2)]:
+        masked = apply_top_k_top_p(probs.log(), torch.tensor([2]), torch.tensor([p]))
+        assert int(torch.isfinite(masked).sum()) == want
+
+
+def test_min_p_mask():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    out = apply_min_p(probs.clone(), torch.tensor([0.35, 0.0]))
+    # threshold 0.175: keep 0.5 and 0.3
+    assert (out[0] > 0).tolist() == [True, True, False, False]
+    assert (out[1] > 0).all()
+
+
+def test_min_p_in_sampler():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(500, 1)
+    batch = build([SamplingParams(min_p=0.35)] * 500, vocab=4)
+    out = Sampler()(logits, batch)
+    assert set(out.token_ids.tolist()) <= {0, 1}
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, 1] = 50.0  # EOS
+    logits[0, 2] = 40.0  # EOS (second id)
+    logits[0, 9] = 30.0  # stop token id
+    logits[0, 20] = 20.0
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9])
+    assert int(Sampler()(logits, build([p], output_lens=[0])).token_ids) == 20
+    assert int(Sampler()(logits, build([p], output_lens=[2])).token_ids) == 20
+    assert int(Sampler()(logits, build([p], output_lens=[3])).token_ids) == 1
+    # Random sampling also respects the ban.
+    q = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[9])
+    out = Sampler()(logits.repeat(50, 1), build([q] * 50, output_lens=[1] * 50))
+    assert not torch.isin(out.token_ids, torch.tensor([1, 2, 9])).any()
+
+
+def test_min_tokens_with_ignore_eos_bans_only_stop_ids():
+    logits = torch.zeros(1, V)
+    logits[0, 1] = 50.0
+    logits[0, 9] = 30.0
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True)
+    batch = build([p], output_lens=[0])
+    assert batch.ban_cols.tolist() == [9]
+    assert int(Sampler()(logits, batch).token_ids) == 1
+
+
+def test_logprobs_match_raw_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V, dtype=torch.float16)
+    logits[1, 1] = 20.0  # EOS is banned for row 1 but still shows in raw logprobs
+    params = [
+        SamplingParams(temperature=0.7, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0, min_tokens=2),
+        SamplingParams(temperature=1.0),
+    ]
+    out = Sampler()(logits, build(params))
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    lists = out.logprobs_lists()
+    ranks = out.sampled_ranks_list()
+    assert lists[2] is None and ranks[2] is None
+    for row, n in [(0, 3), (1, 0)]:
+        tok = int(out.token_ids[row])
+        d = lists[row]
+        assert tok in d
+        assert d[tok] == pytest.approx(float(ref[row, tok]), abs=1e-6)
+        top = ref[row].topk(n)
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert d[t] == pytest.approx(v, abs=1e-6)
+        assert len(d) in (n, n + 1)
+        assert ranks[row] == int((ref[row] > ref[row, tok]).sum()) + 1
+    assert int(out.token_ids[1]) != 1
+    assert ranks[1] == 2  # banned EOS is the raw top token
+
+
+def test_temperature_sampling_frequency():
+    torch.manual_seed(1234)
+    n = 40000
+    base = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    temp = 0.7
+    logits = base.repeat(n, 1)  # [N, 4]
+    out = Sampler()(logits, build([SamplingParams(temperature=temp)] * n, vocab=4))
+    counts = torch.bincount(out.token_ids, minlength=4).double() / n
+    expected = torch.softmax(base.double() / temp, dim=-1)
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((counts - expected).abs() <= 5 * sigma).all(), (counts, expected)
+
+
+def test_all_greedy_with_seed_does_not_need_generator_draws():
+    logits = torch.randn(2, V)
+    gen = create_generator(3)
+    state = gen.get_state().clone()
+    Sampler()(logits, build([SamplingParams(temperature=0.0, seed=3)] * 2, generators=[gen, None]))
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_build_flags():
+    params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(top_p=0.9, logprobs=2)]
+    b = build(params)
+    assert not b.all_greedy and b.any_greedy
+    assert not b.need_top_k  # only the greedy row asked for it
+    assert b.need_top_p and not b.need_min_p
+    assert b.max_num_logprobs == 2
+    assert b.temperature.tolist() == [1.0, 1.0]
+    assert b.greedy.tolist() == [True, False]
+    assert math.isclose(b.top_p[1].item(), 0.9, rel_tol=1e-6)

@@ -1,0 +1,105 @@
+"""Tests for lamina.sampling_params.SamplingParams."""
+
+import math
+
+import pytest
+
+from lamina.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert p.n == 1
+    assert p.temperature == 1.0
+    assert p.top_p == 1.0
+    assert p.top_k == 0
+    assert p.min_p == 0.0
+    assert p.seed is None
+    assert p.max_tokens == 16
+    assert p.min_tokens == 0
+    assert p.stop == []
+    assert p.stop_token_ids == []
+    assert p.ignore_eos is False
+    assert p.logprobs is None
+    assert p.include_stop_str_in_output is False
+    assert p.skip_special_tokens is True
+    assert p.spaces_between_special_tokens is True
+    assert not p.greedy
+
+
+def test_stop_normalisation():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+def test_greedy_property():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=0.1).greedy
+
+
+def test_top_k_disabled_values():
+    assert not SamplingParams(top_k=0).top_k_enabled
+    assert not SamplingParams(top_k=-1).top_k_enabled
+    assert SamplingParams(top_k=5).top_k_enabled
+
+
+def test_max_tokens_none_allowed():
+    assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+
+
+def test_clone_is_independent():
+    p = SamplingParams(stop=["x"], stop_token_ids=[1], seed=3, temperature=0.5)
+    q = p.clone()
+    assert q == p
+    q.stop.append("y")
+    q.stop_token_ids.append(2)
+    assert p.stop == ["x"] and p.stop_token_ids == [1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n=0"),
+        ({"temperature": -0.5}, "-0.5"),
+        ({"temperature": math.nan}, "nan"),
+        ({"top_p": 0.0}, "(0, 1]"),
+        ({"top_p": 1.5}, "1.5"),
+        ({"top_p": -0.1}, "-0.1"),
+        ({"top_k": -2}, "-2"),
+        ({"top_k": 2.5}, "2.5"),
+        ({"min_p": -0.1}, "-0.1"),
+        ({"min_p": 1.1}, "1.1"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "-3"),
+        ({"min_tokens": -1}, "-1"),
+        ({"min_tokens": 20, "max_tokens": 10}, "20"),
+        ({"logprobs": -1}, "-1"),
+        ({"stop": ["ok", ""]}, "''"),
+        ({"stop": ""}, "''"),
+        ({"seed": 1.5}, "1.5"),
+        ({"seed": "7"}, "'7'"),
+    ],
+)
+def test_validation_errors_name_value(kwargs, needle):
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**kwargs)
+    assert needle in str(excinfo.value)
+
+
+def test_validation_messages_name_field_and_range():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2"):
+        SamplingParams(top_p=2)
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
+        SamplingParams(min_p=2.0)
+    with pytest.raises(ValueError, match=r"only n=1 is supported"):
+        SamplingParams(n=3)
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(in \[0, 10\]\)"):
+        SamplingParams(min_tokens=11, max_tokens=10)
+
+
+def test_valid_edge_values():
+    SamplingParams(top_p=1.0, min_p=1.0, top_k=-1, temperature=0.0, logprobs=0, min_tokens=16)
+    SamplingParams(seed=-5, max_tokens=1)
