@@ -27,6 +27,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None  # vLLM's name: fixes the number of KV blocks
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # KV budget; default on CPU: 4 GiB
+    ple_table_device: str = "auto"  # Qwen4-Exp N-gram PLE table: auto | gpu | cpu
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -34,6 +35,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.ple_table_device not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"ple_table_device must be one of auto, gpu, cpu; got {self.ple_table_device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -58,7 +58,8 @@ class LLMEngine:
 
         ctx = ParallelContext.single(self.device)
         model, cfg, self.load_report = build_model(
-            self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress
+            self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress,
+            model_options={"ple_table_device": args.ple_table_device},
         )
         self.model_config = cfg
         self.max_model_len = self._resolve_max_model_len(cfg)
@@ -72,7 +73,13 @@ class LLMEngine:
         )
         self.executor = InProcessExecutor(runner)
         self.cache = CacheManager(num_blocks, args.block_size, max_num_seqs)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_batched, self.max_model_len), self.cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs, max_batched, self.max_model_len,
+                token_history_len=getattr(model, "token_history_len", 0),
+            ),
+            self.cache,
+        )
         self._states: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
@@ -121,8 +128,7 @@ class LLMEngine:
             num_blocks = args.num_gpu_blocks_override
         else:
             bytes_per_block = sum(
-                2 * torch.Size(attn.kv_cache_shape(1, args.block_size)).numel() * self.dtype.itemsize
-                for attn in model.attention_layers().values()
+                m.paged_cache_bytes_per_block(args.block_size, self.dtype) for m in model.paged_cache_modules()
             )
             wanted = blocks_per_seq * max_num_seqs
             budget = args.kv_cache_memory_bytes

@@ -24,11 +24,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    token_history_len: int = 0  # how many earlier token ids each chunk carries (see ScheduledChunk)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.token_history_len < 0:
+            raise ValueError(f"token_history_len must be >= 0, got {self.token_history_len}")
 
 
 class Scheduler:
@@ -92,6 +95,7 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
+            history_token_ids=request.all_token_ids[max(0, start - self.config.token_history_len) : start],
         )
 
     def schedule(self) -> StepPlan:

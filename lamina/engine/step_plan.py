@@ -21,6 +21,9 @@ class ScheduledChunk:
     sample: bool  # this chunk reaches the request's last known token: sample the next one
     sampling_params: SamplingParams
     num_output_tokens: int  # generated so far (for min_tokens)
+    # Up to `token_history_len` tokens just before `start_position` (fewer at the start of a
+    # request): layers that look back over token ids (N-gram PLE) read them on any stage.
+    history_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -63,6 +63,16 @@ class GatedAttention(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def bind_paged_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> int:
+        """Allocate this layer's paged K/V cache; returns its bytes."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        return 2 * self.k_cache.numel() * dtype.itemsize
+
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
         num_tokens = meta.num_tokens

@@ -104,6 +104,13 @@ class GatedDeltaNet(nn.Module):
             (num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim),
         )
 
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device) -> int:
+        """Allocate the per-slot conv and recurrent state; returns its bytes."""
+        conv_shape, ssm_shape = self.state_shapes(num_slots)
+        self.conv_state = torch.zeros(conv_shape, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
+        return self.conv_state.numel() * dtype.itemsize + self.ssm_state.numel() * 4
+
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""

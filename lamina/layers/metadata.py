@@ -24,3 +24,7 @@ class ForwardMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] long
     state_slots: torch.Tensor  # [B] long: recurrent-state slot of each request
     has_initial_state: torch.Tensor  # [B] bool: False for a request whose first chunk this is
+    # [B, H] long: the H token ids before each request's chunk, oldest first, -1 where the request
+    # has fewer (its start). Present when the model declares `token_history_len` H > 0.
+    history_token_ids: torch.Tensor | None = None
+    token_request_index: torch.Tensor | None = None  # [T] long: which request each token belongs to

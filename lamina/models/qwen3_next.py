@@ -100,6 +100,7 @@ class Qwen3NextForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         layer_range: tuple[int, int] | None = None,
+        options: dict | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -153,11 +154,13 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.ctx.tp.all_gather(local, dim=-1).float()
 
     # ---- cache binding -------------------------------------------------------------------
-    def attention_layers(self) -> dict[int, GatedAttention]:
-        return {int(i): l.self_attn for i, l in self.layers.items() if l.kind == "full_attention"}
+    def paged_cache_modules(self) -> list[nn.Module]:
+        """Modules with a paged per-token cache (`bind_paged_cache`, `paged_cache_bytes_per_block`)."""
+        return [l.self_attn for l in self.layers.values() if l.kind == "full_attention"]
 
-    def linear_attention_layers(self) -> dict[int, GatedDeltaNet]:
-        return {int(i): l.linear_attn for i, l in self.layers.items() if l.kind == "linear_attention"}
+    def state_modules(self) -> list[nn.Module]:
+        """Modules with per-request state slots (`bind_state`)."""
+        return [l.linear_attn for l in self.layers.values() if l.kind == "linear_attention"]
 
     # ---- weights -------------------------------------------------------------------------
     def build_weight_map(self) -> WeightMap:

@@ -40,12 +40,13 @@ def build_model(
     device: torch.device,
     progress: bool = True,
     layer_range: tuple[int, int] | None = None,
+    model_options: dict | None = None,
 ):
     """Returns (model, text_config, load_report)."""
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
     resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
-    model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range)
+    model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
     start, end = model.layer_range
 
     def other_stage(name: str) -> bool:

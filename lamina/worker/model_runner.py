@@ -44,18 +44,10 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kv_cache_bytes = 0
         self.state_bytes = 0
-        dtype = model.dtype
-        for attn in model.attention_layers().values():
-            shape = attn.kv_cache_shape(num_kv_blocks, block_size)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.kv_cache_bytes += 2 * attn.k_cache.numel() * attn.k_cache.element_size()
-        for gdn in model.linear_attention_layers().values():
-            conv_shape, ssm_shape = gdn.state_shapes(num_state_slots)
-            gdn.conv_state = torch.zeros(conv_shape, dtype=dtype, device=device)
-            gdn.ssm_state = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
-            self.state_bytes += gdn.conv_state.numel() * gdn.conv_state.element_size()
-            self.state_bytes += gdn.ssm_state.numel() * 4
+        for module in model.paged_cache_modules():
+            self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, model.dtype, device)
+        for module in model.state_modules():
+            self.state_bytes += module.bind_state(num_state_slots, model.dtype, device)
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardMetadata, list[int]]:
@@ -82,6 +74,13 @@ class ModelRunner:
         def as_tensor(values, dtype=torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        history_len = getattr(self.model, "token_history_len", 0)
+        history = None
+        if history_len > 0:
+            history = as_tensor(
+                [[-1] * (history_len - len(c.history_token_ids)) + c.history_token_ids[-history_len:] for c in plan.chunks]
+            )
+        request_index = [i for i, c in enumerate(plan.chunks) for _ in range(c.num_tokens)]
         meta = ForwardMetadata(
             num_tokens=len(token_ids),
             num_reqs=len(plan.chunks),
@@ -94,6 +93,8 @@ class ModelRunner:
             block_tables=as_tensor(block_tables),
             state_slots=as_tensor([c.state_slot for c in plan.chunks]),
             has_initial_state=as_tensor([c.start_position > 0 for c in plan.chunks], torch.bool),
+            history_token_ids=history,
+            token_request_index=as_tensor(request_index),
         )
         return as_tensor(token_ids), meta, logits_rows
 
