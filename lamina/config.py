@@ -28,6 +28,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # KV budget; default on CPU: 4 GiB
     ple_table_device: str = "auto"  # Qwen4-Exp N-gram PLE table: auto | gpu | cpu
+    load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
     show_progress: bool = True
 
     def validate(self) -> None:

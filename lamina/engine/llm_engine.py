@@ -60,6 +60,7 @@ class LLMEngine:
         model, cfg, self.load_report = build_model(
             self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress,
             model_options={"ple_table_device": args.ple_table_device},
+            load_format=args.load_format, seed=args.seed,
         )
         self.model_config = cfg
         self.max_model_len = self._resolve_max_model_len(cfg)

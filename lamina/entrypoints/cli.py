@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: seeded random weights from config.json alone (benchmarks)")
     g.add_argument("--ple-table-device", default="auto", choices=["auto", "gpu", "cpu"],
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
 
@@ -33,6 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
+        load_format=args.load_format,
     )
 
 

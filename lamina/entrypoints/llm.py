@@ -39,6 +39,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         ple_table_device: str = "auto",
+        load_format: str = "auto",
         show_progress: bool = True,
     ):
         args = EngineArgs(
@@ -46,7 +47,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            ple_table_device=ple_table_device, show_progress=show_progress,
+            ple_table_device=ple_table_device, load_format=load_format, show_progress=show_progress,
         )
         self.llm_engine: LLMEngine | None = LLMEngine(args)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from lamina.models.loader import CheckpointError, load_checkpoint, resolve_shards
+from lamina.layers.norm import GatedRMSNorm, RMSNorm
+from lamina.models.loader import CheckpointError, LoadReport, load_checkpoint, resolve_shards
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
 
@@ -41,12 +42,25 @@ def build_model(
     progress: bool = True,
     layer_range: tuple[int, int] | None = None,
     model_options: dict | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ):
-    """Returns (model, text_config, load_report)."""
+    """Returns (model, text_config, load_report).
+
+    `load_format="dummy"` (vLLM's name) fills the parameters with seeded random values instead of
+    reading a checkpoint: benchmarks of real shapes need only a config.json.
+    """
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
-    resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
+    if load_format != "dummy":
+        resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        model.eval()
+        return model, cfg, LoadReport()
     start, end = model.layer_range
 
     def other_stage(name: str) -> bool:
@@ -62,3 +76,23 @@ def build_model(
     )
     model.eval()
     return model, cfg, report
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights of plausible scale: norms at identity, delta-net decay in range."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        if param.device.type == "meta":
+            continue
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
+        if name.endswith("A_log"):
+            param.copy_(torch.empty(param.shape, device=param.device).uniform_(1.0, 16.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.empty(param.shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(0.0 if module.zero_centred else 1.0)
+        elif isinstance(module, GatedRMSNorm):
+            module.weight.fill_(1.0)
