@@ -154,6 +154,21 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as a string, a token-id list, or a dict with
+        `prompt_token_ids` or `prompt`."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request before it is queued; returns its resolved max_tokens."""
         if not isinstance(params, SamplingParams):
@@ -179,20 +194,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
-        text = None
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenize(prompt)
-        elif isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                token_ids = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, token_ids = prompt["prompt"], self.tokenize(prompt["prompt"])
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
+        text, token_ids = self.prepare_prompt(prompt)
         max_tokens = self.validate_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._states:

@@ -119,15 +119,9 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
         prepared = []
         for prompt, params in zip(prompts, params_list):
-            token_ids = prompt if isinstance(prompt, list) else None
-            if isinstance(prompt, str):
-                token_ids = engine.tokenize(prompt)
-            elif isinstance(prompt, dict):
-                token_ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else engine.tokenize(prompt.get("prompt", ""))
-            elif not isinstance(prompt, list):
-                raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
+            text, token_ids = engine.prepare_prompt(prompt)
             engine.validate_request(token_ids, params)
-            prepared.append((prompt if not isinstance(prompt, list) else {"prompt_token_ids": prompt}, params))
+            prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
         ids = [engine.add_request(p, params) for p, params in prepared]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

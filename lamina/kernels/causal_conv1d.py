@@ -8,6 +8,9 @@ convolution runs over the sequence [state, x_1..x_n]:
 
 so y_t sees the K-1 inputs before x_t and x_t itself. The new state is the last K-1
 entries of that sequence, which also works when n < K-1 (part of the old state survives).
+
+With `dilation` d the taps are d apart (y_t reads seq[t + j*d]) and the state holds the
+last (K-1)*d inputs.
 """
 
 from __future__ import annotations
@@ -27,37 +30,41 @@ def causal_conv1d_varlen(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     activation: str | None = "silu",
+    dilation: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Args:
         x: `[T, C]` flat inputs; weight: `[C, K]` (no bias);
-        conv_state: `[B, C, K-1]` previous inputs per request (not modified);
+        conv_state: `[B, C, (K-1)*dilation]` previous inputs per request (not modified);
         query_start_loc: `[B+1]`; max_query_len: host int;
-        activation: "silu" or None.
+        activation: "silu" or None; dilation: distance between taps.
 
     Returns:
-        out `[T, C]` in x's dtype, new_conv_state `[B, C, K-1]` in conv_state's dtype.
+        out `[T, C]` in x's dtype, new_conv_state `[B, C, (K-1)*dilation]` in conv_state's dtype.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     total_tokens, channels = x.shape
     kernel = weight.shape[1]
+    state_len = (kernel - 1) * dilation
+    if conv_state.shape[-1] != state_len:
+        raise ValueError(f"conv_state holds {conv_state.shape[-1]} inputs, expected (K-1)*dilation = {state_len}")
     bsz = query_start_loc.shape[0] - 1
     max_len = max(1, max_query_len)
 
     index, valid = padded_index(query_start_loc, max_len)  # [B, L]
     xp = to_padded(x.float(), index, valid)  # [B, L, C]
-    # Request b's tokens sit at seq[:, :, K-1 : K-1+len_b]; zeros follow (never read by valid outputs).
-    seq = torch.cat([conv_state.float(), xp.transpose(1, 2)], dim=2)  # [B, C, K-1+L]
-    y = F.conv1d(seq, weight.float().unsqueeze(1), groups=channels)  # [B, C, L]
+    # Request b's tokens sit at seq[:, :, S : S+len_b] (S = state_len); zeros follow (never read by valid outputs).
+    seq = torch.cat([conv_state.float(), xp.transpose(1, 2)], dim=2)  # [B, C, S+L]
+    y = F.conv1d(seq, weight.float().unsqueeze(1), groups=channels, dilation=dilation)  # [B, C, L]
     if activation is not None:
         y = F.silu(y)
 
     flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
     out = from_padded(y.transpose(1, 2), valid, flat)  # [T, C]
 
-    # Last K-1 inputs of [old state, this request's tokens]: seq[:, :, len_b : len_b + K-1].
+    # Last S inputs of [old state, this request's tokens]: seq[:, :, len_b : len_b + S].
     lens = query_lens(query_start_loc)  # [B]
-    take = lens[:, None] + torch.arange(kernel - 1, device=seq.device)  # [B, K-1]
-    take = take[:, None, :].expand(bsz, channels, kernel - 1)  # [B, C, K-1]
-    new_state = seq.gather(2, take)  # [B, C, K-1]
+    take = lens[:, None] + torch.arange(state_len, device=seq.device)  # [B, S]
+    take = take[:, None, :].expand(bsz, channels, state_len)  # [B, C, S]
+    new_state = seq.gather(2, take)  # [B, C, S]
     return out.to(x.dtype), new_state.to(conv_state.dtype)

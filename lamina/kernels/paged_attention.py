@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
 
-__all__ = ["write_kv_cache", "paged_attention"]
+__all__ = ["write_kv_cache", "write_paged_rows", "gather_paged_context", "paged_attention"]
 
 
 def _write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
@@ -31,6 +31,15 @@ def _write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, va
     src = torch.where(valid[:, None, None], rows, fill)  # [T, Hkv, D]
     dst = torch.where(valid, slots, torch.zeros_like(slots))  # [T]
     flat.index_copy_(0, dst, src)
+
+
+def write_paged_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store `rows [T, H, D]` in a paged cache `[num_blocks, block_size, H, D]` at `slot_mapping [T]`
+    (entries < 0 skipped), in place: the writer of `write_kv_cache`, for any one paged tensor."""
+    if rows.shape[0] == 0:
+        return
+    slots = slot_mapping.long()
+    _write_rows(cache, rows, slots, slots >= 0)
 
 
 def write_kv_cache(
@@ -54,6 +63,16 @@ def write_kv_cache(
     _write_rows(v_cache, v, slots, valid)
 
 
+def gather_paged_context(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_used: int) -> torch.Tensor:
+    """Each request's first `num_blocks_used` cache blocks in logical order:
+    `[num_blocks, block_size, H, D]` x block_tables `[B, >= nb]` -> `[B, nb*block_size, H, D]`."""
+    block_size = cache.shape[1]
+    blocks = block_tables[:, :num_blocks_used].long()  # [B, nb]
+    in_block = torch.arange(block_size, device=cache.device)  # [bs]
+    slots = (blocks[:, :, None] * block_size + in_block).reshape(blocks.shape[0], -1)  # [B, nb*bs]
+    return _gather_context(cache, slots)
+
+
 def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_blocks, block_size, Hkv, D]` x slots `[B, S]` -> `[B, S, Hkv, D]`."""
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
@@ -71,6 +90,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -78,7 +98,11 @@ def paged_attention(
         q: `[T, Hq, D]`; k_cache, v_cache: `[num_blocks, block_size, Hkv, D]`, already holding
             this step's keys/values; block_tables: `[B, max_blocks]` int (unused entries any
             valid block id); seq_lens: `[B]` context length including this step's tokens;
-            query_start_loc: `[B+1]`; max_query_len, max_seq_len: host ints; scale: softmax scale.
+            query_start_loc: `[B+1]`; max_query_len, max_seq_len: host ints; scale: softmax scale;
+            key_mask: optional `[B, max_query_len, S]` bool (S = ceil(max_seq_len / block_size) *
+            block_size, padded query layout): keys a query may read besides the causal rule
+            (sparse attention); every valid query must keep at least one causal key, and padded
+            query rows must keep key 0.
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -117,6 +141,8 @@ def paged_attention(
     q_pos = (seq - query_lens(query_start_loc))[:, None] + torch.arange(max_len, device=device)  # [B, Lq]
     k_pos = torch.arange(ctx_len, device=device)  # [S]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq[:, None, None])  # [B, Lq, S]
+    if key_mask is not None:
+        mask = mask & key_mask
 
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, Hq, Lq, D]

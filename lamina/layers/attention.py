@@ -73,8 +73,12 @@ class GatedAttention(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         return 2 * self.k_cache.numel() * dtype.itemsize
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
+    def forward(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, hidden] (Replicate) -> [T, hidden] (Partial). `key_mask`: optional sparse-attention
+        selection in `paged_attention`'s padded layout (see there)."""
         num_tokens = meta.num_tokens
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
@@ -87,7 +91,7 @@ class GatedAttention(nn.Module):
         write_kv_cache(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_seq_len, self.scale,
+            meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         attn = attn * torch.sigmoid(gate)

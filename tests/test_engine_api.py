@@ -1,0 +1,201 @@
+"""The offline API and engine behaviour: stopping, sampling, logprobs, chat, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.entrypoints.cli import main as cli_main
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_next_dir):
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=256, show_progress=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    with LLM(device="cpu", show_progress=False) as llm:  # the built-in default model, with its tokenizer
+        yield llm
+
+
+PROMPT = {"prompt_token_ids": [5, 17, 230, 44, 9, 301]}
+
+
+def test_stop_token_ids(llm):
+    base = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = base[4]
+    first = base.index(stop_at)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.token_ids == base[: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+
+
+def test_eos_stops_unless_ignored(llm):
+    base = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.eos_token_ids = (base[2],)
+    try:
+        for state_params, expect_len in ((SamplingParams(temperature=0.0, max_tokens=12), 3), (GREEDY, 12)):
+            engine.add_request(PROMPT, state_params, request_id=f"eos-{expect_len}")
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += [o for o in engine.step() if o.finished]
+            assert len(outs[0].outputs[0].token_ids) == expect_len
+    finally:
+        engine.eos_token_ids = llm.engine.eos_token_ids
+    # min_tokens bans the stop token until reached
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[base[0]], min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 3 and base[0] not in out.token_ids[:3]
+
+
+def test_max_tokens_length_and_max_model_len(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    long_prompt = {"prompt_token_ids": list(range(1, 250))}
+    out = llm.generate(long_prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 256 - 249 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_string_truncates_text(default_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = default_llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    assert len(base.text) > 6
+    stop = base.text[3:6]
+    cut = base.text.index(stop)
+    out = default_llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = default_llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == base.text[: cut + len(stop)]
+
+
+def test_text_is_incremental_detokenization(default_llm):
+    tok = default_llm.get_tokenizer()
+    out = default_llm.generate(["Hello there", "Once upon"], GREEDY, use_tqdm=False)
+    for o in out:
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [3, 4, 5, i]} for i in range(3)]
+    mixed = llm.generate(others + [PROMPT], [SamplingParams(temperature=1.0, max_tokens=7)] * 3 + [params], use_tqdm=False)
+    assert mixed[-1].outputs[0].token_ids == alone
+    unseeded = {tuple(llm.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                                   use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and len(entry) == 3
+        assert entry[token] == max(entry.values())  # greedy: the sampled token is the most likely
+    assert completion.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
+
+
+def test_chat_applies_template(default_llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    out = default_llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    expected = default_llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert default_llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    with pytest.raises(ValueError, match="at least one message"):
+        default_llm.chat([[]], GREEDY)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": list(range(1, 300))}, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "outside the vocabulary"),
+        ({"nothing": 1}, SamplingParams(), "prompt_token_ids"),
+    ],
+)
+def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([PROMPT, {"prompt_token_ids": []}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate([PROMPT], [GREEDY, GREEDY])
+
+
+def test_engine_config_errors(qwen3_next_dir):
+    with pytest.raises(ValueError, match="max_model_len = 100000 exceeds"):
+        LLM(str(qwen3_next_dir), device="cpu", max_model_len=100000, show_progress=False)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(qwen3_next_dir), device="cpu", block_size=12, show_progress=False)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        LLM(str(qwen3_next_dir), device="cpu", num_gpu_blocks_override=2, show_progress=False)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(qwen3_next_dir), device="cpu", dtype="int3", show_progress=False)
+
+
+def test_abort_frees_cache(llm):
+    engine = llm.engine
+    engine.add_request(PROMPT, GREEDY, request_id="to-abort")
+    engine.step()
+    assert engine.cache.usage() > 0
+    engine.abort_request("to-abort")
+    assert engine.cache.usage() == 0 and not engine.has_unfinished_requests()
+
+
+def test_shutdown_releases(qwen3_next_dir):
+    llm = LLM(str(qwen3_next_dir), device="cpu", show_progress=False)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPT)
+
+
+def test_cli_generate_json(capsys):
+    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--ignore-eos", "--json", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out.strip().splitlines()[-1])
+    assert record["prompt"] == "Hello" and len(record["token_ids"]) == 5 and record["finish_reason"] == "length"
+    assert "UNTRAINED" in captured.err
+
+
+def test_cli_errors_exit_2(capsys, tmp_path):
+    assert cli_main(["generate", "--prompt", "x", "--max-tokens", "0", "--device", "cpu"]) == 2
+    assert cli_main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
