@@ -30,6 +30,30 @@ class EngineArgs:
     ple_table_device: str = "auto"  # Qwen4-Exp N-gram PLE table: auto | gpu | cpu
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
     show_progress: bool = True
+    # parallelism (vLLM names)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    sequence_parallel_moe: str = "auto"
+    pp_layer_partition: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    debug_layouts: bool = False  # activations carry their layout; modules check it (tests)
+    fail_at_step: int | None = None  # tests only: rank `fail_rank` exits at this step
+    fail_rank: int | None = None
+
+    def parallel_config(self):
+        from lamina.parallel.config import ParallelConfig
+
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size, enable_expert_parallel=self.enable_expert_parallel,
+            sequence_parallel_moe=self.sequence_parallel_moe, pp_layer_partition=self.pp_layer_partition,
+            nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
+        )
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -33,12 +33,13 @@ def lamina_logits(llm, token_ids: list[int], chunk_sizes: list[int] | None = Non
     blocks = list(range(-(-len(token_ids) // block_size)))
     chunk_sizes = chunk_sizes or [len(token_ids)]
     assert sum(chunk_sizes) == len(token_ids)
+    history_len = getattr(runner.model, "token_history_len", 0)  # as the scheduler does
     outs, start = [], 0
     for size in chunk_sizes:
         chunk = ScheduledChunk(
             request_id="ref", token_ids=token_ids[start : start + size], start_position=start,
             block_table=blocks, state_slot=0, sample=False, sampling_params=SamplingParams(),
-            num_output_tokens=0,
+            num_output_tokens=0, history_token_ids=token_ids[max(0, start - history_len) : start],
         )
         outs.append(runner.compute_logits_for_plan(StepPlan(step_id=0, chunks=[chunk])))
         start += size

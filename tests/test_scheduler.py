@@ -9,6 +9,7 @@ it would have produced without interruption.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -261,7 +262,7 @@ def test_config_valid_and_frozen():
     cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1, token_history_len=0)
     assert cfg.token_history_len == 0
     assert SchedulerConfig(4, 16, 32).token_history_len == 0
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_num_seqs = 2  # type: ignore[misc]
 
 
@@ -320,7 +321,8 @@ def test_plan_block_table_is_a_snapshot():
 
 
 def test_fcfs_admission_order_and_max_num_seqs_cap():
-    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=100)
+    # more state slots than max_num_seqs, so the cap itself is what limits the batch
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=100, num_state_slots=8)
     a = sim.add("a", 3, max_tokens=2)
     b = sim.add("b", 3, max_tokens=5)
     c = sim.add("c", 3, max_tokens=3)
@@ -496,7 +498,6 @@ def test_preemption_of_most_recent_request_and_recompute():
     assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 2), ("b", 1)]
     plan = sim.step()  # decodes -> 5 blocks
     assert not plan.preempted_request_ids
-    slot_b_before = chunk_of(plan, "b").state_slot
     assert b.num_computed_tokens == 2 and len(b.output_token_ids) == 2
     b_tokens_before = list(b.all_token_ids)
 
@@ -519,7 +520,6 @@ def test_preemption_of_most_recent_request_and_recompute():
     assert c.request_id == "b" and c.start_position == 0
     assert c.token_ids == b_tokens_before == b.all_token_ids[:3]
     assert c.sample and c.num_output_tokens == 2 and c.history_token_ids == []
-    assert isinstance(slot_b_before, int)
     assert len(b.output_token_ids) == 3
     plan = sim.step()
     (c,) = plan.chunks
@@ -669,7 +669,7 @@ def test_random_simulation_invariants(seed):
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = blocks_per_seq + rng.randint(0, 3 * blocks_per_seq)  # the engine guarantees one full sequence fits
     max_num_seqs = rng.randint(1, 8)
-    num_state_slots = rng.randint(1, max_num_seqs) if rng.random() < 0.3 else max_num_seqs
+    num_state_slots = rng.choice([rng.randint(1, max_num_seqs), max_num_seqs, max_num_seqs + rng.randint(1, 4)])
     budget = rng.choice([1, 2, 3, 5, 8, 16, 64, 256])
     sim = Sim(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

@@ -112,3 +112,54 @@ def add_mtp_tensors(path: Path, hidden: int = 64) -> None:
     tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
     tensors["mtp.norm.weight"] = torch.randn(hidden)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+QWEN4_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def make_qwen4_exp(
+    path: Path,
+    *,
+    hc_count: int = 2,
+    ple_layer_ids: tuple[int, ...] = (2,),
+    output_gate_type: str | None = None,
+    partial_rotary_factor: float = 1.0,
+    conditional: bool = False,
+    qsa: bool = True,
+    seed: int = 4,
+) -> Path:
+    """A tiny Qwen4-Exp: hyper-connections, N-gram PLE on `ple_layer_ids` (1-based), QSA indexed
+    attention whose budget (8 tokens in blocks of 4) is far below the test contexts. Norms, the PLE
+    short-conv weights (zero in transformers' init) and the n-gram tables are randomised so that
+    every PLE term matters. `layer_types` uses the real checkpoints' `full_attention` spelling."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = {k: v for k, v in COMMON.items() if k not in ("pad_token_id", "bos_token_id")}
+    text = dict(
+        common, num_hidden_layers=len(QWEN4_LAYER_TYPES), layer_types=QWEN4_LAYER_TYPES,
+        hc_count=hc_count, hc_lowrank=16, ple_layer_ids=list(ple_layer_ids), ple_embed_dim=32,
+        ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4, seed=77,
+        output_gate_type=output_gate_type, initializer_range=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor},
+    )
+    if qsa:
+        text.update(indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+    if conditional:
+        config = transformers.Qwen4ExpConfig(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64),
+        )
+        model = transformers.Qwen4ExpForConditionalGeneration(config)
+    else:
+        model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**text))
+    model = model.float()
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("ple.conv1d.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif "ngram_embedding" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+    return _save(model, path, seed)

@@ -1,10 +1,13 @@
-"""Executors carry a step plan to the ranks of one replica and bring back sampled tokens.
+"""Executors carry step plans to the ranks of every replica and bring back sampled tokens.
 
-`InProcessExecutor` runs the single rank in this process. A multi-process executor (one process
-per rank) delivers the same plan to every rank; only the last stage's sampled tokens come back.
+`InProcessExecutor` runs the single rank in this process; `MultiprocExecutor`
+(lamina.engine.mp_executor) runs one process per rank. Both take one plan per data-parallel
+replica and return one {request_id: SampledToken} per replica.
 """
 
 from __future__ import annotations
+
+import torch
 
 from lamina.engine.step_plan import StepPlan
 from lamina.worker.model_runner import ModelRunner, SampledToken
@@ -14,8 +17,19 @@ class InProcessExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
-        return self.runner.execute(plan)
+    def min_free_bytes(self) -> int | None:
+        if self.runner.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.runner.device)[0]
+        return None
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.runner.paged_cache_bytes_per_block(block_size)
+
+    def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
+        self.runner.allocate_caches(num_blocks, block_size, num_slots)
+
+    def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
+        return [self.runner.execute(plans[0])]
 
     def shutdown(self) -> None:
         self.runner = None

@@ -18,6 +18,8 @@ from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import SamplingParams
+from lamina.models.registry import resolve_model_class
+from lamina.parallel.plan import build_plan
 from lamina.worker.model_loader import build_model, read_model_config
 from lamina.worker.model_runner import ModelRunner
 
@@ -54,34 +56,63 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device, getattr(hf_config, "dtype", None))
         if args.seed is not None:
             torch.manual_seed(args.seed)
-        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
-
-        ctx = ParallelContext.single(self.device)
-        model, cfg, self.load_report = build_model(
-            self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress,
-            model_options={"ple_table_device": args.ple_table_device},
-            load_format=args.load_format, seed=args.seed,
-        )
+        # Everything that can be refused is refused here, before any weight is read.
+        architecture, model_cls = resolve_model_class(hf_config)
+        cfg = model_cls.parse_config(hf_config, architecture)
         self.model_config = cfg
+        self.parallel_config = args.parallel_config()
+        num_devices = torch.cuda.device_count() if self.device.type == "cuda" else None
+        self.plan = build_plan(cfg, self.parallel_config, num_devices=num_devices, device_type=self.device.type)
         self.max_model_len = self._resolve_max_model_len(cfg)
+        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = self._eos_token_ids(cfg)
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        self.eos_token_ids = self._eos_token_ids(cfg)
-        num_blocks = self._num_kv_blocks(model, max_num_seqs)
-        runner = ModelRunner(
-            model, device=self.device, num_kv_blocks=num_blocks, block_size=args.block_size,
-            num_state_slots=max_num_seqs, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size,
-        )
-        self.executor = InProcessExecutor(runner)
-        self.cache = CacheManager(num_blocks, args.block_size, max_num_seqs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs, max_batched, self.max_model_len,
-                token_history_len=getattr(model, "token_history_len", 0),
-            ),
-            self.cache,
-        )
+        model_options = {"ple_table_device": args.ple_table_device}
+
+        self.load_report = None
+        if self.parallel_config.is_single_rank:
+            ctx = ParallelContext.single(self.device)
+            ctx.debug_layouts = args.debug_layouts
+            model, _, self.load_report = build_model(
+                self.model_path, hf_config, ctx, dtype=self.dtype, device=self.device, progress=args.show_progress,
+                model_options=model_options, load_format=args.load_format, seed=args.seed,
+            )
+            token_history_len = getattr(model, "token_history_len", 0)
+            self.executor = InProcessExecutor(
+                ModelRunner(model, device=self.device, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size)
+            )
+        else:
+            from lamina.engine.mp_executor import MultiprocExecutor, find_free_port
+            from lamina.worker.worker import WorkerSpec
+
+            pc = self.parallel_config
+            spec = WorkerSpec(
+                model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type, plan=self.plan,
+                master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
+                eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size, load_format=args.load_format,
+                seed=args.seed, model_options=model_options, debug_layouts=args.debug_layouts,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                fail_at_step=args.fail_at_step, fail_rank=args.fail_rank,
+            )
+            local = [r.rank for r in self.plan.ranks if r.node == pc.node_rank]
+            self.executor = MultiprocExecutor(spec, local)
+            token_history_len = model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0
+        try:
+            num_blocks = self._num_kv_blocks(max_num_seqs)
+            self.executor.allocate(num_blocks, args.block_size, max_num_seqs)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_replicas = self.plan.dp
+        self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
+        self.schedulers = [
+            Scheduler(SchedulerConfig(max_num_seqs, max_batched, self.max_model_len, token_history_len=token_history_len), cache)
+            for cache in self.caches
+        ]
+        self.scheduler, self.cache = self.schedulers[0], self.caches[0]
         self._states: dict[str, _RequestState] = {}
+        self._replica_of: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.num_kv_blocks = num_blocks
@@ -122,19 +153,18 @@ class LLMEngine:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
-    def _num_kv_blocks(self, model, max_num_seqs: int) -> int:
+    def _num_kv_blocks(self, max_num_seqs: int) -> int:
         args = self.args
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         if args.num_gpu_blocks_override is not None:
             num_blocks = args.num_gpu_blocks_override
         else:
-            bytes_per_block = sum(
-                m.paged_cache_bytes_per_block(args.block_size, self.dtype) for m in model.paged_cache_modules()
-            )
+            bytes_per_block = self.executor.bytes_per_block(args.block_size)
             wanted = blocks_per_seq * max_num_seqs
             budget = args.kv_cache_memory_bytes
             if budget is None and self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
+                free = self.executor.min_free_bytes()
+                total = torch.cuda.get_device_properties(self.device).total_memory
                 reserve = total * (1.0 - args.gpu_memory_utilization)
                 budget = int(max(0, free - reserve) * 0.8)  # leave room for activations
             elif budget is None:
@@ -209,27 +239,52 @@ class LLMEngine:
             if self.tokenizer is not None else None
         )
         self._states[request_id] = _RequestState(request, detok)
-        self.scheduler.add(request)
+        # Data parallel: the replica with the fewest unfinished requests takes it.
+        replica = min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
+        self._replica_of[request_id] = replica
+        self.schedulers[replica].add(request)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
+        replica = self._replica_of.pop(request_id, 0)
         if state is not None and not state.request.status.finished:
-            self.scheduler.finish(state.request, RequestStatus.FINISHED_ABORTED)
+            self.schedulers[replica].finish(state.request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.schedulers)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.schedulers)
+
+    def cache_usage(self) -> float:
+        return sum(c.usage() for c in self.caches) / len(self.caches)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a new token."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if plan.finished_request_ids:
-                self.executor.execute(plan)  # let workers drop per-request state
+        plans = [scheduler.schedule() for scheduler in self.schedulers]
+        if all(p.is_empty for p in plans):
+            if any(p.finished_request_ids for p in plans):
+                self.executor.execute_replicas(plans)  # let workers drop per-request state
             return []
-        sampled = self.executor.execute(plan)
-        self.scheduler.on_step_done(plan)
+        if self.num_replicas > 1:
+            counts = tuple(p.num_tokens for p in plans)
+            for p in plans:
+                p.dp_num_tokens = counts
+        sampled_by_replica = self.executor.execute_replicas(plans)
+        outputs = []
+        for replica, plan in enumerate(plans):
+            self.schedulers[replica].on_step_done(plan)
+            outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica])
+        return outputs
+
+    def _process(self, plan, sampled, scheduler) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -246,7 +301,7 @@ class LLMEngine:
                 state.cumulative_logprob += result.logprobs.get(result.token_id, 0.0)
             new_text = state.detokenizer.push([result.token_id]) if state.detokenizer else ""
             state.text += new_text
-            self._check_stop(state, len(new_text))
+            self._check_stop(state, len(new_text), scheduler)
             if request.status.finished:
                 state.metrics.finished_time = now
                 state.metrics.num_preemptions = request.num_preemptions
@@ -255,9 +310,10 @@ class LLMEngine:
             outputs.append(self._make_output(state))
             if request.status.finished:
                 del self._states[request.request_id]
+                self._replica_of.pop(request.request_id, None)
         return outputs
 
-    def _check_stop(self, state: _RequestState, new_text_len: int) -> None:
+    def _check_stop(self, state: _RequestState, new_text_len: int, scheduler: Scheduler) -> None:
         request = state.request
         params = request.sampling_params
         token = request.output_token_ids[-1]
@@ -277,7 +333,7 @@ class LLMEngine:
         if status is None and (num_out >= request.max_tokens or request.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            self.scheduler.finish(request, status)
+            scheduler.finish(request, status)
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         request = state.request

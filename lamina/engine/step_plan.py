@@ -42,6 +42,8 @@ class StepPlan:
     # per-request state they keep (sampling generators on finish; nothing on preemption).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Token counts of all data-parallel replicas in this step (set by the engine when DP > 1).
+    dp_num_tokens: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from lamina.entrypoints.openai.cli_serve import add_serve_parser
 from lamina.sampling_params import SamplingParams
 
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the (first) prompt")
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_generate)
+    add_serve_parser(sub)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -17,38 +18,21 @@ PromptType = str | dict | list[int]
 class LLM:
     """Load a checkpoint and generate from it.
 
-    `model=None` uses the built-in untrained default model. Keyword arguments follow vLLM:
-    `device`, `dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
-    `seed`, `num_gpu_blocks_override`, `gpu_memory_utilization`, `kv_cache_memory_bytes`,
-    `tokenizer`.
+    `model=None` uses the built-in untrained default model. Keyword arguments are the fields of
+    `lamina.config.EngineArgs`, with vLLM's names: `device`, `dtype`, `max_model_len`,
+    `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `seed`, `num_gpu_blocks_override`,
+    `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `load_format`,
+    `ple_table_device`, `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
+    `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
+    `node_rank`, `master_addr`, `master_port`.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        seed: int = 0,
-        num_gpu_blocks_override: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        ple_table_device: str = "auto",
-        load_format: str = "auto",
-        show_progress: bool = True,
-    ):
-        args = EngineArgs(
-            model=None if model is None else str(model), tokenizer=tokenizer, device=device, dtype=dtype,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            ple_table_device=ple_table_device, load_format=load_format, show_progress=show_progress,
-        )
+    def __init__(self, model: str | None = None, **kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; valid: {', '.join(sorted(fields))}")
+        args = EngineArgs(model=None if model is None else str(model), **kwargs)
         self.llm_engine: LLMEngine | None = LLMEngine(args)
 
     @property

@@ -10,6 +10,7 @@ from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
 from lamina.layers.rotary import RotaryEmbedding
+from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
 
@@ -32,6 +33,7 @@ class GatedAttention(nn.Module):
     ):
         super().__init__()
         tp = ctx.tp_size
+        self.ctx = ctx
         self.head_dim = head_dim
         self.num_heads = divide_exact(total_num_heads, tp, "num_attention_heads vs tensor_parallel_size")
         # KV heads are split while there are enough, else replicated across groups of ranks.
@@ -79,6 +81,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial). `key_mask`: optional sparse-attention
         selection in `paged_attention`'s padded layout (see there)."""
+        layout.expect(x, layout.R, self.ctx, "GatedAttention input")
         num_tokens = meta.num_tokens
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each

@@ -21,6 +21,7 @@ from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
+from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
 
@@ -42,6 +43,7 @@ class GatedDeltaNet(nn.Module):
     ):
         super().__init__()
         tp, rank = ctx.tp_size, ctx.tp_rank
+        self.ctx = ctx
         if total_num_v_heads % total_num_k_heads != 0:
             raise ValueError(
                 f"linear_num_value_heads = {total_num_v_heads} must be a multiple of "
@@ -115,6 +117,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
         assert self.conv_state is not None and self.ssm_state is not None, "recurrent state not bound"
+        layout.expect(x, layout.R, self.ctx, "GatedDeltaNet input")
         num_tokens = meta.num_tokens
         qkvz = self.in_proj_qkvz(x)  # [T, 2*key_dim + 2*value_dim]
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)

@@ -28,3 +28,6 @@ class ForwardMetadata:
     # has fewer (its start). Present when the model declares `token_history_len` H > 0.
     history_token_ids: torch.Tensor | None = None
     token_request_index: torch.Tensor | None = None  # [T] long: which request each token belongs to
+    # Token counts of every data-parallel replica in this (lockstep) step, this one included:
+    # expert-parallel MoE pads its cross-replica collectives to their maximum.
+    dp_num_tokens: tuple[int, ...] | None = None

@@ -1,4 +1,17 @@
-"""Sparse MoE block (top-k softmax router, routed experts, sigmoid-gated shared expert) and dense MLP."""
+"""Sparse MoE block (top-k softmax router, routed experts, sigmoid-gated shared expert) and dense MLP.
+
+Expert placement comes from the parallel context: without EP every rank holds all experts with
+their intermediate dim split over TP; with EP each rank of the stage's DP x TP group holds a
+contiguous range of whole experts. Dispatch to remote experts starts with an all-gather and ends
+with a reduce-scatter, padded to the largest token count taken from step metadata.
+
+Layouts (see lamina.parallel.layout):
+- no EP: input R [T, H] -> output P (caller all-reduces, or reduce-scatters under SP).
+- EP without SP: input R -> gather over DP -> local experts -> reduce-scatter over DP -> output P
+  over TP (each TP rank held different experts), plus the TP-split shared expert (P).
+- EP with SP: input S [ceil(T/tp), H] -> gather over EP -> local experts -> reduce-scatter over EP
+  -> complete S rows, plus the shared expert with replicated weights on the shard -> output S.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +21,8 @@ from torch import nn
 
 from lamina.kernels.moe import grouped_experts
 from lamina.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape
+from lamina.layers.metadata import ForwardMetadata
+from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
 
@@ -27,11 +42,6 @@ class DenseMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts (intermediate dim split over TP) plus a shared expert with a sigmoid gate.
-
-    Output is Partial over TP: every term (routed and shared) is a row-parallel partial sum.
-    """
-
     def __init__(
         self,
         *,
@@ -48,15 +58,19 @@ class SparseMoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok = {top_k} must be in [1, num_experts = {num_experts}]")
+        self.ctx = ctx
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.total_intermediate = moe_intermediate_size
-        self.intermediate_per_rank = divide_exact(moe_intermediate_size, ctx.tp_size, "moe_intermediate_size vs tensor_parallel_size")
-        self.tp_rank = ctx.tp_rank
-        self.expert_start = 0
-        self.num_local_experts = num_experts
+        self.ep = ctx.ep_enabled
+        # Experts are TP-split (intermediate dim) without EP; whole and spread over EP with it.
+        split = 1 if self.ep else ctx.tp_size
+        self.intermediate_per_rank = divide_exact(moe_intermediate_size, split, "moe_intermediate_size vs tensor_parallel_size")
+        self.intermediate_shard = 0 if self.ep else ctx.tp_rank
+        start, end = ctx.expert_range if ctx.expert_range is not None else (0, num_experts)
+        self.expert_start, self.num_local_experts = start, end - start
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype, device=device)
         self.w13 = nn.Parameter(
             torch.empty(self.num_local_experts, 2 * self.intermediate_per_rank, hidden_size, dtype=dtype, device=device),
@@ -67,16 +81,27 @@ class SparseMoE(nn.Module):
             requires_grad=False,
         )  # [E_local, H, I_local]
         self.has_shared_expert = shared_expert_intermediate_size > 0
+        # Under SP with EP every rank holds different tokens: the shared expert must be whole.
+        self.shared_replicated = ctx.sp and self.ep
         if self.has_shared_expert:
-            self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, ctx, dtype=dtype, device=device)
+            shared_ctx = ParallelContext.single(ctx.device) if self.shared_replicated else ctx
+            self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, shared_ctx, dtype=dtype, device=device)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype, device=device)
+
+    @property
+    def input_layout(self) -> str:
+        return layout.S if self.shared_replicated else layout.R
+
+    @property
+    def output_layout(self) -> str:
+        return layout.S if self.shared_replicated else layout.P
 
     # ---- loading: per-expert and fused 3-D checkpoint layouts ----------------------------
     def _rows(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor.narrow(dim, self.tp_rank * self.intermediate_per_rank, self.intermediate_per_rank)
+        return tensor.narrow(dim, self.intermediate_shard * self.intermediate_per_rank, self.intermediate_per_rank)
 
     def load_expert(self, name: str, loaded: torch.Tensor, expert: int, proj: str) -> None:
-        """One expert's `gate_proj`/`up_proj` [I, H] or `down_proj` [H, I]."""
+        """One expert's `gate_proj`/`up_proj` [I, H] or `down_proj` [H, I]; other ranks' experts are skipped."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range [0, {self.num_experts})")
         local = expert - self.expert_start
@@ -104,17 +129,39 @@ class SparseMoE(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(x)  # [T, E]
+        logits = self.gate(x)  # [N, E]
         probs = torch.softmax(logits.float(), dim=-1)
-        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_weights.to(x.dtype), topk_ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden] (Partial over TP)."""
+    def _local_experts(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
-        out = grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        ctx = self.ctx
+        layout.expect(x, self.input_layout, ctx, "SparseMoE input")
+        num_tokens = meta.num_tokens
+        if not self.ep:
+            out = self._local_experts(x)
+        elif self.shared_replicated:
+            # EP + SP: x is this rank's shard; gather every EP rank's shard, padded to the largest.
+            rows = layout.shard_rows(num_tokens, ctx.tp_size)
+            max_rows = max(layout.shard_rows(t, ctx.tp_size) for t in (meta.dp_num_tokens or (num_tokens,)))
+            padded = F.pad(x, (0, 0, 0, max_rows - rows))  # [S_max, H]
+            gathered = ctx.ep.all_gather(padded, dim=0)  # [ep*S_max, H]
+            out = ctx.ep.reduce_scatter(self._local_experts(gathered), dim=0)[:rows]  # [S, H]
+        else:
+            # EP without SP: tokens are replicated over TP; gather across replicas only.
+            max_tokens = max(meta.dp_num_tokens or (num_tokens,))
+            padded = F.pad(x, (0, 0, 0, max_tokens - num_tokens))  # [T_max, H]
+            gathered = ctx.dp.all_gather(padded, dim=0)  # [dp*T_max, H]
+            out = ctx.dp.reduce_scatter(self._local_experts(gathered), dim=0)[:num_tokens]  # [T, H], P over TP
         if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            out = out + self._shared(x)
+        return layout.tag(out, self.output_layout, ctx)

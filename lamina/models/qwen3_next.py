@@ -23,6 +23,7 @@ from lamina.layers.norm import RMSNorm
 from lamina.layers.rotary import RotaryEmbedding
 from lamina.models.hybrid_config import HybridTextConfig, parse_hybrid_text_config
 from lamina.models.weight_map import WeightMap
+from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext
 
 
@@ -30,6 +31,7 @@ class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: HybridTextConfig, layer_idx: int, rotary: RotaryEmbedding, ctx: ParallelContext, dtype, device):
         super().__init__()
         self.ctx = ctx
+        self.layer_idx = layer_idx
         self.kind = cfg.layer_types[layer_idx]
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype=dtype, device=device)
@@ -69,14 +71,32 @@ class HybridDecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden: the residual stream, R [T, H] (or S [ceil(T/tp), H] under SP); returns the same layout."""
+        ctx, num_tokens = self.ctx, meta.num_tokens
+        stream = layout.S if ctx.sp else layout.R
+        layout.expect(hidden, stream, ctx, f"decoder layer {self.layer_idx} input")
         normed = self.input_layernorm(hidden)
-        if self.kind == "linear_attention":
+        if ctx.sp:
+            normed = layout.all_gather_tokens(layout.tag(normed, layout.S, ctx), num_tokens, ctx)
+        else:
+            layout.tag(normed, layout.R, ctx)
+        if num_tokens == 0:  # an idle data-parallel replica in a lockstep (EP) step
+            mixed = torch.zeros_like(normed)
+        elif self.kind == "linear_attention":
             mixed = self.linear_attn(normed, meta)
         else:
             mixed = self.self_attn(normed, meta, cos, sin)
-        hidden = hidden + self.ctx.tp.all_reduce(mixed)
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + self.ctx.tp.all_reduce(mlp_out)
+        mixed = layout.tag(mixed, layout.P, ctx)
+        hidden = hidden + (layout.reduce_scatter_tokens(mixed, num_tokens, ctx) if ctx.sp else layout.all_reduce(mixed, ctx))
+        normed = layout.tag(self.post_attention_layernorm(hidden), stream, ctx)
+        if isinstance(self.mlp, SparseMoE) and self.mlp.output_layout == layout.S:
+            return layout.tag(hidden + self.mlp(normed, meta), stream, ctx)  # EP + SP: MoE on the shard
+        if ctx.sp:
+            normed = layout.all_gather_tokens(normed, num_tokens, ctx)
+        out = self.mlp(normed, meta) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)
+        out = layout.tag(out, layout.P, ctx)
+        out = layout.reduce_scatter_tokens(out, num_tokens, ctx) if ctx.sp else layout.all_reduce(out, ctx)
+        return layout.tag(hidden + out, stream, ctx)
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -129,23 +149,39 @@ class Qwen3NextForCausalLM(nn.Module):
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype=dtype, device=device)
 
     # ---- forward -------------------------------------------------------------------------
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """token_ids [T] -> the residual stream: R [T, H], or S [ceil(T/tp), H] under SP."""
         assert self.embed_tokens is not None, "embedding lives on the first pipeline stage"
-        return self.ctx.tp.all_reduce(self.embed_tokens.forward_partial(token_ids))
+        partial = layout.tag(self.embed_tokens.forward_partial(token_ids), layout.P, self.ctx)
+        if self.ctx.sp:
+            return layout.reduce_scatter_tokens(partial, meta.num_tokens, self.ctx)
+        return layout.all_reduce(partial, self.ctx)
+
+    @property
+    def stream_layout(self) -> str:
+        return layout.S if self.ctx.sp else layout.R
+
+    def stream_width(self) -> int:
+        """Feature width of the tensor that crosses a pipeline boundary."""
+        return self.cfg.hidden_size
 
     def forward(self, token_ids: torch.Tensor, meta: ForwardMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: token_ids [T] -> stream; other stages take the previous stage's stream.
+        """First stage: token_ids [T] -> stream; later stages continue the previous stage's stream.
 
-        Returns the residual stream [T, hidden] after this stage's layers (final-normed on the
-        last stage).
+        Returns this stage's output stream; on the last stage, the final-normed hidden states as
+        R [T, H] (gathered once under SP), ready for the LM head.
         """
         if hidden is None:
-            hidden = self.embed(token_ids)
+            hidden = self.embed(token_ids, meta)
+        else:
+            layout.tag(hidden, self.stream_layout, self.ctx)
         cos, sin = self.rotary.cos_sin(meta.positions)
         for layer in self.layers.values():
             hidden = layer(hidden, meta, cos, sin)
         if self.is_last_stage:
-            hidden = self.norm(hidden)
+            hidden = layout.tag(self.norm(hidden), self.stream_layout, self.ctx)
+            if self.ctx.sp:
+                hidden = layout.all_gather_tokens(hidden, meta.num_tokens, self.ctx)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,6 +205,11 @@ class Qwen3NextForCausalLM(nn.Module):
         p = self.checkpoint_prefix
         if self.embed_tokens is not None:
             wm.add(f"{p}embed_tokens.weight", self.embed_tokens.load_shard)
+        else:
+            wm.ignore(f"{p}embed_tokens.weight")  # another pipeline stage's
+        if not self.is_last_stage:
+            wm.ignore(f"{p}norm.weight")
+            wm.ignore("lm_head.weight")
         if self.is_last_stage:
             wm.add(f"{p}norm.weight", self.norm.load_shard)
             if self.lm_head.weight is not getattr(self.embed_tokens, "weight", None):

@@ -8,6 +8,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("lamina.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("lamina.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("lamina.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen4ExpForCausalLM": ("lamina.models.qwen4_exp", "Qwen4ExpForCausalLM"),
+    "Qwen4ExpForConditionalGeneration": ("lamina.models.qwen4_exp", "Qwen4ExpForConditionalGeneration"),
 }
 
 

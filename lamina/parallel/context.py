@@ -24,11 +24,11 @@ class GroupCollectives:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Concatenate each rank's shard along `dim` (Shard(dim) -> Replicate)."""
+        """Concatenate each rank's equally-sized shard along `dim` (Shard(dim) -> Replicate)."""
         return x
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Sum partial tensors and keep this rank's slice along `dim` (Partial -> Shard(dim))."""
+        """Sum partial tensors and keep this rank's equal slice along `dim` (Partial -> Shard(dim))."""
         return x
 
 
@@ -41,10 +41,24 @@ def divide_exact(total: int, parts: int, what: str) -> int:
 
 @dataclass
 class ParallelContext:
-    """Coordinates and groups of one rank. `tp` is the tensor-parallel group."""
+    """What one rank needs to know to run its part of the model.
+
+    tp: the tensor-parallel group (ranks of one replica and stage).
+    dp: ranks with the same (stage, tp index) across data-parallel replicas.
+    ep: the expert-parallel group of this stage (all DP x TP ranks) when EP is on.
+    expert_range: [start, end) of the experts this rank holds; None means all.
+    sp: sequence-parallel MoE contract on (activations between layers are token-sharded over TP).
+    debug_layouts: activations carry their layout and modules check it (tests turn it on).
+    """
 
     tp: GroupCollectives = field(default_factory=GroupCollectives)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dp: GroupCollectives = field(default_factory=GroupCollectives)
+    ep: GroupCollectives = field(default_factory=GroupCollectives)
+    ep_enabled: bool = False
+    expert_range: tuple[int, int] | None = None
+    sp: bool = False
+    debug_layouts: bool = False
 
     @property
     def tp_size(self) -> int:

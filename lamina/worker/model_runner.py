@@ -1,19 +1,20 @@
-"""A rank's model runner: owns the model, its KV / recurrent-state tensors and the sampler.
+"""A rank's model runner: owns its model stage, its KV / recurrent-state tensors and the sampler.
 
 It receives a `StepPlan`, derives every input tensor from it (token ids, positions, query
-boundaries, slot mappings, block tables, state slots), runs the model and, on the last stage,
-samples the next token of each request whose chunk reached its end. The scheduler never sees
-tensors; this is where plan integers become tensors.
+boundaries, slot mappings, block tables, state slots, token history), runs its stage and, on the
+last stage, samples the next token of each request whose chunk reached its end. The scheduler
+never sees tensors; this is where plan integers become tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
-from lamina.engine.step_plan import StepPlan
+from lamina.engine.step_plan import ScheduledChunk, StepPlan
 from lamina.layers.metadata import ForwardMetadata
 
 
@@ -24,103 +25,114 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model,
-        *,
-        device: torch.device,
-        num_kv_blocks: int,
-        block_size: int,
-        num_state_slots: int,
-        eos_token_ids: tuple[int, ...],
-        vocab_size: int,
-    ):
+    def __init__(self, model, *, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int):
         self.model = model
         self.device = device
-        self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
-        for module in model.paged_cache_modules():
-            self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, model.dtype, device)
-        for module in model.state_modules():
-            self.state_bytes += module.bind_state(num_state_slots, model.dtype, device)
+
+    # ---- caches --------------------------------------------------------------------------
+    def paged_cache_bytes_per_block(self, block_size: int) -> int:
+        return sum(m.paged_cache_bytes_per_block(block_size, self.model.dtype) for m in self.model.paged_cache_modules())
+
+    def allocate_caches(self, num_kv_blocks: int, block_size: int, num_state_slots: int) -> None:
+        self.block_size = block_size
+        for module in self.model.paged_cache_modules():
+            self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.model.dtype, self.device)
+        for module in self.model.state_modules():
+            self.state_bytes += module.bind_state(num_state_slots, self.model.dtype, self.device)
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardMetadata, list[int]]:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
+        """Input tensors of this step, derived from the plan alone (identical on every rank)."""
+        chunks = plan.chunks
         bs = self.block_size
-        for chunk in plan.chunks:
-            token_ids.extend(chunk.token_ids)
-            span = range(chunk.start_position, chunk.end_position)
-            positions.extend(span)
-            table = chunk.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
-            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
-            seq_lens.append(chunk.end_position)
-            if chunk.sample:
-                logits_rows.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(c.block_table) for c in plan.chunks)
-        block_tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in plan.chunks]
+        lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        starts = np.array([c.start_position for c in chunks], dtype=np.int64)
+        query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(lens, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        request_index = np.repeat(np.arange(len(chunks)), lens)  # [T]
+        positions = starts[request_index] + (np.arange(total) - query_start_loc[:-1][request_index])  # [T]
+        max_blocks = max((len(c.block_table) for c in chunks), default=1)
+        block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)  # [B, max_blocks]
+        for i, c in enumerate(chunks):
+            block_tables[i, : len(c.block_table)] = c.block_table
+        slot_mapping = block_tables[request_index, positions // bs] * bs + positions % bs if total else np.zeros(0, np.int64)
+        seq_lens = starts + lens
+        token_ids = [t for c in chunks for t in c.token_ids]
+        logits_rows = [int(query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
 
         def as_tensor(values, dtype=torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         history_len = getattr(self.model, "token_history_len", 0)
         history = None
         if history_len > 0:
             history = as_tensor(
-                [[-1] * (history_len - len(c.history_token_ids)) + c.history_token_ids[-history_len:] for c in plan.chunks]
+                [[-1] * (history_len - len(c.history_token_ids[-history_len:])) + c.history_token_ids[-history_len:]
+                 for c in chunks] if chunks else np.zeros((0, history_len), np.int64)
             )
-        request_index = [i for i, c in enumerate(plan.chunks) for _ in range(c.num_tokens)]
         meta = ForwardMetadata(
-            num_tokens=len(token_ids),
-            num_reqs=len(plan.chunks),
-            max_query_len=max(c.num_tokens for c in plan.chunks),
-            max_seq_len=max(seq_lens),
+            num_tokens=total,
+            num_reqs=len(chunks),
+            max_query_len=int(lens.max()) if len(chunks) else 0,
+            max_seq_len=int(seq_lens.max()) if len(chunks) else 0,
             positions=as_tensor(positions),
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
             slot_mapping=as_tensor(slot_mapping),
             block_tables=as_tensor(block_tables),
-            state_slots=as_tensor([c.state_slot for c in plan.chunks]),
-            has_initial_state=as_tensor([c.start_position > 0 for c in plan.chunks], torch.bool),
+            state_slots=as_tensor([c.state_slot for c in chunks]),
+            has_initial_state=as_tensor([c.start_position > 0 for c in chunks], torch.bool),
             history_token_ids=history,
             token_request_index=as_tensor(request_index),
+            dp_num_tokens=plan.dp_num_tokens,
         )
         return as_tensor(token_ids), meta, logits_rows
 
     # ---- step ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+    def forget_finished(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None):
+        """Run this rank's stage: returns (stream or final hidden, logits rows)."""
+        token_ids, meta, logits_rows = self.prepare(plan)
+        return self.model(token_ids, meta, hidden), logits_rows
+
+    @torch.inference_mode()
+    def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
+        """Last stage: logits of the sampling rows (a TP collective: every TP rank calls it), then
+        sample on the rank that reports results."""
+        chunks = [c for c in plan.chunks if c.sample]
+        if not chunks:
+            return {}
+        rows = torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
+        return self.sample(logits, chunks) if sample else {}
+
+    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+        """Single-rank step: the whole model, then sampling."""
+        self.forget_finished(plan)
         if plan.is_empty:
             return {}
-        token_ids, meta, logits_rows = self.prepare(plan)
-        hidden = self.model(token_ids, meta)
-        sampling_chunks = [c for c in plan.chunks if c.sample]
-        if not sampling_chunks:
-            return {}
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
-        return self.sample(logits, sampling_chunks)
+        hidden, rows = self.forward_stage(plan)
+        return self.logits_and_sample(plan, hidden, rows)
 
     def compute_logits_for_plan(self, plan: StepPlan) -> torch.Tensor:
         """Every position's logits of a plan [T, vocab] (tests compare them with transformers)."""
-        token_ids, meta, _ = self.prepare(plan)
+        hidden, _ = self.forward_stage(plan)
         with torch.inference_mode():
-            return self.model.compute_logits(self.model(token_ids, meta))
+            return self.model.compute_logits(hidden)
 
-    def _generator(self, chunk) -> torch.Generator | None:
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling_params.seed
         if seed is None:
             return None
@@ -129,7 +141,7 @@ class ModelRunner:
             gen = self._generators[chunk.request_id] = create_generator(seed, self.device)
         return gen
 
-    def sample(self, logits: torch.Tensor, chunks) -> dict[str, SampledToken]:
+    def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
         batch = SamplingBatch.build(
             [c.sampling_params for c in chunks],
             [c.num_output_tokens for c in chunks],

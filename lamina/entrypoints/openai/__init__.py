@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`lamina serve`): protocol models, serving logic, routes, metrics."""

@@ -1,0 +1,240 @@
+"""The FastAPI application: routes, the auth and body-size guard, OpenAI-shaped errors, the engine's
+lifetime, and the drain that runs before the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+import lamina
+from lamina.engine.async_engine import AsyncEngine
+from lamina.engine.llm_engine import LLMEngine
+from lamina.entrypoints.openai.metrics import ServerMetrics
+from lamina.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from lamina.entrypoints.openai.serving import APIError, OpenAIServing
+from lamina.entrypoints.openai.serving_chat import create_chat_completion
+from lamina.entrypoints.openai.serving_completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    model_root: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ServerState:
+    """What the routes share: the async engine, the serving logic, metrics and config."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig, async_engine: AsyncEngine | None = None):
+        self.config = config
+        self.async_engine = async_engine or AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests)
+        self.metrics = ServerMetrics(self.async_engine, config.served_model_names[0])
+        self.serving = OpenAIServing(self.async_engine, config.served_model_names, self.metrics,
+                                     retry_after_s=config.retry_after_s)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests, give in-flight ones `timeout_s` to finish, then end the rest with an error."""
+        engine = self.async_engine
+        engine.draining = True
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if engine.num_in_flight:
+            logger.info("draining: waiting up to %.0f s for %d request(s)", timeout_s, engine.num_in_flight)
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = engine.abort_all("the server is shutting down")
+        if aborted:
+            logger.warning("draining: aborted %d unfinished request(s)", aborted)
+            await asyncio.sleep(0.2)  # let their handlers send the error
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class GuardMiddleware:
+    """Plain ASGI middleware: API-key check on /v1 routes, then a bound on request bodies (read here in
+    full, up to the limit, and replayed to the app; the client's disconnect still reaches the app)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def _reply(self, send, error: APIError) -> None:
+        response = _error_response(error)
+        await response({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        config = self.state.config
+        headers = dict(scope.get("headers") or [])
+        if config.api_key and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            expected = f"Bearer {config.api_key}".encode()
+            if not hmac.compare_digest(given, expected):
+                return await self._reply(send, APIError(
+                    401, "a valid API key is needed: send 'Authorization: Bearer <key>'", code="invalid_api_key"))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = config.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size <= limit:
+                chunks.append(body)
+            if not message.get("more_body", False) or size > 8 * limit:
+                break
+        if size > limit:
+            return await self._reply(send, APIError(
+                413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large"))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request body is not valid", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    # drop union-member tags such as 'str' or 'list[int]' from the location
+    path = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool", "dict")]
+    param = path[0] if path else None
+    where = ".".join(path) or "body"
+    got = first.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg')} (got {shown}){more}", param
+
+
+def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEngine | None = None) -> FastAPI:
+    state = ServerState(engine, config, async_engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.async_engine.stop)
+            state.async_engine.fail_all("the server has shut down")
+
+    app = FastAPI(title="lamina", version=lamina.__version__, lifespan=lifespan,
+                  summary="OpenAI-compatible server for the Qwen hybrid MoE models")
+    app.state.lamina = state
+    app.add_middleware(GuardMiddleware, state=state)
+
+    def count_error(request: Request, error: APIError) -> None:
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if endpoint is None:
+            return
+        if error.code == "aborted":
+            outcome = "aborted"
+        elif error.status == 503:
+            outcome = "rejected"
+        else:
+            outcome = "bad_request" if error.status < 500 else "error"
+        state.metrics.count(endpoint, outcome)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        count_error(request, exc)
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        error = APIError(400, message, param=param)
+        count_error(request, error)
+        return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        error = APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return _error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        count_error(request, error)
+        return _error_response(error)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        engine_ = state.async_engine
+        if not engine_.is_healthy:
+            return _error_response(APIError(503, engine_.dead_error or "the engine is not running", code="engine_dead"))
+        if engine_.draining:
+            return _error_response(APIError(503, "the server is shutting down", code="shutting_down"))
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": lamina.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    def model_cards() -> list[dict]:
+        return [{"id": name, "object": "model", "created": state.serving.created, "owned_by": "lamina",
+                 "root": config.model_root, "max_model_len": engine.max_model_len}
+                for name in config.served_model_names]
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
+    async def list_models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
+    async def get_model(model_id: str):
+        state.serving.resolve_model(model_id or "\0")
+        return next(card for card in model_cards() if card["id"] == model_id)
+
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state.serving, body, request)
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state.serving, body, request)
+
+    return app

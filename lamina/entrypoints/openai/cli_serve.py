@@ -1,0 +1,122 @@
+"""`lamina serve [MODEL]`: load the model, then answer the OpenAI API over HTTP until SIGTERM/SIGINT.
+
+On SIGTERM the server drains: it stops accepting connections, answers new requests on open ones
+with 503, gives in-flight requests `--drain-timeout` seconds to finish, ends the rest with an error,
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+import uvicorn
+
+API_KEY_ENV = "LAMINA_API_KEY"
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `serve` subcommand on the `lamina` command's subparsers."""
+    from lamina.entrypoints.cli import add_engine_args  # lazy: cli.py imports this module
+
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory (default: the built-in untrained model); same as --model")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is reported in responses (default: MODEL)")
+    s.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="answer 503 (with Retry-After) while N requests are queued (default: no limit)")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20, metavar="BYTES",
+                   help="larger request bodies get 413 (default: 8 MiB)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are aborted (default: 30)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+class LaminaServer(uvicorn.Server):
+    """uvicorn's server with a drain before its own shutdown (which waits for open connections)."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.lamina_state = state
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in getattr(self, "servers", []):
+            server.close()  # no new connections while draining
+        await self.lamina_state.drain()
+        await super().shutdown(sockets=sockets)
+        # uvicorn re-raises a captured SIGTERM after serving; the drain is done, so exit normally
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a taken port fails at once."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from lamina import LLM
+    from lamina.entrypoints.cli import engine_kwargs
+    from lamina.entrypoints.openai.app import ServerConfig, build_app
+    from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, is_untrained_default
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_request_body_bytes <= 0:
+        raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    model_arg = args.model_tag or args.model
+    model = model_arg or str(ensure_default_model())
+    if is_untrained_default(model):
+        print(f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): its text is not "
+              "meaningful; pass MODEL for a real checkpoint", file=sys.stderr)
+    names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
+    sock = bind_socket(args.host, args.port)
+    try:
+        llm = LLM(model, **engine_kwargs(args))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        config = ServerConfig(
+            served_model_names=names, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
+            max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, model_root=model,
+        )
+        app = build_app(llm.engine, config)
+        uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
+                                   access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+        server = LaminaServer(uv_config, app.state.lamina)
+        print(f"[lamina] serving {names[0]!r} on http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
+        server.run(sockets=[sock])
+    finally:
+        llm.shutdown()
+        sock.close()
+    return 0

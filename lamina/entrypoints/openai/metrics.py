@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lamina.engine.async_engine import AsyncEngine
+
+OUTCOMES = ("success", "bad_request", "rejected", "aborted", "error")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    """`lamina_*` series. Counters and histograms move as requests end; gauges read the engine's
+    latest stats at scrape time."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "lamina_requests", "Requests by endpoint and outcome "
+            "(success, bad_request: 4xx, rejected: 503 at admission, aborted: client gone or shutdown, "
+            "error: engine failure)", ["endpoint", "outcome"], registry=r,
+        )
+        for endpoint in ("completions", "chat"):
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)
+        self.prompt_tokens = Counter("lamina_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("lamina_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.ttft = Histogram(
+            "lamina_time_to_first_token_seconds", "From request arrival to its first generated token",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "lamina_time_per_output_token_seconds", "Mean time between generated tokens, per request",
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "lamina_e2e_request_latency_seconds", "From request arrival to its last token",
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "lamina_spec_decode_draft_tokens", "Speculative (MTP) tokens proposed (0 until MTP exists)", registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "lamina_spec_decode_accepted_tokens", "Speculative (MTP) tokens accepted (0 until MTP exists)", registry=r,
+        )
+        Gauge("lamina_num_requests_waiting", "Requests queued, not yet scheduled", registry=r).set_function(
+            lambda: engine.stats.num_waiting)
+        Gauge("lamina_num_requests_running", "Requests in the running batch", registry=r).set_function(
+            lambda: engine.stats.num_running)
+        Gauge("lamina_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)", registry=r).set_function(
+            lambda: engine.stats.cache_usage)
+        Gauge("lamina_engine_healthy", "1 while the engine loop runs, 0 once it has died", registry=r).set_function(
+            lambda: 1.0 if engine.is_healthy else 0.0)
+        Gauge("lamina_num_requests_in_flight", "Requests the server is answering", registry=r).set_function(
+            lambda: engine.num_in_flight)
+        info = Gauge("lamina_model_info", "The served model", ["model_name"], registry=r)
+        info.labels(model_name).set(1)
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def observe_finished(self, arrival: float, output) -> None:
+        """Record the timing and token counts of a finished request (`output` a RequestOutput)."""
+        m = output.metrics
+        completion = output.outputs[0]
+        num_out = len(completion.token_ids)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_out)
+        if m is None or m.first_token_time is None:
+            return
+        self.ttft.observe(max(0.0, m.first_token_time - arrival))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - arrival))
+            if num_out > 1:
+                self.tpot.observe(max(0.0, (m.finished_time - m.first_token_time) / (num_out - 1)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,298 @@
+"""What completions and chat share: errors, model names, sampling parameters, admission, waiting for
+outputs while watching for a client that went away, logprob and SSE formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from lamina.engine.async_engine import (
+    AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError, RequestAbortedError, RequestStream,
+)
+from lamina.entrypoints.openai.metrics import ServerMetrics
+from lamina.entrypoints.openai.protocol import MAX_STOP_STRINGS
+from lamina.outputs import RequestOutput
+from lamina.sampling_params import SamplingParams
+
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    500: "server_error", 503: "service_unavailable",
+}
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop",
+    "logprobs", "n",
+)
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def finite(logprob: float | None) -> float:
+    """JSON has no infinities or NaN: an impossible token's logprob is sent as -9999.0."""
+    return logprob if logprob is not None and math.isfinite(logprob) else -9999.0
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
+                 *, retry_after_s: int = 1):
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.async_engine = engine
+        self.engine = engine.engine
+        self.served_model_names = list(served_model_names)
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+        self.created = int(time.time())
+        self._token_text_cache: dict[int, str] = {}
+
+    # ---- model, tokenizer ------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name == "":
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.served_model_names)}", param="model",
+                           code="model_not_found")
+        return name
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            tok = self.tokenizer
+            text = tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
+            if len(self._token_text_cache) < 1 << 20:
+                self._token_text_cache[token_id] = text
+        return text
+
+    async def run_blocking(self, fn: Callable, *args, param: str | None = None):
+        """Run CPU work (tokenizing, chat templates) off the event loop; bad input becomes a 400."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except APIError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, LookupError) as e:
+            raise APIError(400, str(e) or type(e).__name__, param=param) from e
+
+    # ---- request checks ------------------------------------------------------------------
+    def check_unsupported(self, req) -> None:
+        if req.n not in (None, 1):
+            raise APIError(400, f"n = {req.n} is not supported: lamina returns one choice per prompt (n = 1)",
+                           param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(req, name)
+            if value not in (None, 0, 0.0):
+                raise APIError(400, f"{name} = {value} is not supported (only 0)", param=name)
+        if req.repetition_penalty not in (None, 1, 1.0):
+            raise APIError(400, f"repetition_penalty = {req.repetition_penalty} is not supported (only 1)",
+                           param="repetition_penalty")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                           param="stop")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, *, prompt_param: str,
+                           max_tokens_param: str = "max_tokens") -> int | None:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                           f"{prompt_len} tokens, which leaves no room to generate", param=prompt_param,
+                           code="context_length_exceeded")
+        room = limit - prompt_len
+        if requested is not None and requested > room:
+            raise APIError(400, f"{max_tokens_param} = {requested} is too large: this model's maximum context "
+                           f"length is {limit} tokens and the prompt has {prompt_len}, so at most {room} tokens "
+                           f"can be generated", param=max_tokens_param, code="context_length_exceeded")
+        return requested
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.validate_request(token_ids, params)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=param) from e
+
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=1,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+            )
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            param = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
+            raise APIError(400, message, param=param) from e
+
+    # ---- running requests ----------------------------------------------------------------
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def submit(self, items: Sequence[tuple[str, list[int], SamplingParams, str | None]]) -> list[RequestStream]:
+        """Queue (request_id, token_ids, params, prompt_text) items, all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for request_id, token_ids, params, text in items:
+                streams.append(self.async_engine.add_request(request_id, token_ids, params, text))
+        except (EngineOverloadedError, EngineDrainingError, EngineDeadError) as e:
+            for stream in streams:
+                self.async_engine.abort(stream.request_id)
+            code = {EngineOverloadedError: "overloaded", EngineDrainingError: "shutting_down"}.get(type(e), "engine_dead")
+            raise APIError(503, str(e), code=code, headers={"Retry-After": str(self.retry_after_s)}) from e
+        return streams
+
+    def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.async_engine.abort(stream.request_id)
+
+    @staticmethod
+    def engine_error(e: BaseException) -> APIError:
+        """An APIError for an exception that ended an admitted request."""
+        if isinstance(e, EngineDeadError):
+            return APIError(500, str(e), code="engine_dead", type="server_error")
+        if isinstance(e, RequestAbortedError):
+            return APIError(503, str(e), code="aborted")
+        if isinstance(e, (ValueError, TypeError)):
+            return APIError(400, str(e))
+        return APIError(500, f"{type(e).__name__}: {e}", type="server_error")
+
+    @staticmethod
+    async def wait_disconnect(raw: Request) -> None:
+        """Return once the client has closed the connection (the body must already be read)."""
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def collect(self, streams: Sequence[RequestStream], raw: Request) -> list[RequestOutput]:
+        """The final output of every stream; aborts them all if the client goes away first."""
+
+        async def last(stream: RequestStream) -> RequestOutput:
+            output = None
+            async for output in stream:
+                pass
+            return output  # type: ignore[return-value]
+
+        gathered = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        watcher = asyncio.ensure_future(self.wait_disconnect(raw))
+        try:
+            await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if gathered.done():
+                try:
+                    return gathered.result()
+                except Exception as e:  # noqa: BLE001
+                    raise self.engine_error(e) from e
+            raise ClientDisconnected()
+        finally:
+            watcher.cancel()
+            if not gathered.done():
+                gathered.cancel()
+            self.abort_unfinished(streams)
+
+    async def merged(self, streams: Sequence[RequestStream], raw: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) from all streams as they come; raises what ended a stream (ClientDisconnected
+        when the client went away, after aborting every stream)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output, None))
+            except Exception as e:  # noqa: BLE001
+                queue.put_nowait((index, None, e))
+
+        async def watch() -> None:
+            await self.wait_disconnect(raw)
+            queue.put_nowait((-1, None, ClientDisconnected()))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        tasks.append(asyncio.ensure_future(watch()))
+        remaining = len(streams)
+        try:
+            while remaining:
+                index, output, error = await queue.get()
+                if error is not None:
+                    raise error
+                if output.finished:
+                    remaining -= 1
+                yield index, output
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort_unfinished(streams)
+
+    def record(self, endpoint: str, arrival: float, outputs: Sequence[RequestOutput]) -> None:
+        self.metrics.count(endpoint, "success")
+        self.record_finished(arrival, outputs)
+
+    def record_finished(self, arrival: float, outputs: Sequence[RequestOutput]) -> None:
+        for output in outputs:
+            self.metrics.observe_finished(arrival, output)
+
+    # ---- formatting ------------------------------------------------------------------------
+    @staticmethod
+    def holdback(params: SamplingParams) -> int:
+        """Characters a stream holds back so that a stop string found later can still be cut off."""
+        return max(0, params.max_stop_len - 1)
+
+    @staticmethod
+    def top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+        return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -finite(kv[1]))[:n]]
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    @staticmethod
+    def error_event(error: APIError) -> str:
+        return sse(error.body())

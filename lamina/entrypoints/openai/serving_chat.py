@@ -1,0 +1,194 @@
+"""`POST /v1/chat/completions`: the tokenizer's chat template over the messages, then one choice."""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from lamina.entrypoints.openai.protocol import ChatCompletionRequest
+from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
+from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
+
+ENDPOINT = "chat"
+
+# apply_chat_template arguments that chat_template_kwargs may not override
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs",
+})
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    messages = []
+    for i, message in enumerate(req.messages):
+        m = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content: part type {part.type!r} is not supported; this "
+                                   "model takes text parts only ({'type': 'text', 'text': ...})",
+                                   param=f"messages[{i}].content")
+                texts.append(part.text)
+            m["content"] = "\n".join(texts)
+        elif content is None and message.role != "assistant":
+            raise APIError(400, f"messages[{i}].content is missing (only assistant messages may omit it)",
+                           param=f"messages[{i}].content")
+        messages.append(m)
+    return messages
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
+                       param="response_format")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
+    bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
+    if bad:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(bad))}", param="chat_template_kwargs")
+
+
+def _apply_template(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+    tokenizer = serving.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=req.tools, tokenize=True, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
+        )
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template failing on these messages is the request's problem
+        raise APIError(400, f"the chat template could not be applied to these messages: {type(e).__name__}: {e}",
+                       param="messages") from e
+    if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, start: int, num: int) -> list[dict]:
+    content = []
+    for token_id, entry in zip(token_ids[start:], (entries or [])[start:]):
+        text = serving.token_text(token_id)
+        content.append({
+            "token": text, "logprob": finite(entry.get(token_id)), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := serving.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}
+                             for tid, lp in serving.top(entry, num)],
+        })
+    return content
+
+
+async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    model = serving.resolve_model(req.model)
+    serving.check_unsupported(req)
+    _check_chat_options(req)
+    messages = _messages(req)
+    token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise APIError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_completion_tokens")
+    requested, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                       else (req.max_tokens, "max_tokens"))
+    max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
+    serving.validate_prompt(token_ids, params, "messages")
+    request_id = serving.new_id("chatcmpl")
+    [stream] = serving.submit([(request_id, token_ids, params, None)])
+    created = int(time.time())
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival),
+            media_type="text/event-stream", headers=SSE_HEADERS,
+        )
+
+    try:
+        [output] = await serving.collect([stream], raw)
+    except ClientDisconnected:
+        serving.metrics.count(ENDPOINT, "aborted")
+        return Response(status_code=400)
+    completion = output.outputs[0]
+    logprobs = None
+    if num_logprobs is not None:
+        logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0, num_logprobs),
+                    "refusal": None}
+    serving.record(ENDPOINT, arrival, [output])
+    return JSONResponse({
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": completion.text, "refusal": None,
+                                    "tool_calls": []},
+            "logprobs": logprobs, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+        }],
+        "usage": serving.usage(len(output.prompt_token_ids), len(completion.token_ids)),
+        "system_fingerprint": None,
+    })
+
+
+async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
+                  num_logprobs: int | None, include_usage: bool, arrival: float):
+    holdback = serving.holdback(params)
+    sent_chars = sent_tokens = 0
+
+    def chunk(choices: list[dict], usage=None) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
+    try:
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        final = None
+        async with aclosing(serving.merged([stream], raw)) as updates:
+            async for _, output in updates:
+                completion = output.outputs[0]
+                safe = len(completion.text) if output.finished else len(completion.text) - holdback
+                delta = completion.text[sent_chars:safe] if safe > sent_chars else ""
+                sent_chars = max(sent_chars, safe)
+                logprobs = None
+                if num_logprobs is not None:
+                    entries = _logprobs_entries(serving, completion.token_ids, completion.logprobs, sent_tokens,
+                                                num_logprobs)
+                    sent_tokens += len(entries)
+                    logprobs = {"content": entries, "refusal": None} if entries else None
+                if not delta and not output.finished and logprobs is None:
+                    continue
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {},
+                                          "logprobs": logprobs, "finish_reason": None}
+                if output.finished:
+                    final = output
+                    choice["finish_reason"] = completion.finish_reason
+                    choice["stop_reason"] = completion.stop_reason
+                yield chunk([choice])
+        if include_usage and final is not None:
+            yield chunk([], serving.usage(len(final.prompt_token_ids), len(final.outputs[0].token_ids)))
+        outcome = "success"
+        if final is not None:
+            serving.record_finished(arrival, [final])
+        yield sse("[DONE]")
+    except ClientDisconnected:
+        pass
+    except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a dropped connection
+        error = serving.engine_error(e)
+        outcome = "aborted" if error.code == "aborted" else "error"
+        yield serving.error_event(error)
+        yield sse("[DONE]")
+    finally:
+        serving.abort_unfinished([stream])
+        serving.metrics.count(ENDPOINT, outcome)

@@ -1,0 +1,202 @@
+"""Qwen4-Exp N-gram per-layer embedding (PLE): hashed n-gram table + gated injection + dilated short conv.
+
+A PLE module sits before a linear-attention layer and adds to the hyper-connection streams
+`[T, hc*H]`:
+
+    e      = table rows of the token's n-gram hashes, concatenated          [T, E]
+    key    = norm_key(key_proj(e)) per stream                               [T, hc, H]
+    query  = norm_query(streams) per stream                                 [T, hc, H]
+    g      = <key, query> / sqrt(H);  g = sign(g) * sqrt(max(|g|, 1e-6))   [T, hc, 1]
+    v      = sigmoid(g) * value_proj(e)                                     [T, hc, H]
+    out    = v + silu(dilated_conv(norm_conv(v)))                           [T, hc*H]
+
+The conv is depthwise over hc*H channels, kernel `ple_conv_kernel_size`, dilation `ngram_size`;
+its per-request state (the last (K-1)*ngram_size conv inputs) lives in a slot tensor like the
+gated delta net's, bound by the runner through `bind_state`.
+
+The table (`[rows, E / heads]`, rows = padded sum of the heads' prime vocabularies) is loaded
+from the checkpoint's `ngram_embedding.shard_{i}` parts into one tensor. It lives on the compute
+device or in host memory (pinned when CUDA is available); from host memory only the rows a step
+needs are gathered there and copied over. Every weight here is replicated over TP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lamina.kernels.causal_conv1d import causal_conv1d_varlen
+from lamina.layers.hyper_connections import GroupedRMSNorm
+from lamina.layers.linear import ReplicatedLinear, check_shape
+from lamina.layers.metadata import ForwardMetadata
+from lamina.layers.ngram_hash import head_vocab_sizes, ngram_multipliers, ngram_row_ids
+
+PLE_TABLE_DEVICES = ("auto", "gpu", "cpu")
+
+
+def ple_table_rows(vocab_base: int, ple_index: int, num_heads: int, divisible_by: int) -> int:
+    total = sum(head_vocab_sizes(vocab_base, ple_index, num_heads))
+    return -(-total // divisible_by) * divisible_by
+
+
+def resolve_ple_table_device(option: str, device: torch.device, table_bytes: int) -> torch.device:
+    """Where the PLE tables live. `auto`: the compute device when all tables take under half of its
+    free memory, else the host; on a CPU compute device everything is the CPU."""
+    if option not in PLE_TABLE_DEVICES:
+        raise ValueError(f"ple_table_device must be one of {', '.join(PLE_TABLE_DEVICES)}; got {option!r}")
+    device = torch.device(device)
+    if device.type == "cpu" or option == "cpu":
+        return torch.device("cpu")
+    if option == "gpu":
+        return device
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if table_bytes < 0.5 * free else torch.device("cpu")
+
+
+class NGramHashEmbedding(nn.Module):
+    """Hash ids and the table of one PLE module (`ple_embedding` in the checkpoint)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        ngram_size: int,
+        heads_per_ngram: int,
+        embed_dim: int,
+        ple_index: int,
+        seed: int,
+        vocab_base: int,
+        divisible_by: int,
+        split_parts: int,
+        dtype: torch.dtype,
+        device,
+        table_device,
+    ):
+        super().__init__()
+        self.ngram_size = ngram_size
+        self.heads_per_ngram = heads_per_ngram
+        self.num_heads = (ngram_size - 1) * heads_per_ngram
+        self.head_dim = embed_dim // self.num_heads
+        self.device = torch.device(device)
+        sizes = head_vocab_sizes(vocab_base, ple_index, self.num_heads)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.register_buffer("multipliers", torch.tensor(ngram_multipliers(vocab_size, ngram_size, ple_index, seed), device=device), persistent=False)
+        self.register_buffer("head_sizes", torch.tensor(sizes, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("head_offsets", torch.tensor(offsets, dtype=torch.long, device=device), persistent=False)
+        self.num_rows = -(-sum(sizes) // divisible_by) * divisible_by
+        # Checkpoint parts follow torch.chunk: ceil(rows / parts) each, the last one shorter.
+        self.part_rows = -(-self.num_rows // split_parts)
+        self.num_parts = -(-self.num_rows // self.part_rows)
+        table_device = torch.device(table_device)
+        pin = table_device.type == "cpu" and self.device.type == "cuda"
+        # A plain tensor, not a parameter: it may stay in host memory while the model is on a GPU.
+        self.table = torch.empty(self.num_rows, self.head_dim, dtype=dtype, device=table_device, pin_memory=pin)
+        self._staging: torch.Tensor | None = None  # pinned host rows on their way to the device
+
+    # ---- loading -------------------------------------------------------------------------
+    def load_part(self, name: str, loaded: torch.Tensor, part: int) -> None:
+        """`ngram_embedding.shard_{part}.weight`: rows [part*part_rows, ...) of the table."""
+        start = part * self.part_rows
+        rows = min(self.part_rows, self.num_rows - start)
+        check_shape(name, loaded, (rows, self.head_dim))
+        self.table[start : start + rows].copy_(loaded)
+
+    def check_buffer(self, name: str, loaded: torch.Tensor) -> None:
+        """The checkpoint's copies of the hash constants must equal the ones derived from the config."""
+        ours = {
+            "layer_multipliers": self.multipliers,
+            "ngram_heads_vocab_sizes": self.head_sizes,
+            "ngram_heads_offsets": self.head_offsets,
+        }[name.rsplit(".", 1)[-1]]
+        if not torch.equal(loaded.to(torch.long).cpu(), ours.cpu()):
+            raise ValueError(
+                f"checkpoint tensor {name!r} = {loaded.tolist()} differs from the value derived from the config "
+                f"({ours.tolist()}): check seed, ngram_size, heads_per_ngram, ngram_vocab_size_base and ple_layer_ids"
+            )
+
+    # ---- forward -------------------------------------------------------------------------
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N] (compute device) -> table rows [N, D] on the compute device."""
+        if self.table.device == rows.device:
+            return self.table.index_select(0, rows)
+        host_rows = rows.cpu()  # syncs the stream, so the previous step's copy out of staging is done
+        if not self.table.is_pinned():
+            return self.table.index_select(0, host_rows).to(self.device)
+        count = host_rows.shape[0]
+        if self._staging is None or self._staging.shape[0] < count:
+            capacity = 1 << max(count - 1, 1).bit_length()
+            self._staging = torch.empty(capacity, self.head_dim, dtype=self.table.dtype, pin_memory=True)
+        staged = self._staging[:count]
+        torch.index_select(self.table, 0, host_rows, out=staged)
+        return staged.to(self.device, non_blocking=True)
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        """window [T, ngram_size] (see `ngram_windows`) -> embeddings [T, heads * head_dim]."""
+        rows = ngram_row_ids(window, self.multipliers, self.head_sizes, self.head_offsets, self.heads_per_ngram)  # [T, heads]
+        emb = self._gather(rows.reshape(-1))  # [T*heads, D]
+        return emb.view(window.shape[0], self.num_heads * self.head_dim)  # [T, heads*D]
+
+
+class PLELayer(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        hc_count: int,
+        embedding: NGramHashEmbedding,
+        embed_dim: int,
+        conv_kernel_size: int,
+        dilation: int,
+        rms_norm_eps: float,
+        dtype: torch.dtype,
+        device=None,
+    ):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.hc_count = hc_count
+        self.width = hc_count * hidden_size
+        self.conv_kernel_size = conv_kernel_size
+        self.dilation = dilation
+        self.state_len = (conv_kernel_size - 1) * dilation
+        self.ple_embedding = embedding
+        self.key_proj = ReplicatedLinear(embed_dim, self.width, dtype=dtype, device=device)
+        self.value_proj = ReplicatedLinear(embed_dim, hidden_size, dtype=dtype, device=device)
+        self.norm_key = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
+        self.norm_query = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
+        self.norm_conv = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
+        self.conv_weight = nn.Parameter(
+            torch.empty(self.width, conv_kernel_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.conv_state: torch.Tensor | None = None  # [num_slots, hc*H, (K-1)*dilation], bound by the runner
+
+    def load_conv_weight(self, name: str, loaded: torch.Tensor) -> None:
+        check_shape(name, loaded, (self.width, 1, self.conv_kernel_size))
+        self.conv_weight.data.copy_(loaded[:, 0, :])
+
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device) -> int:
+        """Allocate the per-slot short-conv state; returns its bytes."""
+        self.conv_state = torch.zeros((num_slots, self.width, self.state_len), dtype=dtype, device=device)
+        return self.conv_state.numel() * dtype.itemsize
+
+    def forward(self, streams: torch.Tensor, window: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """streams [T, hc*H], window [T, ngram_size] -> streams + PLE output [T, hc*H]."""
+        assert self.conv_state is not None, "PLE conv state not bound"
+        emb = self.ple_embedding(window)  # [T, E]
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))  # [T, hc, H]
+        value = self.value_proj(emb)  # [T, H]
+        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))  # [T, hc, H]
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [T, hc, 1]
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(-2)  # [T, hc*H]
+        conv_in = self.norm_conv(gated)  # [T, hc*H]
+
+        slots = meta.state_slots
+        state_in = torch.where(meta.has_initial_state[:, None, None], self.conv_state[slots], 0.0)  # [B, hc*H, S]
+        conv_out, state_out = causal_conv1d_varlen(
+            conv_in, self.conv_weight, state_in, meta.query_start_loc, meta.max_query_len,
+            activation="silu", dilation=self.dilation,
+        )  # [T, hc*H], [B, hc*H, S]
+        self.conv_state.index_copy_(0, slots, state_out.to(self.conv_state.dtype))
+        return streams + (gated + conv_out)

@@ -1,0 +1,132 @@
+"""A rank's process: set up torch.distributed, build this rank's model stage, then serve steps.
+
+Rank 0 receives commands from the engine over a pipe and broadcasts them on the control group,
+so every rank of every replica gets the same step plans (ranks on other nodes included). Each
+rank derives its inputs from its replica's plan; only activations cross pipeline boundaries.
+Sampled tokens come back from each replica's last-stage TP-rank-0 through a gather to rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from lamina.engine.step_plan import StepPlan
+from lamina.parallel import distributed as pdist
+from lamina.parallel.plan import ParallelPlan
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs to build its part (picklable)."""
+
+    model_path: str
+    dtype: torch.dtype
+    device_type: str  # cpu | cuda
+    plan: ParallelPlan
+    master_addr: str
+    master_port: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    load_format: str = "auto"
+    seed: int = 0
+    model_options: dict | None = None
+    debug_layouts: bool = False
+    gpu_memory_utilization: float = 0.9
+    fail_at_step: int | None = None  # tests: rank `fail_rank` dies at this step
+    fail_rank: int | None = None
+
+
+def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
+    me = spec.plan.ranks[rank]
+    plan = plans[me.dp]
+    runner.forget_finished(plan)
+    if plan.is_empty and not spec.plan.ep_enabled:
+        return None  # replicas without expert parallelism do not need to step together
+    model = runner.model
+    rows = plan.num_tokens
+    if spec.plan.sp:
+        rows = -(-rows // spec.plan.tp)
+    hidden = None
+    if me.pp > 0 and rows > 0:
+        src = spec.plan.rank_of(me.dp, me.pp - 1, me.tp)
+        hidden = pdist.recv_tensor((rows, model.stream_width()), model.dtype, runner.device, src)
+    elif me.pp > 0:
+        hidden = torch.zeros((0, model.stream_width()), dtype=model.dtype, device=runner.device)
+    out, logits_rows = runner.forward_stage(plan, hidden)
+    if not me.has_lm_head:
+        if rows > 0:
+            pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
+        return None
+    sampled = runner.logits_and_sample(plan, out, logits_rows, sample=me.tp == 0)
+    return (me.dp, sampled) if me.tp == 0 else None
+
+
+def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
+    """Entry point of a rank's process. `conn`: a pipe to the local launcher/engine."""
+    try:
+        from lamina.worker.model_loader import build_model, read_model_config
+        from lamina.worker.model_runner import ModelRunner
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, spec.plan.world_size)))
+        me = spec.plan.ranks[rank]
+        if spec.device_type == "cuda":
+            torch.cuda.set_device(me.local_rank)
+            device = torch.device("cuda", me.local_rank)
+        else:
+            device = torch.device("cpu")
+        groups = pdist.init_rank(
+            spec.plan, rank, master_addr=spec.master_addr, master_port=spec.master_port, device=device,
+            debug_layouts=spec.debug_layouts,
+        )
+        torch.manual_seed(spec.seed)
+        hf_config = read_model_config(spec.model_path)
+        model, _, _ = build_model(
+            spec.model_path, hf_config, groups.ctx, dtype=spec.dtype, device=device, progress=False,
+            layer_range=me.layer_range, model_options=spec.model_options, load_format=spec.load_format, seed=spec.seed,
+        )
+        runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        info = pdist.gather_objects({"rank": rank, "free_bytes": free}, groups)
+        if rank == 0:
+            conn.send(("ready", info))
+        step = 0
+        while True:
+            command = conn.recv() if rank == 0 else None
+            command = pdist.broadcast_object(command, groups)
+            kind = command[0]
+            if kind == "shutdown":
+                break
+            if kind == "bytes_per_block":
+                per_rank = pdist.gather_objects(runner.paged_cache_bytes_per_block(command[1]), groups)
+                if rank == 0:
+                    conn.send(("bytes_per_block", max(per_rank)))
+            elif kind == "allocate":
+                _, num_blocks, block_size, num_slots = command
+                runner.allocate_caches(num_blocks, block_size, num_slots)
+                pdist.gather_objects(None, groups)
+                if rank == 0:
+                    conn.send(("allocated", None))
+            elif kind == "step":
+                step += 1
+                if spec.fail_at_step is not None and step == spec.fail_at_step and rank == spec.fail_rank:
+                    os._exit(17)  # tests: a rank dies mid-generation
+                result = _stage_step(spec, rank, runner, command[1])
+                results = pdist.gather_objects(result, groups)
+                if rank == 0:
+                    merged = [dict() for _ in range(spec.plan.dp)]
+                    for r in results:
+                        if r is not None:
+                            merged[r[0]].update(r[1])
+                    conn.send(("result", merged))
+        pdist.shutdown()
+        conn.send(("bye", rank))
+    except BaseException as e:  # report, then die: the engine names this rank
+        try:
+            conn.send(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)

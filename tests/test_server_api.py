@@ -1,0 +1,256 @@
+"""`lamina serve` through the official `openai` client: completions and chat, streaming and not, usage,
+logprobs, vLLM's extra sampling fields, metrics, auth."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lamina import LLM, SamplingParams
+from tests.server_harness import MODEL_NAME, RunningServer
+
+# The copied tokenizer's ChatML template, plus Qwen3's switch: enable_thinking=False closes an empty think block.
+THINKING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+PROMPT = "The baker opened the shutters"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the river."}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(qwen3_next_dir, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("q3next_think") / "ckpt"
+    shutil.copytree(qwen3_next_dir, dst)
+    (dst / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return dst
+
+
+def _llm(path, **kw):
+    return LLM(str(path), device="cpu", dtype="float32", max_model_len=256, show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    with _llm(ckpt) as llm:  # offline reference: its own engine, same weights
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with _llm(ckpt) as llm, RunningServer(llm.engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def _stream_text(chunks, chat=False):
+    text, finish, usage = "", None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def test_models_version_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    import lamina
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": lamina.__version__}
+
+
+def test_completion_matches_offline_and_streaming(client, ref):
+    expected = ref.generate(PROMPT, _greedy(ignore_eos=True), use_tqdm=False)[0]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.model == MODEL_NAME
+    assert out.choices[0].text == expected.outputs[0].text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == out.usage.prompt_tokens + 12
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, finish, usage = _stream_text(stream)
+    assert text == out.choices[0].text and finish == "length"
+    assert usage.model_dump() == out.usage.model_dump()
+
+
+def test_chat_matches_offline_and_streaming(client, ref):
+    expected = ref.chat(MESSAGES, _greedy(ignore_eos=True), use_tqdm=False)[0]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion"
+    message = out.choices[0].message
+    assert message.role == "assistant" and message.content == expected.outputs[0].text
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids) and out.usage.completion_tokens == 12
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text, finish, usage = _stream_text(chunks, chat=True)
+    assert text == message.content and finish == "length"
+    assert usage.model_dump() == out.usage.model_dump()
+
+
+def test_chat_template_kwargs_reach_the_template(client, ref):
+    tok = ref.get_tokenizer()
+    plain = len(tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)["input_ids"])
+    closed = len(tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                         enable_thinking=False)["input_ids"])
+    assert closed > plain
+    for kwargs, expected in (({}, plain), ({"enable_thinking": False}, closed), ({"enable_thinking": True}, plain)):
+        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                             extra_body={"chat_template_kwargs": kwargs})
+        assert out.usage.prompt_tokens == expected
+
+
+def test_stop_strings_streamed_equals_unstreamed(client, ref):
+    base = ref.generate(PROMPT, _greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = base[5:8]
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs)
+    assert out.choices[0].text == base[: base.index(stop)] and out.choices[0].finish_reason == "stop"
+    text, finish, _ = _stream_text(client.completions.create(stream=True, **kwargs))
+    assert text == out.choices[0].text and finish == "stop"
+
+
+def test_vllm_extras(client, ref):
+    base = ref.generate(PROMPT, _greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[3]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    assert out.usage.completion_tokens == base.token_ids.index(stop_id) + 1
+    assert out.choices[0].finish_reason == "stop"
+    params = dict(top_k=20, min_p=0.01, min_tokens=5, ignore_eos=False)
+    sampled = [client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=7,
+                                         top_p=0.9, extra_body=params).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    offline = ref.generate(PROMPT, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, **params),
+                           use_tqdm=False)[0].outputs[0].text
+    assert sampled[0] == offline
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(isinstance(t, str) and t for t in lp.tokens)  # special tokens show as their text
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and token_lp <= 0
+        assert token_lp == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(**kwargs)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) for entry in content)
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kwargs) for c in chunk.choices
+                if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
+
+
+def test_batch_prompts_and_echo(client, ref):
+    prompts = ["One", "Two words", "Three little words"]
+    expected = ref.generate(prompts, _greedy(6, ignore_eos=True), use_tqdm=False)
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [e.outputs[0].text for e in expected]
+    assert out.usage.completion_tokens == 18
+    assert out.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in out.choices]
+    echoed = client.completions.create(model=MODEL_NAME, prompt="One", max_tokens=6, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "One" + out.choices[0].text
+    ids = [[5, 17, 230, 44], [9, 8]]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    expected = ref.generate([{"prompt_token_ids": p} for p in ids], _greedy(6, ignore_eos=True), use_tqdm=False)
+    assert [c.text for c in by_ids.choices] == [e.outputs[0].text for e in expected]
+    assert by_ids.usage.prompt_tokens == 6
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _metrics(server)
+    for name in ("lamina_num_requests_waiting", "lamina_num_requests_running", "lamina_kv_cache_usage_ratio",
+                 "lamina_time_to_first_token_seconds_count", "lamina_time_per_output_token_seconds_count",
+                 "lamina_spec_decode_accepted_tokens_total", "lamina_engine_healthy"):
+        assert name in before, name
+    assert before["lamina_spec_decode_accepted_tokens_total"] == 0
+    assert before["lamina_engine_healthy"] == 1
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
+    list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, stream=True,
+                                        extra_body={"ignore_eos": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=-1)
+    after = _metrics(server)
+    ok = 'lamina_requests_total{endpoint=%s,outcome=success}'
+    assert after[ok % "completions"] == before[ok % "completions"] + 1
+    assert after[ok % "chat"] == before[ok % "chat"] + 1
+    bad = 'lamina_requests_total{endpoint=completions,outcome=bad_request}'
+    assert after[bad] == before[bad] + 1
+    assert after["lamina_generation_tokens_total"] == before["lamina_generation_tokens_total"] + 7
+    assert after["lamina_time_to_first_token_seconds_count"] == before["lamina_time_to_first_token_seconds_count"] + 2
+    assert after["lamina_time_per_output_token_seconds_count"] == \
+        before["lamina_time_per_output_token_seconds_count"] + 2
+    assert after["lamina_kv_cache_usage_ratio"] == 0 and after["lamina_num_requests_running"] == 0
+
+
+def test_auth(ckpt):
+    with _llm(ckpt) as llm, RunningServer(llm.engine, api_key="s3cret") as srv:
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # stays open
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.get(f"{srv.base_url}/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.post(f"{srv.base_url}/completions", headers=headers, json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 401
+        with openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=srv.base_url, api_key="s3cret", max_retries=0) as good:
+            assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).usage.completion_tokens >= 1
