@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -44,28 +45,8 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        args.validate()
-        self.args = args
-        if args.model is None:
-            from lamina.models.default_model import ensure_default_model
-
-            args.model = str(ensure_default_model())
-        self.model_path = Path(args.model)
-        hf_config = read_model_config(self.model_path)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, getattr(hf_config, "dtype", None))
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        # Everything that can be refused is refused here, before any weight is read.
-        architecture, model_cls = resolve_model_class(hf_config)
-        cfg = model_cls.parse_config(hf_config, architecture)
-        self.model_config = cfg
-        self.parallel_config = args.parallel_config()
-        num_devices = torch.cuda.device_count() if self.device.type == "cuda" else None
-        self.plan = build_plan(cfg, self.parallel_config, num_devices=num_devices, device_type=self.device.type)
-        self.max_model_len = self._resolve_max_model_len(cfg)
-        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
-        self.eos_token_ids = self._eos_token_ids(cfg)
+        hf_config, model_cls = self.describe_only(args)
+        cfg = self.model_config
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         model_options = {"ple_table_device": args.ple_table_device}
@@ -83,18 +64,15 @@ class LLMEngine:
                 ModelRunner(model, device=self.device, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size)
             )
         else:
-            from lamina.engine.mp_executor import MultiprocExecutor, find_free_port
-            from lamina.worker.worker import WorkerSpec
+            from lamina.engine.mp_executor import MultiprocExecutor
 
             pc = self.parallel_config
-            spec = WorkerSpec(
-                model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type, plan=self.plan,
-                master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
-                eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size, load_format=args.load_format,
-                seed=args.seed, model_options=model_options, debug_layouts=args.debug_layouts,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                fail_at_step=args.fail_at_step, fail_rank=args.fail_rank,
-            )
+            if pc.node_rank != 0:
+                raise ValueError(
+                    f"node_rank = {pc.node_rank}: only node 0 runs the engine; start other nodes with "
+                    "`lamina generate/serve ... --node-rank N` (headless) or lamina.engine.mp_executor.run_headless_node"
+                )
+            spec = self.worker_spec(model_options)
             local = [r.rank for r in self.plan.ranks if r.node == pc.node_rank]
             self.executor = MultiprocExecutor(spec, local)
             token_history_len = model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0
@@ -111,6 +89,7 @@ class LLMEngine:
             for cache in self.caches
         ]
         self.scheduler, self.cache = self.schedulers[0], self.caches[0]
+        self.step_token_counts: collections.deque[tuple[int, ...]] = collections.deque(maxlen=4096)
         self._states: dict[str, _RequestState] = {}
         self._replica_of: dict[str, int] = {}
         self._arrivals = itertools.count()
@@ -120,6 +99,47 @@ class LLMEngine:
         self.max_num_batched_tokens = max_batched
 
     # ---- set-up helpers ------------------------------------------------------------------
+    def describe_only(self, args: EngineArgs):
+        """Everything decided from config files alone: device, dtype, model config, parallel plan,
+        tokenizer and EOS ids. Every config error is raised here, before any weight is read."""
+        args.validate()
+        self.args = args
+        if args.model is None:
+            from lamina.models.default_model import ensure_default_model
+
+            args.model = str(ensure_default_model())
+        self.model_path = Path(args.model)
+        hf_config = read_model_config(self.model_path)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, getattr(hf_config, "dtype", None))
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        architecture, model_cls = resolve_model_class(hf_config)
+        cfg = model_cls.parse_config(hf_config, architecture)
+        self.model_config = cfg
+        self.parallel_config = args.parallel_config()
+        num_devices = torch.cuda.device_count() if self.device.type == "cuda" else None
+        self.plan = build_plan(cfg, self.parallel_config, num_devices=num_devices, device_type=self.device.type)
+        self.max_model_len = self._resolve_max_model_len(cfg)
+        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        return hf_config, model_cls
+
+    def worker_spec(self, model_options: dict):
+        """What every rank process needs; identical on every node for the same arguments."""
+        from lamina.engine.mp_executor import find_free_port
+        from lamina.worker.worker import WorkerSpec
+
+        args, pc = self.args, self.parallel_config
+        return WorkerSpec(
+            model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type, plan=self.plan,
+            master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
+            eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, load_format=args.load_format,
+            seed=args.seed, model_options=model_options, debug_layouts=args.debug_layouts,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            fail_at_step=args.fail_at_step, fail_rank=args.fail_rank,
+        )
+
     @staticmethod
     def _load_tokenizer(path: str):
         from transformers import AutoTokenizer
@@ -273,8 +293,9 @@ class LLMEngine:
             if any(p.finished_request_ids for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state
             return []
+        counts = tuple(p.num_tokens for p in plans)
+        self.step_token_counts.append(counts)
         if self.num_replicas > 1:
-            counts = tuple(p.num_tokens for p in plans)
             for p in plans:
                 p.dp_num_tokens = counts
         sampled_by_replica = self.executor.execute_replicas(plans)

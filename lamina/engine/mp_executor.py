@@ -52,6 +52,7 @@ class RankProcesses:
         ctx = mp.get_context("spawn")
         self.ranks = ranks
         self.conns: dict[int, mpc.Connection] = {}
+        self.errors: dict[int, str] = {}
         self.procs: dict[int, mp.Process] = {}
         for rank in ranks:
             parent, child = ctx.Pipe()
@@ -61,18 +62,38 @@ class RankProcesses:
             child.close()
             self.conns[rank], self.procs[rank] = parent, proc
 
+    def _drain_reports(self) -> None:
+        for rank, conn in self.conns.items():
+            if rank == 0:
+                continue  # rank 0's pipe carries results; wait_rank0 reads it
+            try:
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] == "error":
+                        self.errors.setdefault(rank, msg[2])
+            except (EOFError, OSError):
+                pass  # the process ended; its exit code tells the rest
+
+    def failure(self) -> str | None:
+        """A description of the first failure, naming ranks that died before ranks that only
+        reported errors caused by the loss of a peer; None while every rank is healthy."""
+        self._drain_reports()
+        dead = {r: p for r, p in self.procs.items() if not p.is_alive() and p.exitcode not in (0, None)}
+        if not dead and not self.errors:
+            return None
+        time.sleep(0.3)  # let simultaneous deaths show up
+        self._drain_reports()
+        dead = {r: p for r, p in self.procs.items() if not p.is_alive() and p.exitcode not in (0, None)}
+        silent = [r for r in dead if r not in self.errors]
+        parts = [f"rank {r} (pid {dead[r].pid}) died with exit code {dead[r].exitcode}" for r in sorted(silent)]
+        parts += [f"rank {r} failed: {self.errors[r]}" for r in sorted(self.errors)]
+        return "; then ".join(parts)
+
     def check(self) -> None:
         """Raise WorkerError if any rank died or reported an error."""
-        for rank, conn in self.conns.items():
-            if rank != 0 and conn.poll():
-                msg = conn.recv()
-                if msg[0] == "error":
-                    raise WorkerError(f"rank {rank} failed: {msg[2]}")
-        for rank, proc in self.procs.items():
-            if not proc.is_alive() and proc.exitcode not in (0, None):
-                if rank == 0 and self.conns[0].poll():
-                    return  # rank 0 left a message: let the caller read it
-                raise WorkerError(f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        message = self.failure()
+        if message is not None:
+            raise WorkerError(message)
 
     def wait_rank0(self, timeout: float | None = None):
         conn = self.conns[0]
@@ -83,11 +104,12 @@ class RankProcesses:
             if conn in ready:
                 try:
                     msg = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     self.check()
                     raise WorkerError("rank 0 closed its pipe unexpectedly") from None
                 if msg[0] == "error":
-                    raise WorkerError(f"rank {msg[1]} failed: {msg[2]}")
+                    self.errors.setdefault(msg[1], msg[2])
+                    self.check()
                 return msg
             if ready:
                 self.check()
@@ -164,3 +186,26 @@ class MultiprocExecutor:
         except (BrokenPipeError, OSError):
             pass
         self.procs.kill_all()
+
+
+def run_headless_node(engine_args) -> int:
+    """Run this node's ranks of a multi-node layout (node_rank > 0) until the engine on node 0 ends."""
+    from lamina.engine.llm_engine import LLMEngine
+
+    pc = engine_args.parallel_config()
+    if pc.node_rank == 0:
+        raise ValueError("node 0 runs the engine itself; run_headless_node is for node_rank > 0")
+    setup = LLMEngine.__new__(LLMEngine)
+    setup.describe_only(engine_args)
+    spec = setup.worker_spec({"ple_table_device": engine_args.ple_table_device})
+    procs = RankProcesses(spec, [r.rank for r in setup.plan.ranks if r.node == pc.node_rank])
+    try:
+        while any(p.is_alive() for p in procs.procs.values()):
+            procs.check()
+            time.sleep(0.2)
+        return procs.join(timeout=1)
+    except WorkerError as e:
+        print(f"lamina: node {pc.node_rank}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        procs.kill_all()

@@ -30,6 +30,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
 
 
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Parallelism flags, with vLLM's names."""
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true")
+    g.add_argument("--sequence-parallel-moe", default="auto", choices=["auto", "on", "off"],
+                   help="auto: on when expert parallel, TP > 1 and DP > 1")
+    g.add_argument("--pp-layer-partition", default=None,
+                   help="layers per pipeline stage, e.g. 2,16,16,14 (env LAMINA_PP_LAYER_PARTITION; the flag wins)")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--master-addr", default="127.0.0.1")
+    g.add_argument("--master-port", type=int, default=None)
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        sequence_parallel_moe=args.sequence_parallel_moe, pp_layer_partition=args.pp_layer_partition,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -37,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         load_format=args.load_format,
+        **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )
 
 
@@ -44,6 +71,14 @@ def _generate(args: argparse.Namespace) -> int:
     from lamina import LLM
     from lamina.models.default_model import ensure_default_model, is_untrained_default
 
+    if args.node_rank > 0:  # a secondary node of a multi-node layout: run its ranks headless
+        from lamina.config import EngineArgs
+        from lamina.engine.mp_executor import run_headless_node
+
+        return run_headless_node(EngineArgs(model=args.model, **engine_kwargs(args)))
+    if not args.prompt:
+        print("lamina generate: error: --prompt is required", file=sys.stderr)
+        return 2
     model = args.model or str(ensure_default_model())
     if is_untrained_default(model):
         print(
@@ -73,13 +108,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from lamina.config import EngineArgs
+    from lamina.entrypoints.plan_cmd import run_plan
+
+    kwargs = engine_kwargs(args)
+    return run_plan(args, EngineArgs(model=args.model_path, **kwargs))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(gen)
+    add_parallel_args(gen)
     s = gen.add_argument_group("sampling")
-    s.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    s.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several; required on node 0)")
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the (first) prompt")
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_generate)
+
+    plan = sub.add_parser("plan", help="print the parallel plan of a model and layout (reads config.json only)")
+    plan.add_argument("model_path", metavar="MODEL")
+    add_engine_args(plan)
+    add_parallel_args(plan)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=_plan)
     add_serve_parser(sub)
     return parser
 

@@ -1,0 +1,123 @@
+"""ParallelPlan: stage split, validation before weights, SP and expert placement, `lamina plan`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import Qwen3NextConfig
+
+from lamina.entrypoints.cli import main as cli_main
+from lamina.models.qwen3_next import Qwen3NextForCausalLM
+from lamina.parallel.config import ParallelConfig
+from lamina.parallel.plan import ParallelConfigError, build_plan, default_partition
+
+
+def real_qwen3_next(num_layers=48):
+    hf = Qwen3NextConfig(num_hidden_layers=num_layers, vocab_size=151936, hidden_size=2048, num_attention_heads=16,
+                         num_key_value_heads=2, num_experts=512, num_experts_per_tok=10)
+    hf.architectures = ["Qwen3NextForCausalLM"]
+    return hf, Qwen3NextForCausalLM.parse_config(hf, "Qwen3NextForCausalLM")
+
+
+@pytest.mark.parametrize("layers, pp, expected", [
+    (48, 5, [9, 10, 10, 10, 9]), (48, 4, [12, 12, 12, 12]), (5, 2, [3, 2]), (7, 3, [2, 3, 2]), (10, 4, [2, 3, 3, 2]),
+    (3, 3, [1, 1, 1]),
+])
+def test_default_partition(layers, pp, expected):
+    assert default_partition(layers, pp) == expected
+    assert expected[-1] == layers // pp  # the last stage never gets an extra layer
+
+
+def test_partition_flag_wins_over_env(monkeypatch):
+    _, cfg = real_qwen3_next()
+    monkeypatch.setenv("LAMINA_PP_LAYER_PARTITION", "10,10,10,18")
+    plan = build_plan(cfg, ParallelConfig(pipeline_parallel_size=4))
+    assert plan.stage_sizes == (10, 10, 10, 18) and plan.partition_source == "LAMINA_PP_LAYER_PARTITION"
+    plan = build_plan(cfg, ParallelConfig(pipeline_parallel_size=4, pp_layer_partition="2,16,16,14"))
+    assert plan.stage_sizes == (2, 16, 16, 14) and plan.partition_source == "--pp-layer-partition"
+    assert plan.stage_of_layer(1) == 0 and plan.stage_of_layer(2) == 1 and plan.stage_of_layer(47) == 3
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("0,48", "at least one layer"), ("1,2", "sums to 3 but the model has 48"), ("a,47", "'a' is not an integer"),
+    ("24,24,0", "has 3 entries but pipeline_parallel_size = 2"), ("-1,49", "at least one layer"),
+])
+def test_partition_refusals(spec, match):
+    _, cfg = real_qwen3_next()
+    with pytest.raises(ParallelConfigError, match=match):
+        build_plan(cfg, ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=spec))
+
+
+def test_validation_names_value_and_valid_choices():
+    _, cfg = real_qwen3_next()
+    with pytest.raises(ParallelConfigError, match=r"num_attention_heads = 16 is not divisible by tensor_parallel_size = 3; valid"):
+        build_plan(cfg, ParallelConfig(tensor_parallel_size=3))
+    with pytest.raises(ParallelConfigError, match=r"num_experts = 512 is not divisible by EP size .* = 6"):
+        build_plan(cfg, ParallelConfig(tensor_parallel_size=2, data_parallel_size=3, enable_expert_parallel=True))
+    with pytest.raises(ParallelConfigError, match="needs 8 GPUs per node .* but 2 are available"):
+        build_plan(cfg, ParallelConfig(tensor_parallel_size=8), num_devices=2, device_type="cuda")
+    with pytest.raises(ParallelConfigError, match="exceeds the model's 48 layers"):
+        build_plan(cfg, ParallelConfig(pipeline_parallel_size=49))
+    with pytest.raises(ParallelConfigError, match="sequence_parallel_moe = on needs tensor_parallel_size > 1"):
+        build_plan(cfg, ParallelConfig(sequence_parallel_moe="on"))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        ParallelConfig(tensor_parallel_size=0)
+    hf, _ = real_qwen3_next()
+    hf.vocab_size = 151937
+    cfg = Qwen3NextForCausalLM.parse_config(hf, "Qwen3NextForCausalLM")
+    with pytest.raises(ParallelConfigError, match="vocab_size = 151937 is not divisible by tensor_parallel_size = 2"):
+        build_plan(cfg, ParallelConfig(tensor_parallel_size=2))
+
+
+def test_kv_heads_replicated_beyond_their_count():
+    _, cfg = real_qwen3_next()
+    plan = build_plan(cfg, ParallelConfig(tensor_parallel_size=4))
+    assert plan.kv_heads_replicated
+
+
+def test_sp_auto_rule_and_expert_placement():
+    _, cfg = real_qwen3_next()
+    off = build_plan(cfg, ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True))
+    assert not off.sp and "DP > 1" in off.sp_reason
+    on = build_plan(cfg, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True))
+    assert on.sp and on.ep_size == 4
+    assert [r.experts for r in on.ranks] == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    assert [(r.dp, r.tp, r.ep) for r in on.ranks] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    forced = build_plan(cfg, ParallelConfig(tensor_parallel_size=2, sequence_parallel_moe="on"))
+    assert forced.sp and not forced.ep_enabled
+
+
+def _write_real_config(tmp_path):
+    hf, _ = real_qwen3_next()
+    hf.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_plan_command_text_and_json(tmp_path, capsys):
+    path = _write_real_config(tmp_path)
+    assert cli_main(["plan", str(path), "-pp", "5", "-tp", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "stages (default): 9, 10, 10, 10, 9" in out
+    assert "rank 9 (node 0, cpu): dp 0 pp 4 tp 1" in out and "layers 39-47 (9)" in out
+    assert "pipeline boundary: hidden states [T, 2048]" in out
+    assert cli_main(["plan", str(path), "-pp", "2", "-tp", "2", "-dp", "2", "--enable-expert-parallel", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sp"] and data["world_size"] == 8 and len(data["ranks"]) == 8
+    rank0 = data["ranks"][0]
+    assert rank0["coords"]["experts"] == [0, 128] and rank0["estimate"]["weight_bytes"] > 0
+    assert rank0["estimate"]["kv_bytes_per_token"] > 0 and rank0["estimate"]["state_bytes_per_request"] > 0
+    assert data["boundary"]["shape"] == "[ceil(T/2), 2048]"
+
+
+@pytest.mark.parametrize("partition", ["0,4", "1,2", "a,3"])
+def test_plan_command_refusals_exit_2(tmp_path, partition):
+    path = _write_real_config(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lamina.entrypoints.cli", "plan", str(path), "-pp", "2", "--pp-layer-partition", partition],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--pp-layer-partition" in proc.stderr and partition in proc.stderr
