@@ -56,10 +56,10 @@ def grouped_experts(
     else:
         out_sorted = _per_expert_loop(x_sorted, w13, w2, counts)
     # Rows past the last offset (non-local pairs) are undefined in grouped_mm: zero their weight.
-    out_sorted = torch.where(is_local[order][:, None], out_sorted, 0.0) * pair_weights[:, None]
-    out = torch.zeros_like(x)
-    out.index_add_(0, token_of_pair, out_sorted.to(x.dtype))
-    return out
+    out_sorted = torch.where(is_local[order][:, None], out_sorted.float(), 0.0) * pair_weights.float()[:, None]
+    # Un-sort to [T, k, H] and sum over k in float32: deterministic (no atomics) and one rounding.
+    per_pair = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # [T*k, H]
+    return per_pair.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [T, H]
 
 
 def _per_expert_loop(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
