@@ -1,4 +1,4 @@
-"""Vocab-parallel token embedding and LM head."""
+"""Vocab-parallel token embedding and LM head: each TP rank holds a contiguous slice of vocab rows."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from lamina.layers.linear import check_shape
 from lamina.parallel.context import ParallelContext, divide_exact
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each TP rank holds a contiguous vocab slice; the output is Partial until all-reduced."""
+class VocabShardedWeight(nn.Module):
+    """A [vocab, hidden] weight split by vocab rows over TP."""
 
     def __init__(self, total_vocab_size: int, hidden_size: int, ctx: ParallelContext, *, dtype=torch.float32, device=None):
         super().__init__()
         self.total_vocab_size = total_vocab_size
         self.hidden_size = hidden_size
+        self.tp_size = ctx.tp_size
         self.vocab_size_per_rank = divide_exact(total_vocab_size, ctx.tp_size, "vocab_size")
         self.vocab_start = ctx.tp_rank * self.vocab_size_per_rank
-        self.tp_size = ctx.tp_size
         self.weight = nn.Parameter(
             torch.empty(self.vocab_size_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -27,6 +27,10 @@ class VocabParallelEmbedding(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, (self.total_vocab_size, self.hidden_size))
         self.weight.data.copy_(loaded.narrow(0, self.vocab_start, self.vocab_size_per_rank))
+
+
+class VocabParallelEmbedding(VocabShardedWeight):
+    """Token embedding; the output is Partial over TP until reduced."""
 
     def forward_partial(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] -> [T, hidden], Partial over TP (rows of other ranks' vocab are zero)."""
@@ -38,22 +42,8 @@ class VocabParallelEmbedding(nn.Module):
         return out * in_range[:, None].to(out.dtype)
 
 
-class ParallelLMHead(nn.Module):
-    """Vocab rows split over TP; the caller all-gathers the local logits along the vocab dim."""
-
-    def __init__(self, total_vocab_size: int, hidden_size: int, ctx: ParallelContext, *, dtype=torch.float32, device=None):
-        super().__init__()
-        self.total_vocab_size = total_vocab_size
-        self.hidden_size = hidden_size
-        self.vocab_size_per_rank = divide_exact(total_vocab_size, ctx.tp_size, "vocab_size")
-        self.vocab_start = ctx.tp_rank * self.vocab_size_per_rank
-        self.weight = nn.Parameter(
-            torch.empty(self.vocab_size_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
-
-    def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        check_shape(name, loaded, (self.total_vocab_size, self.hidden_size))
-        self.weight.data.copy_(loaded.narrow(0, self.vocab_start, self.vocab_size_per_rank))
+class ParallelLMHead(VocabShardedWeight):
+    """LM head; the caller all-gathers the local logits along the vocab dim."""
 
     def forward_local(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> local logits [N, vocab_per_rank]."""
