@@ -44,6 +44,9 @@ class EngineArgs:
     debug_layouts: bool = False  # activations carry their layout; modules check it (tests)
     fail_at_step: int | None = None  # tests only: rank `fail_rank` exits at this step
     fail_rank: int | None = None
+    # MTP speculative decoding (vLLM's name): {"method": "mtp", "num_speculative_tokens": K,
+    # "policy": "fixed" | "auto"}; see lamina.engine.spec_decode
+    speculative_config: dict | None = None
 
     def parallel_config(self):
         from lamina.parallel.config import ParallelConfig
@@ -66,6 +69,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        from lamina.engine.spec_decode import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config
 
 
 def resolve_device(device: str) -> torch.device:

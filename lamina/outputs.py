@@ -28,6 +28,56 @@ class RequestMetrics:
 
 
 @dataclass
+class SpecDecodeMetrics:
+    """Speculative decoding counters (per request on `RequestOutput.spec_decode`, and per engine).
+
+    A verification step checks `k >= 1` draft tokens of one request; draft position j (1-based)
+    was proposed when k >= j and accepted when the first j drafts all were.
+    """
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_tokens_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts <= 0:
+            return
+        grow = num_drafts - len(self.draft_tokens_per_position)
+        if grow > 0:
+            self.draft_tokens_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        self.num_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.draft_tokens_per_position[j] += 1
+            self.accepted_per_position[j] += int(j < num_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.draft_tokens_per_position)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the target's own token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance_rate": self.per_position_acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,3 +87,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    spec_decode: SpecDecodeMetrics | None = None  # set when speculative decoding is on

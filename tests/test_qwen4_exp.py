@@ -33,6 +33,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    """These models are tiny: one intra-op thread is faster, and far faster on a busy machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def make_prompts(seed: int) -> list[list[int]]:
     """Random prompts with EOS inside (single and doubled) wherever they are long enough."""
     rng = random.Random(seed)
@@ -53,7 +62,7 @@ def model_pair(request, tmp_path_factory):
 
 
 def _llm(path, **kwargs) -> LLM:
-    return LLM(str(path), device="cpu", dtype="float32", show_progress=False, **kwargs)
+    return LLM(str(path), device="cpu", dtype="float32", show_progress=False, debug_layouts=True, **kwargs)
 
 
 def _check_outputs(ref, prompts, outputs, max_tokens):
@@ -196,7 +205,10 @@ def small_config_dir(tmp_path_factory):
     return tc.make_qwen4_exp(tmp_path_factory.mktemp("q4_cfg") / "ckpt", qsa=True)
 
 
-@pytest.mark.parametrize("changes,message", BAD_CONFIGS, ids=[next(iter(c)) + "=" + str(next(iter(c.values()))) for c, _ in BAD_CONFIGS])
+BAD_CONFIG_IDS = ["{}={}".format(*next(iter(c.items()))) for c, _ in BAD_CONFIGS]
+
+
+@pytest.mark.parametrize("changes,message", BAD_CONFIGS, ids=BAD_CONFIG_IDS)
 def test_config_errors_before_weights_load(small_config_dir, tmp_path, changes, message, monkeypatch):
     hf_config = read_model_config(small_config_dir)
     for key, value in changes.items():
@@ -221,3 +233,29 @@ def test_config_reads_real_checkpoint_spelling(small_config_dir):
     for name in ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"):
         object.__setattr__(hf_config, name, None)
     assert not Qwen4ExpForCausalLM.parse_config(hf_config, "x").has_qsa
+
+
+# ---- parallel layouts (gloo, one process per rank) ------------------------------------------
+
+PARALLEL_LAYOUTS = {
+    "pp2_ple_on_stage1": dict(pipeline_parallel_size=2),  # stages [0-2], [3-4]: PLE ids 1 and 4 on both
+    "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel_moe="on"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ple_dir(tmp_path_factory):
+    return tc.make_qwen4_exp(tmp_path_factory.mktemp("q4_par") / "ckpt", **CONFIGS["hc4_ple2"])
+
+
+@pytest.mark.parametrize("name", list(PARALLEL_LAYOUTS))
+def test_parallel_layout_matches_single_rank(two_ple_dir, name):
+    prompts = make_prompts(7)[1:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**kwargs):
+        with _llm(two_ple_dir, max_num_batched_tokens=9, **kwargs) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    assert run(**PARALLEL_LAYOUTS[name]) == run()

@@ -163,3 +163,120 @@ def make_qwen4_exp(
             elif "ngram_embedding" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
     return _save(model, path, seed)
+
+
+def _mtp_moe_tensors(prefix: str, text: dict, gen: torch.Generator, fused: bool) -> dict[str, torch.Tensor]:
+    hidden, experts = text["hidden_size"], text["num_experts"]
+    inter, shared = text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    out = {f"{prefix}gate.weight": w(experts, hidden)}
+    if fused:
+        out[f"{prefix}experts.gate_up_proj"] = w(experts, 2 * inter, hidden)
+        out[f"{prefix}experts.down_proj"] = w(experts, hidden, inter)
+    else:
+        for e in range(experts):
+            out[f"{prefix}experts.{e}.gate_proj.weight"] = w(inter, hidden)
+            out[f"{prefix}experts.{e}.up_proj.weight"] = w(inter, hidden)
+            out[f"{prefix}experts.{e}.down_proj.weight"] = w(hidden, inter)
+    if shared:
+        out[f"{prefix}shared_expert.gate_proj.weight"] = w(shared, hidden)
+        out[f"{prefix}shared_expert.up_proj.weight"] = w(shared, hidden)
+        out[f"{prefix}shared_expert.down_proj.weight"] = w(hidden, shared)
+        out[f"{prefix}shared_expert_gate.weight"] = w(1, hidden)
+    return out
+
+
+def _mtp_attention_tensors(prefix: str, text: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    hidden, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = text.get("head_dim") or hidden // heads
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    out = {
+        f"{prefix}q_proj.weight": w(2 * heads * head_dim, hidden),
+        f"{prefix}k_proj.weight": w(kv * head_dim, hidden),
+        f"{prefix}v_proj.weight": w(kv * head_dim, hidden),
+        f"{prefix}o_proj.weight": w(hidden, heads * head_dim),
+        f"{prefix}q_norm.weight": torch.randn(head_dim, generator=gen) * 0.2,
+        f"{prefix}k_norm.weight": torch.randn(head_dim, generator=gen) * 0.2,
+    }
+    if text.get("indexer_n_heads"):
+        n, d = text["indexer_n_heads"], text["indexer_head_dim"]
+        out[f"{prefix}indexer.index_qk_proj.weight"] = w((n + 1) * d, hidden)
+        out[f"{prefix}indexer.q_layernorm.weight"] = torch.randn(d, generator=gen) * 0.2
+        out[f"{prefix}indexer.k_layernorm.weight"] = torch.randn(d, generator=gen) * 0.2
+    return out
+
+
+def _hyper_connection_tensors(prefix: str, text: dict, gen: torch.Generator, inject: bool) -> dict[str, torch.Tensor]:
+    width, hc, rank = text["hc_count"] * text["hidden_size"], text["hc_count"], text["hc_lowrank"]
+    out = {
+        f"{prefix}hc_norm.weight": torch.randn(width, generator=gen) * 0.2,
+        f"{prefix}input_mix_weight_down.weight": torch.randn(rank, width, generator=gen) * 0.05,
+        f"{prefix}input_mix_weight_up.weight": torch.randn(width, rank, generator=gen) * 0.05,
+    }
+    if inject:
+        out[f"{prefix}block_inject_weight.weight"] = torch.randn(hc, width, generator=gen) * 0.05
+    return out
+
+
+def add_mtp_weights(
+    path: Path, *, num_layers: int = 1, fused_experts: bool = False, shared_head: bool = False, seed: int = 11,
+) -> Path:
+    """Give a tiny checkpoint random MTP weights under their real names (a separate `mtp.safetensors`
+    shard, listed in the index when there is one) and declare them in config.json:
+    `num_nextn_predict_layers` (Qwen3-Next) or `mtp_num_hidden_layers` (Qwen3.5-MoE, Qwen4-Exp).
+    Qwen4-Exp gets its multi-stream layout (fc_embedding / fc_hidden / hyper-connections), and
+    `shared_head=True` adds `mtp.shared_head.head.weight`."""
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config") or config
+    model_type = text.get("model_type", config.get("model_type", ""))
+    qwen4 = "qwen4" in model_type
+    gen = torch.Generator().manual_seed(seed)
+    hidden = text["hidden_size"]
+
+    def norm(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    tensors: dict[str, torch.Tensor] = {"mtp.pre_fc_norm_embedding.weight": norm(hidden)}
+    if qwen4:
+        hc = text["hc_count"]
+        tensors.update({
+            "mtp.fc_embedding.weight": w(hidden, hidden), "mtp.fc_hidden.weight": w(hidden, hidden),
+            "mtp.pre_fc_norm_hidden.weight": norm(hc * hidden),
+        })
+        tensors.update(_hyper_connection_tensors("mtp.hyper_connection_mixer.", text, gen, inject=True))
+        if shared_head:
+            tensors["mtp.shared_head.head.weight"] = w(text["vocab_size"], hidden)
+    else:
+        tensors.update({
+            "mtp.fc.weight": w(hidden, 2 * hidden), "mtp.pre_fc_norm_hidden.weight": norm(hidden),
+            "mtp.norm.weight": norm(hidden),
+        })
+    for i in range(num_layers):
+        lp = f"mtp.layers.{i}."
+        tensors.update(_mtp_attention_tensors(lp + "self_attn.", text, gen))
+        tensors.update(_mtp_moe_tensors(lp + "mlp.", text, gen, fused_experts))
+        if qwen4:
+            tensors.update(_hyper_connection_tensors(lp + "attn_hyper_connection.", text, gen, inject=True))
+            tensors.update(_hyper_connection_tensors(lp + "mlp_hyper_connection.", text, gen, inject=True))
+        else:
+            tensors[lp + "input_layernorm.weight"] = norm(hidden)
+            tensors[lp + "post_attention_layernorm.weight"] = norm(hidden)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+        index.write_text(json.dumps(data))
+    field_name = "num_nextn_predict_layers" if model_type == "qwen3_next" else "mtp_num_hidden_layers"
+    text[field_name] = num_layers
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

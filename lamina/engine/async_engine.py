@@ -107,8 +107,8 @@ class AsyncEngine:
         max_waiting_requests: int | None = None,
         fail_after_steps: int | None = None,
     ):
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit), got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         if fail_after_steps is None and os.environ.get(FAIL_AFTER_STEPS_ENV):
@@ -243,7 +243,7 @@ class AsyncEngine:
                     else:
                         engine.abort_request(request_id)
                         flush = True
-                self._published_waiting = engine.scheduler.num_waiting
+                self._published_waiting = engine.num_waiting
             if failed:
                 self._post(self._deliver, [], failed)
             if engine.has_unfinished_requests() or flush:
@@ -255,10 +255,10 @@ class AsyncEngine:
                 if outputs:
                     self._post(self._deliver, outputs, [])
             with self._cv:
-                self._published_waiting = engine.scheduler.num_waiting
+                self._published_waiting = engine.num_waiting
             self.stats = EngineStats(
-                num_waiting=engine.scheduler.num_waiting, num_running=engine.scheduler.num_running,
-                cache_usage=engine.cache.usage(), num_steps=num_steps,
+                num_waiting=engine.num_waiting, num_running=engine.num_running,
+                cache_usage=engine.cache_usage(), num_steps=num_steps,
             )
 
     def _post(self, fn, *args) -> None:

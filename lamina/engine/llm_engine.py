@@ -16,7 +16,8 @@ from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lamina.engine.spec_decode import SpecDecodePolicy, SpeculativeConfig, check_speculative, num_mtp_layers
+from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import SamplingParams
 from lamina.models.registry import resolve_model_class
@@ -41,6 +42,7 @@ class _RequestState:
         self.logprobs: list[dict[int, float]] | None = [] if request.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.spec = SpecDecodeMetrics()
 
 
 class LLMEngine:
@@ -49,7 +51,7 @@ class LLMEngine:
         cfg = self.model_config
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        model_options = {"ple_table_device": args.ple_table_device}
+        model_options = self.model_options()
 
         self.load_report = None
         if self.parallel_config.is_single_rank:
@@ -97,6 +99,19 @@ class LLMEngine:
         self.num_kv_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_batched
+        # Speculative decoding: the K policy, engine-wide counters, each replica's commits for the
+        # next plan, and (tests only) a hook that replaces the drafter's proposals.
+        self.spec_policy = None
+        self.spec_decode_metrics: SpecDecodeMetrics | None = None
+        self.num_draft_tokens = 0  # drafts proposed in the last step
+        if self.spec_config is not None:
+            self.spec_policy = SpecDecodePolicy(
+                self.spec_config, num_hidden_layers=cfg.num_hidden_layers, num_mtp_layers=num_mtp_layers(hf_config),
+                device_type=self.device.type,
+            )
+            self.spec_decode_metrics = SpecDecodeMetrics()
+        self._pending_commits: list[dict[str, int]] = [{} for _ in range(self.num_replicas)]
+        self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
 
     # ---- set-up helpers ------------------------------------------------------------------
     def describe_only(self, args: EngineArgs):
@@ -123,7 +138,19 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(cfg)
         self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = self._eos_token_ids(cfg)
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        self.mtp_prefix = None
+        if self.spec_config is not None:
+            self.mtp_prefix = check_speculative(self.spec_config, hf_config, model_cls, self.model_path, args.load_format)
         return hf_config, model_cls
+
+    def model_options(self) -> dict:
+        """Options every rank's model is built with."""
+        return {
+            "ple_table_device": self.args.ple_table_device,
+            "speculative_config": self.spec_config,
+            "mtp_prefix": self.mtp_prefix,
+        }
 
     def worker_spec(self, model_options: dict):
         """What every rank process needs; identical on every node for the same arguments."""
@@ -288,24 +315,42 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a new token."""
-        plans = [scheduler.schedule() for scheduler in self.schedulers]
+        num_drafts = self._decide_num_draft_tokens()
+        plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
         if all(p.is_empty for p in plans):
             if any(p.finished_request_ids for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state
             return []
         counts = tuple(p.num_tokens for p in plans)
         self.step_token_counts.append(counts)
+        for replica, p in enumerate(plans):
+            p.num_draft_tokens = num_drafts
+            running = {r.request_id for r in self.schedulers[replica].running}
+            p.spec_commits = {rid: a for rid, a in self._pending_commits[replica].items() if rid in running}
+            self._pending_commits[replica] = {}
         if self.num_replicas > 1:
+            samples = tuple(sum(c.sample for c in p.chunks) for p in plans)
             for p in plans:
                 p.dp_num_tokens = counts
+                p.dp_num_samples = samples
         sampled_by_replica = self.executor.execute_replicas(plans)
-        outputs = []
+        outputs, verifications = [], []
         for replica, plan in enumerate(plans):
-            self.schedulers[replica].on_step_done(plan)
-            outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica])
+            self.schedulers[replica].on_step_done(plan, sampled_by_replica[replica])
+            outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications)
+        if self.spec_policy is not None:
+            self.spec_policy.observe(verifications)
         return outputs
 
-    def _process(self, plan, sampled, scheduler) -> list[RequestOutput]:
+    def _decide_num_draft_tokens(self) -> int:
+        """Drafts to propose this step (0 without speculative decoding)."""
+        if self.spec_policy is None:
+            return 0
+        batch = max(min(s.num_running + s.num_waiting, self.max_num_seqs) for s in self.schedulers)
+        self.num_draft_tokens = self.spec_policy.decide(batch)
+        return self.num_draft_tokens
+
+    def _process(self, plan, sampled, scheduler, replica: int = 0, verifications: list | None = None) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -314,15 +359,21 @@ class LLMEngine:
             if result is None or state is None:
                 continue
             request = state.request
-            request.append_output(result.token_id)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-            if state.logprobs is not None and result.logprobs is not None:
-                state.logprobs.append(result.logprobs)
-                state.cumulative_logprob += result.logprobs.get(result.token_id, 0.0)
-            new_text = state.detokenizer.push([result.token_id]) if state.detokenizer else ""
-            state.text += new_text
-            self._check_stop(state, len(new_text), scheduler)
+            # Speculative decoding emits the accepted drafts, then the target's own token.
+            for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
+                request.append_output(token)
+                if state.logprobs is not None and logprobs is not None:
+                    state.logprobs.append(logprobs)
+                    state.cumulative_logprob += logprobs.get(token, 0.0)
+                new_text = state.detokenizer.push([token]) if state.detokenizer else ""
+                state.text += new_text
+                self._check_stop(state, len(new_text), scheduler)
+                if request.status.finished:
+                    break
+            if self.spec_config is not None:
+                self._after_verification(state, chunk, result, replica, verifications)
             if request.status.finished:
                 state.metrics.finished_time = now
                 state.metrics.num_preemptions = request.num_preemptions
@@ -333,6 +384,24 @@ class LLMEngine:
                 del self._states[request.request_id]
                 self._replica_of.pop(request.request_id, None)
         return outputs
+
+    def _after_verification(self, state: _RequestState, chunk, result, replica: int, verifications) -> None:
+        """Count the step's acceptance; keep the next drafts and the rollback for the next plan."""
+        request = state.request
+        accepted = len(result.accepted_token_ids)
+        if chunk.num_draft_tokens:
+            state.spec.record(chunk.num_draft_tokens, accepted)
+            self.spec_decode_metrics.record(chunk.num_draft_tokens, accepted)
+            if verifications is not None:
+                verifications.append((chunk.num_draft_tokens, accepted))
+        if request.status.finished:
+            return
+        drafts = list(result.draft_token_ids)
+        if self.draft_override is not None:
+            drafts = list(self.draft_override(request, drafts))
+        request.spec_token_ids = drafts
+        if chunk.num_draft_tokens:
+            self._pending_commits[replica][request.request_id] = accepted
 
     def _check_stop(self, state: _RequestState, new_text_len: int, scheduler: Scheduler) -> None:
         request = state.request
@@ -374,6 +443,7 @@ class LLMEngine:
             outputs=[completion],
             finished=request.status.finished,
             metrics=state.metrics,
+            spec_decode=state.spec if self.spec_config is not None else None,
         )
 
     def shutdown(self) -> None:

@@ -197,7 +197,7 @@ def run_headless_node(engine_args) -> int:
         raise ValueError("node 0 runs the engine itself; run_headless_node is for node_rank > 0")
     setup = LLMEngine.__new__(LLMEngine)
     setup.describe_only(engine_args)
-    spec = setup.worker_spec({"ple_table_device": engine_args.ple_table_device})
+    spec = setup.worker_spec(setup.model_options())
     procs = RankProcesses(spec, [r.rank for r in setup.plan.ranks if r.node == pc.node_rank])
     try:
         while any(p.is_alive() for p in procs.procs.values()):

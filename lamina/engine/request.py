@@ -37,6 +37,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -342,7 +342,17 @@ class Sampler:
     def _sample(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Random (and mixed greedy) sampling over the banned float32 logits."""
         greedy_ids = work.argmax(dim=-1) if batch.any_greedy else None  # [B]
+        probs = Sampler.probs(work, batch)  # [B, V]
+        sampled = _exponential_race(probs, batch)  # [B]
+        if greedy_ids is not None:
+            sampled = torch.where(batch.greedy, greedy_ids, sampled)
+        return sampled
 
+    @staticmethod
+    def probs(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, top-k, top-p, softmax, min-p
+        over the (banned) float32 logits `work` [B, V], which it modifies. Returns [B, V]
+        (min-p rows are not renormalised). Speculative sampling verifies drafts against it."""
         work.div_(batch.temperature.unsqueeze(1))  # [B, V]
         if batch.need_top_k or batch.need_top_p:
             work = apply_top_k_top_p(
@@ -353,11 +363,7 @@ class Sampler:
         probs = work.softmax(dim=-1)  # [B, V]
         if batch.need_min_p:
             probs = apply_min_p(probs, batch.min_p)
-
-        sampled = _exponential_race(probs, batch)  # [B]
-        if greedy_ids is not None:
-            sampled = torch.where(batch.greedy, greedy_ids, sampled)
-        return sampled
+        return probs
 
     @staticmethod
     def _gather_logprobs(

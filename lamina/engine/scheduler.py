@@ -7,6 +7,11 @@ prefill takes what is left of the budget. When KV blocks run out, the most recen
 running request is preempted: its cache is freed and it goes back to the front of the queue,
 to be recomputed from its prompt plus the tokens it already generated (so its output continues
 exactly where it stopped). Waiting requests are admitted while budget, sequences and cache allow.
+
+Speculative decoding: a decoding request's chunk also carries its draft tokens (as many as the
+budget, max_model_len and max_tokens leave room for), and a chunk that samples reserves KV for
+`num_draft_tokens - 1` more positions, where the MTP drafter writes while drafting. After the
+step only the accepted tokens count as computed.
 """
 
 from __future__ import annotations
@@ -79,37 +84,65 @@ class Scheduler:
         self.cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         plan.preempted_request_ids.append(request.request_id)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
+        end = start + num_new
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start:end] + list(drafts),
             start_position=start,
             block_table=list(self.cache.block_table(request.request_id)),
             state_slot=self.cache.state_slot(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=end == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
             history_token_ids=request.all_token_ids[max(0, start - self.config.token_history_len) : start],
+            num_draft_tokens=len(drafts),
+            next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
         )
 
-    def schedule(self) -> StepPlan:
+    def _drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
+        """The drafts a request's chunk verifies: none unless the chunk reaches its last token; at
+        most what the budget, max_model_len and max_tokens leave room for."""
+        if request.num_computed_tokens + num_new != request.num_tokens or not request.spec_token_ids:
+            return []
+        room = min(
+            budget_left,
+            self.config.max_model_len - request.num_tokens,
+            request.max_tokens - len(request.output_token_ids) - 1,
+        )
+        return request.spec_token_ids[: max(0, room)]
+
+    def _tokens_to_allocate(self, request: Request, num_new: int, lookahead: int) -> int:
+        """KV positions the request needs: its chunk, plus the drafter's lookahead when it samples
+        (never past max_model_len, except for what the chunk itself needs)."""
+        end = request.num_computed_tokens + num_new
+        if lookahead <= 0 or end < request.num_tokens:
+            return end
+        return max(end, min(end + lookahead, self.config.max_model_len))
+
+    def schedule(self, num_draft_tokens: int = 0) -> StepPlan:
+        """Plan one step; `num_draft_tokens`: drafts the MTP drafter will propose in it."""
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, finished_request_ids=self._finished_since_last_plan)
         self._finished_since_last_plan = []
         budget = self.config.max_num_batched_tokens
+        lookahead = num_draft_tokens - 1
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, num_new, budget - num_new)
             scheduled = True
-            while not self.cache.allocate(request.request_id, request.num_computed_tokens + num_new):
+            wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
+            while not self.cache.allocate(request.request_id, wanted):
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is request:
@@ -117,15 +150,15 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            plan.chunks.append(self._chunk(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             index += 1
 
         if not plan.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self.cache.allocate(request.request_id, request.num_computed_tokens + num_new):
+                if not self.cache.allocate(request.request_id, self._tokens_to_allocate(request, num_new, lookahead)):
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
@@ -134,10 +167,14 @@ class Scheduler:
                 budget -= num_new
         return plan
 
-    def on_step_done(self, plan: StepPlan) -> None:
-        """Advance each scheduled request by the tokens it computed (sampled tokens are appended by the engine)."""
+    def on_step_done(self, plan: StepPlan, results: dict | None = None) -> None:
+        """Advance each scheduled request by the tokens it computed (sampled tokens are appended by
+        the engine). Of a chunk's drafts only the accepted ones (`results`) count as computed."""
         by_id = {r.request_id: r for r in self.running}
         for chunk in plan.chunks:
             request = by_id.get(chunk.request_id)
             if request is not None:
-                request.num_computed_tokens = chunk.end_position
+                rejected = chunk.num_draft_tokens
+                if rejected and results is not None and chunk.request_id in results:
+                    rejected -= len(results[chunk.request_id].accepted_token_ids)
+                request.num_computed_tokens = chunk.end_position - rejected

@@ -24,6 +24,12 @@ class ScheduledChunk:
     # Up to `token_history_len` tokens just before `start_position` (fewer at the start of a
     # request): layers that look back over token ids (N-gram PLE) read them on any stage.
     history_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the last `num_draft_tokens` of `token_ids` are draft tokens to verify
+    # (the chunk is then [last known token, drafts...]); `next_token_id` is the request's token at
+    # `end_position` when already known (a prompt chunk that does not reach the end), which the
+    # MTP drafter reads at the chunk's last position.
+    num_draft_tokens: int = 0
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +50,13 @@ class StepPlan:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Token counts of all data-parallel replicas in this step (set by the engine when DP > 1).
     dp_num_tokens: tuple[int, ...] | None = None
+    # Speculative decoding: drafts to propose for each sampling request in this step; for every
+    # request verified in the previous step and still running, how many drafts it accepted (each
+    # rank rolls its recurrent states back to that position before this step's forward); and the
+    # sampling-request counts of all data-parallel replicas (drafting passes under EP lockstep).
+    num_draft_tokens: int = 0
+    spec_commits: dict[str, int] = field(default_factory=dict)
+    dp_num_samples: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

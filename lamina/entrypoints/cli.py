@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: seeded random weights from config.json alone (benchmarks)")
     g.add_argument("--ple-table-device", default="auto", choices=["auto", "gpu", "cpu"],
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
+                        '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +65,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
-        load_format=args.load_format,
+        load_format=args.load_format, speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )
+
+
+def _speculative_config(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    return value
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -24,7 +24,8 @@ class LLM:
     `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `load_format`,
     `ple_table_device`, `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
     `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
-    `node_rank`, `master_addr`, `master_port`.
+    `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:
+    `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`).
     """
 
     def __init__(self, model: str | None = None, **kwargs):

@@ -6,7 +6,8 @@ from lamina.kernels.gated_delta_rule import (
     gated_delta_rule_varlen,
     recurrent_gated_delta_rule_step,
 )
-from lamina.kernels.paged_attention import paged_attention, write_kv_cache
+from lamina.kernels.indexed_attention import pool_block_keys, qsa_key_mask
+from lamina.kernels.paged_attention import gather_paged_context, paged_attention, write_kv_cache, write_paged_rows
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
 
 __all__ = [
@@ -14,11 +15,15 @@ __all__ = [
     "chunk_gated_delta_rule_varlen",
     "flat_positions",
     "from_padded",
+    "gather_paged_context",
     "gated_delta_rule_varlen",
     "padded_index",
     "paged_attention",
+    "pool_block_keys",
+    "qsa_key_mask",
     "query_lens",
     "recurrent_gated_delta_rule_step",
     "to_padded",
     "write_kv_cache",
+    "write_paged_rows",
 ]

@@ -11,6 +11,10 @@ entries of that sequence, which also works when n < K-1 (part of the old state s
 
 With `dilation` d the taps are d apart (y_t reads seq[t + j*d]) and the state holds the
 last (K-1)*d inputs.
+
+Speculative decoding needs the state after a chosen token, not only after the last one:
+`capture=(req [R], offset [R])` also returns the state after token `offset` of request `req`
+(the last S entries of seq up to and including that token), for each of the R entries.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ def causal_conv1d_varlen(
     max_query_len: int,
     activation: str | None = "silu",
     dilation: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    capture: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Args:
         x: `[T, C]` flat inputs; weight: `[C, K]` (no bias);
         conv_state: `[B, C, (K-1)*dilation]` previous inputs per request (not modified);
         query_start_loc: `[B+1]`; max_query_len: host int;
-        activation: "silu" or None; dilation: distance between taps.
+        activation: "silu" or None; dilation: distance between taps;
+        capture: optional (req `[R]`, offset `[R]`) long: tokens after which to report the state.
 
     Returns:
-        out `[T, C]` in x's dtype, new_conv_state `[B, C, (K-1)*dilation]` in conv_state's dtype.
+        out `[T, C]` in x's dtype, new_conv_state `[B, C, (K-1)*dilation]` in conv_state's dtype;
+        with `capture`, also the captured states `[R, C, (K-1)*dilation]` in conv_state's dtype.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
@@ -67,4 +74,11 @@ def causal_conv1d_varlen(
     take = lens[:, None] + torch.arange(state_len, device=seq.device)  # [B, S]
     take = take[:, None, :].expand(bsz, channels, state_len)  # [B, C, S]
     new_state = seq.gather(2, take)  # [B, C, S]
-    return out.to(x.dtype), new_state.to(conv_state.dtype)
+    if capture is None:
+        return out.to(x.dtype), new_state.to(conv_state.dtype)
+    req, offset = capture[0].long(), capture[1].long()
+    # State after token i of request b: seq[b, :, i+1 : i+1+S], gathered without copying whole rows.
+    take = offset[:, None] + 1 + torch.arange(state_len, device=seq.device)  # [R, S]
+    chans = torch.arange(channels, device=seq.device)  # [C]
+    captured = seq[req[:, None, None], chans[None, :, None], take[:, None, :]]  # [R, C, S]
+    return out.to(x.dtype), new_state.to(conv_state.dtype), captured.to(conv_state.dtype)

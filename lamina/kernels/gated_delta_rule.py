@@ -28,6 +28,12 @@ and then
 T0, W and the intra-chunk scores only depend on the chunk's own tokens, so they are computed
 for all chunks at once; only the short scan over chunks is sequential. All exponents are
 <= 0 (g <= 0), so nothing overflows.
+
+The state after an inner position c of a chunk (needed to roll back rejected speculative
+tokens) follows the same way: S_c = exp(gam_c) S0 + (D[c, :] * K)^T U, which only reads the
+chunk's start state and U. `capture=(req [R], offset [R])` returns it for chosen tokens; an
+optional third entry, a host int bounding the offsets, keeps only the chunks that hold them
+(verification offsets are small, so a long prefill in the same batch costs nothing extra).
 """
 
 from __future__ import annotations
@@ -122,17 +128,21 @@ def chunk_gated_delta_rule_varlen(
     max_query_len: int,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    capture: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Chunked gated delta rule over a flat varlen batch.
 
     Args:
         q, k: `[T, Hk, Dk]`; v: `[T, Hv, Dv]`; g (log decay, <= 0), beta: `[T, Hv]`;
         initial_state: `[B, Hv, Dk, Dv]` float32 (zeros for fresh requests; not modified);
-        query_start_loc: `[B+1]` cumulative query lengths; max_query_len: host int.
+        query_start_loc: `[B+1]` cumulative query lengths; max_query_len: host int;
+        capture: optional (req `[R]`, offset `[R]`) long: tokens (offset inside request req's
+        chunk) after which to report the state as well; optionally a third entry, a host int
+        >= every offset.
 
     Returns:
         out `[T, Hv, Dv]` in v's dtype, final_state `[B, Hv, Dk, Dv]` float32 (the state
-        after each request's last token).
+        after each request's last token); with `capture`, also `[R, Hv, Dk, Dv]` float32.
     """
     total_tokens = q.shape[0]
     num_v_heads, head_v_dim = v.shape[1:]
@@ -172,17 +182,31 @@ def chunk_gated_delta_rule_varlen(
     chunk_dec = gam[..., -1].exp()[..., None, None]  # [B, Hv, N, 1, 1]
 
     state = initial_state.float()  # [B, Hv, Dk, Dv]
-    outs = []
+    outs, starts, us = [], [], []
+    kept_chunks = 0 if capture is None else num_chunks if len(capture) < 3 else capture[2] // csz + 1
     for n in range(num_chunks):
         u = t0[:, :, n] - w[:, :, n] @ state  # [B, Hv, C, Dv]
         outs.append(q_dec[:, :, n] @ state + scores[:, :, n] @ u)  # [B, Hv, C, Dv]
+        if n < kept_chunks:  # chunk start states and U of the chunks holding captured tokens
+            starts.append(state)
+            us.append(u)
         state = state * chunk_dec[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u  # [B, Hv, Dk, Dv]
 
     out = torch.stack(outs, dim=2)  # [B, Hv, N, C, Dv]
     out = out.permute(0, 2, 3, 1, 4).reshape(bsz, padded_len, num_v_heads, head_v_dim)  # [B, Lp, Hv, Dv]
     flat = flat_positions(query_start_loc, padded_len, total_tokens)  # [T]
     out = from_padded(out, valid, flat)  # [T, Hv, Dv]
-    return out.to(v.dtype), state
+    if capture is None:
+        return out.to(v.dtype), state
+    req, offset = capture[0].long(), capture[1].long()
+    n_idx, c_idx = offset // csz, offset % csz  # [R] chunk of each captured token, place inside it
+    start_state = torch.stack(starts, dim=2)[req, :, n_idx]  # [B, Hv, n, Dk, Dv] -> [R, Hv, Dk, Dv]
+    u_sel = torch.stack(us, dim=2)[req, :, n_idx]  # [B, Hv, n, C, Dv] -> [R, Hv, C, Dv]
+    k_sel = kc[req, :, n_idx]  # [R, Hv, C, Dk]
+    d_row = dmat[req, :, n_idx, c_idx]  # [R, Hv, C]: exp(gam_c - gam_s) for s <= c, 0 after
+    captured = start_state * gam[req, :, n_idx, c_idx].exp()[..., None, None]  # [R, Hv, Dk, Dv]
+    captured = captured + (k_sel * d_row[..., None]).transpose(-1, -2) @ u_sel  # [R, Hv, Dk, Dv]
+    return out.to(v.dtype), state, captured
 
 
 def gated_delta_rule_varlen(
@@ -196,14 +220,18 @@ def gated_delta_rule_varlen(
     max_query_len: int,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    capture: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Dispatch: decode-only batches (`max_query_len == 1`, so T == B) take the single-step
     form, everything else the chunked form. Same arguments and results as
     `chunk_gated_delta_rule_varlen`."""
     if max_query_len == 1:
         if q.shape[0] != initial_state.shape[0]:
             raise ValueError("max_query_len == 1 needs exactly one token per request (T == B)")
-        return recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
+        out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
+        if capture is None:
+            return out, state
+        return out, state, state.index_select(0, capture[0].long())  # one token each: its final state
     return chunk_gated_delta_rule_varlen(
-        q, k, v, g, beta, initial_state, query_start_loc, max_query_len, chunk_size, use_qk_l2norm
+        q, k, v, g, beta, initial_state, query_start_loc, max_query_len, chunk_size, use_qk_l2norm, capture
     )

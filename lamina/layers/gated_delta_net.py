@@ -7,7 +7,8 @@ Qwen3.5's separate `in_proj_qkv/z/b/a` are both converted into it by the model's
 
 Recurrent state lives in two per-layer tensors indexed by the request's state slot:
 `conv_state [num_slots, conv_dim_per_rank, K-1]` and `ssm_state [num_slots, Hv_per_rank, Dk, Dv]`
-(float32). A request whose first chunk is in this step starts from zeros.
+(float32). A request whose first chunk is in this step starts from zeros. Under speculative
+verification the states after chosen tokens are kept too (lamina.layers.spec_state).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lamina.kernels.causal_conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
+from lamina.layers.spec_state import conv_with_capture, stash_captured
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
@@ -126,9 +127,7 @@ class GatedDeltaNet(nn.Module):
         slots = meta.state_slots
         keep = meta.has_initial_state
         conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
-        mixed_qkv, conv_out = causal_conv1d_varlen(
-            mixed_qkv, self.conv_weight, conv_in, meta.query_start_loc, meta.max_query_len, activation="silu"
-        )
+        mixed_qkv, conv_out = conv_with_capture(self, "conv_state", mixed_qkv, self.conv_weight, conv_in, meta)
         self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
 
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -139,9 +138,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
 
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
-        core, state_out = gated_delta_rule_varlen(
-            query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True
+        core, state_out, *captured = gated_delta_rule_varlen(
+            query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True,
+            capture=meta.state_capture,
         )  # core [T, Hv, Dv]
+        stash_captured(self, "ssm_state", captured[0] if captured else None)
         self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))
 
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]

@@ -31,3 +31,7 @@ class ForwardMetadata:
     # Token counts of every data-parallel replica in this (lockstep) step, this one included:
     # expert-parallel MoE pads its cross-replica collectives to their maximum.
     dp_num_tokens: tuple[int, ...] | None = None
+    # Speculative verification: (req [R], offset [R], max offset) - long tensors and a host int -
+    # the tokens after which recurrent layers also keep their state (lamina.layers.spec_state),
+    # so that rejected drafts can be undone.
+    state_capture: tuple[torch.Tensor, torch.Tensor, int] | None = None

@@ -22,18 +22,22 @@ needs are gathered there and copied over. Every weight here is replicated over T
 
 from __future__ import annotations
 
+import logging
+
 import math
 
 import torch
 from torch import nn
 
-from lamina.kernels.causal_conv1d import causal_conv1d_varlen
 from lamina.layers.hyper_connections import GroupedRMSNorm
 from lamina.layers.linear import ReplicatedLinear, check_shape
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.ngram_hash import head_vocab_sizes, ngram_multipliers, ngram_row_ids
+from lamina.layers.spec_state import conv_with_capture
 
 PLE_TABLE_DEVICES = ("auto", "gpu", "cpu")
+
+logger = logging.getLogger(__name__)
 
 
 def ple_table_rows(vocab_base: int, ple_index: int, num_heads: int, divisible_by: int) -> int:
@@ -49,10 +53,23 @@ def resolve_ple_table_device(option: str, device: torch.device, table_bytes: int
     device = torch.device(device)
     if device.type == "cpu" or option == "cpu":
         return torch.device("cpu")
-    if option == "gpu":
+    if option == "gpu" or device.type != "cuda":  # e.g. "meta" while estimating memory
         return device
     free, _ = torch.cuda.mem_get_info(device)
     return device if table_bytes < 0.5 * free else torch.device("cpu")
+
+
+def _allocate_table(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """The table's storage. Host tables are pinned when the compute device is a GPU and the driver
+    can pin that much; a table too large to pin (a full-size one is ~95 GiB) stays pageable, and
+    only the rows a step needs go through the pinned staging buffer."""
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=True)
+        except (RuntimeError, torch.AcceleratorError if hasattr(torch, "AcceleratorError") else RuntimeError) as e:
+            logger.warning("could not pin a %.1f GiB PLE table (%s); keeping it in pageable host memory",
+                           shape[0] * shape[1] * dtype.itemsize / 2**30, str(e).splitlines()[0])
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class NGramHashEmbedding(nn.Module):
@@ -82,7 +99,8 @@ class NGramHashEmbedding(nn.Module):
         self.device = torch.device(device)
         sizes = head_vocab_sizes(vocab_base, ple_index, self.num_heads)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.register_buffer("multipliers", torch.tensor(ngram_multipliers(vocab_size, ngram_size, ple_index, seed), device=device), persistent=False)
+        multipliers = ngram_multipliers(vocab_size, ngram_size, ple_index, seed)
+        self.register_buffer("multipliers", torch.tensor(multipliers, device=device), persistent=False)
         self.register_buffer("head_sizes", torch.tensor(sizes, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("head_offsets", torch.tensor(offsets, dtype=torch.long, device=device), persistent=False)
         self.num_rows = -(-sum(sizes) // divisible_by) * divisible_by
@@ -91,8 +109,10 @@ class NGramHashEmbedding(nn.Module):
         self.num_parts = -(-self.num_rows // self.part_rows)
         table_device = torch.device(table_device)
         pin = table_device.type == "cpu" and self.device.type == "cuda"
-        # A plain tensor, not a parameter: it may stay in host memory while the model is on a GPU.
-        self.table = torch.empty(self.num_rows, self.head_dim, dtype=dtype, device=table_device, pin_memory=pin)
+        # [rows, D]; may stay in host memory while the rest of the model is on a GPU.
+        self.ngram_embedding = nn.Parameter(
+            _allocate_table((self.num_rows, self.head_dim), dtype, table_device, pin), requires_grad=False
+        )
         self._staging: torch.Tensor | None = None  # pinned host rows on their way to the device
 
     # ---- loading -------------------------------------------------------------------------
@@ -101,7 +121,7 @@ class NGramHashEmbedding(nn.Module):
         start = part * self.part_rows
         rows = min(self.part_rows, self.num_rows - start)
         check_shape(name, loaded, (rows, self.head_dim))
-        self.table[start : start + rows].copy_(loaded)
+        self.ngram_embedding.data[start : start + rows].copy_(loaded)
 
     def check_buffer(self, name: str, loaded: torch.Tensor) -> None:
         """The checkpoint's copies of the hash constants must equal the ones derived from the config."""
@@ -119,22 +139,25 @@ class NGramHashEmbedding(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N] (compute device) -> table rows [N, D] on the compute device."""
-        if self.table.device == rows.device:
-            return self.table.index_select(0, rows)
+        table = self.ngram_embedding.data  # [rows, D]
+        if table.device == rows.device:
+            return table.index_select(0, rows)
         host_rows = rows.cpu()  # syncs the stream, so the previous step's copy out of staging is done
-        if not self.table.is_pinned():
-            return self.table.index_select(0, host_rows).to(self.device)
+        if not table.is_pinned():
+            return table.index_select(0, host_rows).to(self.device)
         count = host_rows.shape[0]
         if self._staging is None or self._staging.shape[0] < count:
             capacity = 1 << max(count - 1, 1).bit_length()
-            self._staging = torch.empty(capacity, self.head_dim, dtype=self.table.dtype, pin_memory=True)
-        staged = self._staging[:count]
-        torch.index_select(self.table, 0, host_rows, out=staged)
+            self._staging = torch.empty(capacity, self.head_dim, dtype=table.dtype, pin_memory=True)  # [cap, D]
+        staged = self._staging[:count]  # [N, D]
+        torch.index_select(table, 0, host_rows, out=staged)
         return staged.to(self.device, non_blocking=True)
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """window [T, ngram_size] (see `ngram_windows`) -> embeddings [T, heads * head_dim]."""
-        rows = ngram_row_ids(window, self.multipliers, self.head_sizes, self.head_offsets, self.heads_per_ngram)  # [T, heads]
+        rows = ngram_row_ids(
+            window, self.multipliers, self.head_sizes, self.head_offsets, self.heads_per_ngram
+        )  # [T, heads]
         emb = self._gather(rows.reshape(-1))  # [T*heads, D]
         return emb.view(window.shape[0], self.num_heads * self.head_dim)  # [T, heads*D]
 
@@ -194,9 +217,8 @@ class PLELayer(nn.Module):
 
         slots = meta.state_slots
         state_in = torch.where(meta.has_initial_state[:, None, None], self.conv_state[slots], 0.0)  # [B, hc*H, S]
-        conv_out, state_out = causal_conv1d_varlen(
-            conv_in, self.conv_weight, state_in, meta.query_start_loc, meta.max_query_len,
-            activation="silu", dilation=self.dilation,
-        )  # [T, hc*H], [B, hc*H, S]
+        conv_out, state_out = conv_with_capture(
+            self, "conv_state", conv_in, self.conv_weight, state_in, meta, activation="silu", dilation=self.dilation,
+        )  # [T, hc*H], [B, hc*H, S]; keeps per-position states under speculative verification
         self.conv_state.index_copy_(0, slots, state_out.to(self.conv_state.dtype))
         return streams + (gated + conv_out)

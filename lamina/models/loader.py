@@ -5,7 +5,8 @@ header is parsed and checked against the file size (a truncated download is name
 checkpoint's tensor names are compared with what the model needs (missing tensors are named).
 Then each shard is memory-mapped and its tensors copied one at a time into the parameters, which
 converts the dtype and moves them to the device; no second full copy of the model exists.
-`mtp.*` tensors are recognised and recorded (name, shape, file) for the MTP drafter, never an error.
+`mtp.*` tensors are loaded when the model built an MTP drafter (speculative decoding) and are
+otherwise recorded (name, shape, file), never an error.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def load_checkpoint(
     for shard in bar:
         with safe_open(str(shard.path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.startswith(SIDE_PREFIXES):
+                if name.startswith(SIDE_PREFIXES) and name not in weight_map.loaders and name not in weight_map.ignored:
                     report.side_tensors[name] = (shard.path, shard.tensors[name][1])
                     continue
                 if name.startswith(skip_prefixes) or (skip_name is not None and skip_name(name)) or name in weight_map.ignored:

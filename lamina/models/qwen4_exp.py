@@ -113,7 +113,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
             else:
                 streams = self.ple(streams, window, meta)
         x, inject = self.attn_hyper_connection.mix(streams)  # [rows, H], [rows, hc]
-        x = layout.all_gather_tokens(layout.tag(x, layout.S, ctx), num_tokens, ctx) if ctx.sp else layout.tag(x, layout.R, ctx)
+        x = self._gather(x, num_tokens)  # R [T, H]
         if num_tokens == 0:  # an idle data-parallel replica in a lockstep (EP) step
             out = torch.zeros_like(x)
         elif self.kind == "linear_attention":
@@ -126,9 +126,14 @@ class Qwen4ExpDecoderLayer(nn.Module):
         if self.mlp.output_layout == layout.S:  # EP + SP: experts and shared expert on the shard
             out = self.mlp(layout.tag(x, layout.S, ctx), meta)  # S
         else:
-            x = layout.all_gather_tokens(layout.tag(x, layout.S, ctx), num_tokens, ctx) if ctx.sp else layout.tag(x, layout.R, ctx)
-            out = self._reduce(self.mlp(x, meta), num_tokens)
+            out = self._reduce(self.mlp(self._gather(x, num_tokens), meta), num_tokens)
         return layout.tag(HyperConnection.combine(streams, out, inject), stream, ctx)
+
+    def _gather(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A sub-block input computed on the stream's rows -> R [T, H] (all-gather under SP)."""
+        if self.ctx.sp:
+            return layout.all_gather_tokens(layout.tag(x, layout.S, self.ctx), num_tokens, self.ctx)
+        return layout.tag(x, layout.R, self.ctx)
 
     def _reduce(self, partial: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """A sub-block's P [T, H] output -> the stream's rows (all-reduce, or reduce-scatter under SP)."""
@@ -151,6 +156,11 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         tie = getattr(hf_config, "tie_word_embeddings", None) if text_config is not hf_config else None
         return parse_qwen4_exp_text_config(text_config, architecture, eos_fallback=eos, tie_word_embeddings=tie)
 
+    @classmethod
+    def token_history_len_for(cls, cfg: Qwen4ExpTextConfig) -> int:
+        """Earlier token ids each chunk needs: the n-gram window's `ngram_size - 1` (0 without PLE)."""
+        return cfg.ngram_size - 1 if cfg.ple_layer_ids else 0
+
     def __init__(
         self,
         cfg: Qwen4ExpTextConfig,
@@ -170,7 +180,7 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         self.is_first_stage = start == 0
         self.is_last_stage = end == cfg.num_hidden_layers
         # The scheduler hands every chunk this many earlier token ids (the same on every stage).
-        self.token_history_len = cfg.ngram_size - 1 if cfg.ple_layer_ids else 0
+        self.token_history_len = self.token_history_len_for(cfg)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=device
         )

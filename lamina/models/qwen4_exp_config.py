@@ -2,8 +2,9 @@
 before any weight is read.
 
 `layer_types` of real checkpoints say `full_attention` for the indexed layers and transformers
-rewrites them to `indexed_attention`; both mean an attention layer here (`full_attention` in
-`layer_types`), indexed when the QSA fields are set, plain gated attention when none is.
+rewrites them to `indexed_attention` (5.17: `qwen_sparse_attention`); all of them mean an attention
+layer here (`full_attention` in `layer_types`), indexed when the QSA fields are set, plain gated
+attention when none is.
 `ple_layer_ids` count from 1: id L puts a PLE module on decoder layer L-1.
 """
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from lamina.models.hybrid_config import HybridTextConfig, parse_hybrid_text_config
 
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-_ATTENTION_KINDS = ("full_attention", "indexed_attention")
+# Spellings of an attention layer: real checkpoints, transformers >= 5.24, transformers 5.17.
+_ATTENTION_KINDS = ("full_attention", "indexed_attention", "qwen_sparse_attention")
 OUTPUT_GATE_TYPES = ("silu", "sigmoid")
 
 
@@ -149,17 +151,21 @@ def _check_ple(c, layer_types: tuple[str, ...], ple_ids: tuple[int, ...], embed_
         raise ValueError(f"eos_token_id = {eos} is outside the vocabulary [0, {c.vocab_size})")
 
 
-def parse_qwen4_exp_text_config(text_config, architecture: str, *, eos_fallback=None, tie_word_embeddings=None) -> Qwen4ExpTextConfig:
+def parse_qwen4_exp_text_config(
+    text_config, architecture: str, *, eos_fallback=None, tie_word_embeddings=None
+) -> Qwen4ExpTextConfig:
     c = text_config
     raw_types = list(c.layer_types)
     unknown = sorted({t for t in raw_types if t not in ("linear_attention", *_ATTENTION_KINDS)})
     if unknown:
         raise ValueError(
             f"config layer_types has unsupported entries {unknown}; supported: linear_attention, "
-            f"indexed_attention, full_attention"
+            f"{', '.join(_ATTENTION_KINDS)}"
         )
     layer_types = ["full_attention" if t in _ATTENTION_KINDS else t for t in raw_types]
-    base = parse_hybrid_text_config(_WithLayerTypes(c, layer_types), architecture, moe_every_layer=True, eos_fallback=eos_fallback)
+    base = parse_hybrid_text_config(
+        _WithLayerTypes(c, layer_types), architecture, moe_every_layer=True, eos_fallback=eos_fallback
+    )
     if tie_word_embeddings is not None:
         base = dataclasses.replace(base, tie_word_embeddings=bool(tie_word_embeddings))
 

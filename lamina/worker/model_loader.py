@@ -57,6 +57,8 @@ def build_model(
     if load_format != "dummy":
         resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
+    if (model_options or {}).get("speculative_config") is not None:
+        _attach_drafter(model, model_dir, hf_config, model_options, device, load_format)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         model.eval()
@@ -71,16 +73,37 @@ def build_model(
         idx = checkpoint_layer_index(name)
         return idx is not None and not start <= idx < end
 
+    weight_map = model.build_weight_map()
+    if getattr(model, "mtp", None) is not None:
+        model.mtp.add_weights(weight_map)
     report = load_checkpoint(
-        model.build_weight_map(), model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress
+        weight_map, model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress
     )
     model.eval()
     return model, cfg, report
 
 
+def _attach_drafter(model, model_dir, hf_config, model_options: dict, device, load_format: str) -> None:
+    """Speculative decoding: the last stage's model gets its MTP drafter (lamina.models.mtp)."""
+    from lamina.engine.spec_decode import num_mtp_layers
+    from lamina.models.loader import read_header
+    from lamina.models.mtp import attach_mtp
+
+    model.speculative = True  # every stage keeps per-position states; the last one also drafts
+    names = () if load_format == "dummy" else [
+        n for path in resolve_shards(Path(model_dir)) for n in read_header(path).tensors
+    ]
+    attach_mtp(
+        model, num_layers=num_mtp_layers(hf_config), prefix=model_options.get("mtp_prefix", "mtp."),
+        device=device, available_names=names,
+    )
+
+
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights of plausible scale: norms at identity, delta-net decay in range."""
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02, chunk_elements: int = 1 << 26) -> None:
+    """Seeded random weights of plausible scale: norms at identity, delta-net decay in range.
+    Large tensors (a host PLE table of ~95 GiB) are filled in chunks in their own dtype, so no
+    float32 copy of them is ever made."""
     for index, (name, param) in enumerate(model.named_parameters()):
         if param.device.type == "meta":
             continue
@@ -90,7 +113,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
         elif name.endswith("dt_bias"):
             param.zero_()
         else:
-            param.copy_(torch.empty(param.shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
+            flat = param.view(-1)
+            for start in range(0, flat.numel(), chunk_elements):
+                part = flat[start : start + chunk_elements]
+                part.copy_(torch.empty(part.shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(0.0 if module.zero_centred else 1.0)

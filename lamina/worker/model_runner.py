@@ -3,12 +3,14 @@
 It receives a `StepPlan`, derives every input tensor from it (token ids, positions, query
 boundaries, slot mappings, block tables, state slots, token history), runs its stage and, on the
 last stage, samples the next token of each request whose chunk reached its end. The scheduler
-never sees tensors; this is where plan integers become tensors.
+never sees tensors; this is where plan integers become tensors. With speculative decoding (the
+model has an MTP drafter) the last stage verifies drafts and proposes new ones instead
+(lamina.worker.spec_step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +24,17 @@ from lamina.layers.metadata import ForwardMetadata
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None = None
+    # Speculative decoding: draft tokens accepted this step (emitted before `token_id`) and their
+    # logprobs, how many drafts were checked, and the drafts proposed for the next step.
+    accepted_token_ids: list[int] = field(default_factory=list)
+    accepted_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this step emitted, in order."""
+        return [*self.accepted_token_ids, self.token_id]
 
 
 class ModelRunner:
@@ -35,14 +48,25 @@ class ModelRunner:
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
+        self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
+        self.spec = None
+        if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
+            from lamina.worker.spec_step import SpecDecodeStep
+
+            self.spec = SpecDecodeStep(self)
 
     # ---- caches --------------------------------------------------------------------------
+    def paged_cache_modules(self) -> list:
+        """The target's paged-cache layers and the MTP drafter's (same block tables)."""
+        mtp = getattr(self.model, "mtp", None)
+        return self.model.paged_cache_modules() + (mtp.paged_cache_modules() if mtp is not None else [])
+
     def paged_cache_bytes_per_block(self, block_size: int) -> int:
-        return sum(m.paged_cache_bytes_per_block(block_size, self.model.dtype) for m in self.model.paged_cache_modules())
+        return sum(m.paged_cache_bytes_per_block(block_size, self.model.dtype) for m in self.paged_cache_modules())
 
     def allocate_caches(self, num_kv_blocks: int, block_size: int, num_state_slots: int) -> None:
         self.block_size = block_size
-        for module in self.model.paged_cache_modules():
+        for module in self.paged_cache_modules():
             self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.model.dtype, self.device)
         for module in self.model.state_modules():
             self.state_bytes += module.bind_state(num_state_slots, self.model.dtype, self.device)
@@ -93,6 +117,7 @@ class ModelRunner:
             history_token_ids=history,
             token_request_index=as_tensor(request_index),
             dp_num_tokens=plan.dp_num_tokens,
+            state_capture=self.spec.capture_for(plan) if self.spec is not None else None,
         )
         return as_tensor(token_ids), meta, logits_rows
 
@@ -100,12 +125,27 @@ class ModelRunner:
     def forget_finished(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.forget(plan.finished_request_ids)
+            self.spec.forget(plan.preempted_request_ids)
+
+    @torch.inference_mode()
+    def commit_spec_states(self, plan: StepPlan) -> None:
+        """Speculative decoding: roll recurrent states back to the last step's accepted tokens."""
+        if self.spec is not None:
+            self.spec.commit(plan)
 
     @torch.inference_mode()
     def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None):
         """Run this rank's stage: returns (stream or final hidden, logits rows)."""
         token_ids, meta, logits_rows = self.prepare(plan)
+        self.last_inputs = (token_ids, meta)
         return self.model(token_ids, meta, hidden), logits_rows
+
+    @torch.inference_mode()
+    def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, SampledToken]:
+        """Last stage under speculative decoding (a TP collective: every TP rank calls it)."""
+        return self.spec.finish_step(plan, hidden)
 
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
@@ -121,9 +161,12 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
         self.forget_finished(plan)
+        self.commit_spec_states(plan)
         if plan.is_empty:
             return {}
         hidden, rows = self.forward_stage(plan)
+        if self.spec is not None and self.spec.mtp is not None:
+            return self.verify_and_propose(plan, hidden)
         return self.logits_and_sample(plan, hidden, rows)
 
     def compute_logits_for_plan(self, plan: StepPlan) -> torch.Tensor:

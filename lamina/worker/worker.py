@@ -44,6 +44,7 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
     me = spec.plan.ranks[rank]
     plan = plans[me.dp]
     runner.forget_finished(plan)
+    runner.commit_spec_states(plan)  # speculative decoding: roll back to the accepted tokens
     if plan.is_empty and not spec.plan.ep_enabled:
         return None  # replicas without expert parallelism do not need to step together
     model = runner.model
@@ -61,7 +62,10 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         if rows > 0:
             pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
         return None
-    sampled = runner.logits_and_sample(plan, out, logits_rows, sample=me.tp == 0)
+    if runner.spec is not None:
+        sampled = runner.verify_and_propose(plan, out)  # also drafts; rank 0 of the TP group reports
+    else:
+        sampled = runner.logits_and_sample(plan, out, logits_rows, sample=me.tp == 0)
     return (me.dp, sampled) if me.tp == 0 else None
 
 

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +41,6 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     retry_after_s: int = 1
     model_root: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class ServerState:
@@ -54,15 +53,16 @@ class ServerState:
         self.serving = OpenAIServing(self.async_engine, config.served_model_names, self.metrics,
                                      retry_after_s=config.retry_after_s)
 
-    async def drain(self, timeout_s: float | None = None) -> None:
-        """Refuse new requests, give in-flight ones `timeout_s` to finish, then end the rest with an error."""
+    async def drain(self, timeout_s: float | None = None, give_up=lambda: False) -> None:
+        """Refuse new requests, give in-flight ones `timeout_s` to finish (or until `give_up()`), then end
+        the rest with an error."""
         engine = self.async_engine
         engine.draining = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         if engine.num_in_flight:
             logger.info("draining: waiting up to %.0f s for %d request(s)", timeout_s, engine.num_in_flight)
-        while engine.num_in_flight and time.monotonic() < deadline:
+        while engine.num_in_flight and time.monotonic() < deadline and not give_up():
             await asyncio.sleep(0.05)
         aborted = engine.abort_all("the server is shutting down")
         if aborted:
@@ -226,8 +226,10 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
 
     @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
     async def get_model(model_id: str):
-        state.serving.resolve_model(model_id or "\0")
-        return next(card for card in model_cards() if card["id"] == model_id)
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):

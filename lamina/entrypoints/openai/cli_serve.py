@@ -20,13 +20,15 @@ API_KEY_ENV = "LAMINA_API_KEY"
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on the `lamina` command's subparsers."""
-    from lamina.entrypoints.cli import add_engine_args  # lazy: cli.py imports this module
+    from lamina.entrypoints import cli  # lazy: cli.py imports this module
 
     p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint directory (default: the built-in untrained model); same as --model")
-    add_engine_args(p)
+    cli.add_engine_args(p)
+    if hasattr(cli, "add_parallel_args"):
+        cli.add_parallel_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -56,7 +58,7 @@ class LaminaServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         for server in getattr(self, "servers", []):
             server.close()  # no new connections while draining
-        await self.lamina_state.drain()
+        await self.lamina_state.drain(give_up=lambda: self.force_exit)  # a second Ctrl-C stops waiting
         await super().shutdown(sockets=sockets)
         # uvicorn re-raises a captured SIGTERM after serving; the drain is done, so exit normally
         captured = getattr(self, "_captured_signals", None)
@@ -88,8 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_body_bytes <= 0:
         raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

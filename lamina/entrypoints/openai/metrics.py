@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from lamina.engine.async_engine import AsyncEngine
 
@@ -11,6 +13,22 @@ OUTCOMES = ("success", "bad_request", "rejected", "aborted", "error")
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _SpecDecodeCollector(Collector):
+    """The engine's speculative (MTP) decoding counters, read at scrape time; 0 when it does not draft."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        spec = getattr(self.engine.engine, "spec_decode_metrics", None)
+        for name, attr, doc in (
+            ("lamina_spec_decode_draft_tokens", "num_draft_tokens", "Speculative (MTP) draft tokens proposed"),
+            ("lamina_spec_decode_accepted_tokens", "num_accepted_tokens", "Speculative (MTP) draft tokens accepted"),
+            ("lamina_spec_decode_verification_steps", "num_steps", "Request-steps that verified drafts"),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(getattr(spec, attr, 0) or 0))
 
 
 class ServerMetrics:
@@ -44,12 +62,7 @@ class ServerMetrics:
             "lamina_e2e_request_latency_seconds", "From request arrival to its last token",
             buckets=_E2E_BUCKETS, registry=r,
         )
-        self.spec_draft_tokens = Counter(
-            "lamina_spec_decode_draft_tokens", "Speculative (MTP) tokens proposed (0 until MTP exists)", registry=r,
-        )
-        self.spec_accepted_tokens = Counter(
-            "lamina_spec_decode_accepted_tokens", "Speculative (MTP) tokens accepted (0 until MTP exists)", registry=r,
-        )
+        r.register(_SpecDecodeCollector(engine))
         Gauge("lamina_num_requests_waiting", "Requests queued, not yet scheduled", registry=r).set_function(
             lambda: engine.stats.num_waiting)
         Gauge("lamina_num_requests_running", "Requests in the running batch", registry=r).set_function(

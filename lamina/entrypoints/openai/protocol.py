@@ -8,14 +8,37 @@ checked by the serving layer.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 64
 MAX_BATCH_PROMPTS = 1024
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON has one number type: 16.0 is an integer in JSON Schema, so accept it where an int belongs
+    (16.5, strings and booleans still fail)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**constraints) -> Any:
+    """An int field type (integral floats accepted) with its range constraints inside the type, so the
+    OpenAPI schema shows them as minimum/maximum even within `| None`."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral_float_to_int)]
+
+
+def _float(**constraints) -> Any:
+    return Annotated[float, Field(**constraints)]
+
+
+Int = _int()
+TokenId = _int(ge=0)
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -31,10 +54,10 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI names, then vLLM's extras)."""
 
     model: str | None = None
-    n: int | None = Field(default=1, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    n: _int(ge=1, le=1) | None = 1
+    temperature: _float(ge=0.0) | None = None
+    top_p: _float(gt=0.0, le=1.0) | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = Field(default=None)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -43,11 +66,11 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: _int(ge=-1) | None = None
+    min_p: _float(ge=0.0, le=1.0) | None = None
+    min_tokens: _int(ge=0) = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -55,12 +78,29 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: _int(ge=1) | None = 16
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One clear message for a prompt of the wrong shape (instead of one error per union member)."""
+        def is_ids(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in v)
+
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("prompt is empty: give at least one token")
+        if isinstance(value, str) or is_ids(value):
+            return value
+        if isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
+            return value
+        raise ValueError("prompt must be a string, a list of token ids, a list of strings, or a list of token-id "
+                         "lists")
 
 
 class TextContentPart(_Request):
@@ -85,10 +125,10 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: _int(ge=1) | None = None
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None

@@ -208,10 +208,13 @@ class OpenAIServing:
     @staticmethod
     async def wait_disconnect(raw: Request) -> None:
         """Return once the client has closed the connection (the body must already be read)."""
-        while True:
-            message = await raw.receive()
-            if message["type"] == "http.disconnect":
-                return
+        try:
+            while True:
+                message = await raw.receive()
+                if message["type"] == "http.disconnect":
+                    return
+        except Exception:  # noqa: BLE001 - a transport that cannot receive any more is a gone client
+            return
 
     async def collect(self, streams: Sequence[RequestStream], raw: Request) -> list[RequestOutput]:
         """The final output of every stream; aborts them all if the client goes away first."""

@@ -37,9 +37,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                                    param=f"messages[{i}].content")
                 texts.append(part.text)
             m["content"] = "\n".join(texts)
-        elif content is None and message.role != "assistant":
-            raise APIError(400, f"messages[{i}].content is missing (only assistant messages may omit it)",
-                           param=f"messages[{i}].content")
+        elif content is None:
+            m["content"] = ""  # templates expect a string
         messages.append(m)
     return messages
 

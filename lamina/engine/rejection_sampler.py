@@ -1,0 +1,125 @@
+"""Checking draft tokens against the target: greedy acceptance and speculative sampling.
+
+A verification batch holds, for each of B requests, the target's logits at its k_b + 1 scored
+positions (the request's last known token and its k_b drafts), flat `[R, V]`. Row j of request b
+(j < k_b) predicts the token the drafter proposed as draft j+1; row k_b is the bonus position.
+
+- Greedy requests: draft j+1 is accepted while it equals the target's argmax at row j (after the
+  same min_tokens bans plain decoding applies); the token after the accepted prefix is the
+  argmax at the first mismatching row, or at the bonus row. The output is the plain greedy one.
+- Random requests (speculative sampling): with p the target's and q the drafter's processed
+  distribution at a row, draft d is accepted with probability min(1, p(d)/q(d)) (u q(d) <= p(d),
+  u ~ U[0, 1)); at the first rejection the token is drawn from the normalised positive part of
+  p - q, after k_b acceptances from p at the bonus row. Every emitted token is then distributed
+  exactly as under p, whatever q is.
+
+`verify_drafts` runs every row of every request at once (no per-token loop); only seeded rows
+draw their random numbers from their own generators, one row at a time, as the sampler does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race
+
+
+@dataclass
+class VerifyOutput:
+    num_accepted: torch.Tensor  # [B] long
+    tokens: torch.Tensor  # [B, Kmax+1] long: emitted tokens; the first num_accepted+1 are valid
+    row_tokens: torch.Tensor  # [R] long: the token emitted at each row (valid up to the accepted prefix)
+    logprobs: LogprobsTensors | None  # per row, of `row_tokens`, when any row asked for logprobs
+    num_logprobs: list[int | None]
+
+    def row_logprobs_lists(self) -> list[dict[int, float] | None]:
+        """Per-row logprob dicts (host sync), in the sampler's format."""
+        return SamplerOutput(self.row_tokens, self.logprobs, self.num_logprobs).logprobs_lists()
+
+
+def _uniforms(num_rows: int, batch: SamplingBatch, device) -> torch.Tensor:
+    """U[0, 1) per row; seeded rows draw from their own generator."""
+    u = torch.rand(num_rows, device=device)  # [R]
+    for row in batch.seeded_rows:
+        gen = batch.generators[row]
+        u[row] = torch.rand(1, generator=gen, device=gen.device).to(device)[0]
+    return u
+
+
+def normalised_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The processed distribution (temperature, top-k/p, min-p) of every row, summing to 1 [N, V]."""
+    probs = Sampler.probs(logits.float().clone(), batch)  # [N, V]
+    return probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    row_req: torch.Tensor,
+    row_pos: torch.Tensor,
+    row_draft: torch.Tensor,
+    num_drafts: torch.Tensor,
+    batch: SamplingBatch,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyOutput:
+    """Args:
+        logits: `[R, V]` target logits of the scored rows;
+        rows: `[B, W]` long (W = Kmax + 1): flat row of (request b, position j), any valid row
+            where j > k_b; row_req / row_pos: `[R]` long, the (b, j) of each row;
+        row_draft: `[R]` long: the draft checked at the row (-1 at bonus rows);
+        num_drafts: `[B]` long, k_b; batch: sampling metadata built per row (R rows, min_tokens
+            counted per position);
+        draft_probs: `[R, V]` q of the draft at each draft row (needed when any row is random).
+    """
+    num_rows = logits.shape[0]
+    width = rows.shape[1]
+    work = logits.float().clone()  # [R, V]
+    raw_logprobs = torch.log_softmax(work, dim=-1) if batch.max_num_logprobs is not None else None
+    if batch.has_bans:
+        work[batch.ban_rows, batch.ban_cols] = float("-inf")
+    greedy_tokens = work.argmax(dim=-1)  # [R]
+    has_draft = row_draft >= 0  # [R]
+    draft = row_draft.clamp(min=0)  # [R]
+    greedy_accept = (greedy_tokens == draft) & has_draft  # [R]
+
+    if batch.all_greedy:
+        accept, final = greedy_accept, greedy_tokens
+    else:
+        if draft_probs is None:
+            raise ValueError("random rows need the drafter's probabilities (draft_probs)")
+        p = normalised_probs(work, batch)  # [R, V]
+        q = draft_probs.float()  # [R, V]
+        p_d = p.gather(1, draft[:, None])[:, 0]  # [R]
+        q_d = q.gather(1, draft[:, None])[:, 0]  # [R]
+        u = _uniforms(num_rows, batch, logits.device)  # [R]
+        random_accept = has_draft & (q_d > 0) & (u * q_d <= p_d)  # [R]
+        residual = torch.where(has_draft[:, None], (p - q).clamp_min(0.0), p)  # [R, V]
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: never used
+        sampled = _exponential_race(residual, batch)  # [R]
+        accept = torch.where(batch.greedy, greedy_accept, random_accept)
+        final = torch.where(batch.greedy, greedy_tokens, sampled)
+
+    cols = torch.arange(width, device=logits.device)  # [W]
+    is_draft_col = cols[None, :] < num_drafts[:, None]  # [B, W]
+    accepted = accept[rows] & is_draft_col  # [B, W]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
+    draft_cols = torch.where(has_draft, row_draft, 0)[rows]  # [B, W]: draft checked at (b, j)
+    tokens = torch.where(cols[None, :] < num_accepted[:, None], draft_cols, final[rows])  # [B, W]
+    row_tokens = tokens[row_req, row_pos]  # [R]
+    lp = None
+    if raw_logprobs is not None:
+        lp = Sampler._gather_logprobs(raw_logprobs, row_tokens, batch.max_num_logprobs)
+    return VerifyOutput(num_accepted, tokens, row_tokens, lp, list(batch.num_logprobs))
+
+
+def sample_drafts(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens from the drafter's logits [B, V]: argmax for greedy rows, a draw from the
+    processed distribution q otherwise. Returns (tokens [B], q [B, V] or None when all greedy)."""
+    greedy_tokens = logits.float().argmax(dim=-1)  # [B]
+    if batch.all_greedy:
+        return greedy_tokens, None
+    q = normalised_probs(logits, batch)  # [B, V]
+    sampled = _exponential_race(q.clone(), batch)  # [B]
+    return torch.where(batch.greedy, greedy_tokens, sampled), q

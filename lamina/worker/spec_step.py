@@ -1,0 +1,199 @@
+"""A rank's part of speculative decoding: per-position states, verification, drafts.
+
+Every rank of a replica (all pipeline stages, all TP ranks) does the same from the same plans:
+
+- Capture: a chunk with k drafts is `[last token, draft 1..k]`; recurrent layers keep the states
+  after its first k tokens (`ForwardMetadata.state_capture`, lamina.layers.spec_state). The
+  state after the whole chunk is written to the slot as usual (right when all k are accepted).
+- Commit: the next plan carries how many drafts each verified request accepted
+  (`StepPlan.spec_commits`, from the engine); before its forward the rank copies the captured
+  state after the accepted position into the slot. So slots only ever hold states of accepted
+  tokens, on every stage, without any message flowing back along the pipeline.
+- Last stage: the target's logits at every verified position are checked
+  (lamina.engine.rejection_sampler) on TP rank 0, which shares the accepted counts and emitted
+  tokens with its TP group; then the MTP proposer (lamina.worker.proposer) drafts for the next
+  step. Drafts go back to the engine with the tokens and return in the next plan.
+
+KV slots of rejected positions need no rollback: they lie beyond the request's length, are never
+read, and are rewritten by the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lamina.engine.rejection_sampler import verify_drafts
+from lamina.engine.sampler import SamplingBatch
+from lamina.engine.step_plan import StepPlan
+from lamina.layers.spec_state import commit_captured
+from lamina.worker.proposer import MTPProposer
+
+NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
+
+
+class SpecDecodeStep:
+    def __init__(self, runner):
+        self.runner = runner
+        self.model = runner.model
+        self.mtp = getattr(runner.model, "mtp", None)  # None on stages other than the last
+        self.device = runner.device
+        self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
+        self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
+        self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
+
+    # ---- states ----------------------------------------------------------------------------
+    def capture_for(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(req [R], offset [R], max offset) of the tokens whose states verification keeps (None:
+        no drafts)."""
+        self._captured = {}
+        req: list[int] = []
+        offset: list[int] = []
+        for i, c in enumerate(plan.chunks):
+            k = c.num_draft_tokens
+            if k:
+                self._captured[c.request_id] = (c.state_slot, len(req), k)
+                first = c.num_tokens - 1 - k  # the request's last accepted token
+                req += [i] * k
+                offset += range(first, first + k)
+        if not req:
+            return None
+        return self._tensor(req), self._tensor(offset), max(offset)  # the bound keeps kernels' buffers small
+
+    def commit(self, plan: StepPlan) -> None:
+        """Put the state after each verified request's accepted position into its slot."""
+        captured, self._captured = self._captured, {}
+        rows, slots = [], []
+        for request_id, accepted in plan.spec_commits.items():
+            entry = captured.get(request_id)
+            if entry is not None and accepted < entry[2]:  # all accepted: the slot is already right
+                rows.append(entry[1] + accepted)
+                slots.append(entry[0])
+        if rows:
+            rows_t, slots_t = self._tensor(rows), self._tensor(slots)
+            for module in self.model.state_modules():
+                commit_captured(module, rows_t, slots_t)
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._draft_probs.pop(request_id, None)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's `x` on every rank of the TP group."""
+        ctx = self.model.ctx
+        if ctx.tp_size == 1:
+            return x
+        return ctx.tp.all_reduce(x if ctx.tp_rank == 0 else torch.zeros_like(x))
+
+    # ---- last stage --------------------------------------------------------------------------
+    def finish_step(self, plan: StepPlan, stage_output: torch.Tensor) -> dict:
+        """Verify this step's drafts, emit tokens and propose the next drafts. Returns the
+        per-request results on TP rank 0 (an empty dict elsewhere)."""
+        from lamina.worker.model_runner import SampledToken
+
+        runner, model = self.runner, self.model
+        token_ids, meta = runner.last_inputs
+        chunks = plan.chunks
+        is_sampler = model.ctx.tp_rank == 0
+        sample_index = [i for i, c in enumerate(chunks) if c.sample]
+        sampled = [chunks[i] for i in sample_index]
+        num = len(sampled)
+        ends = [0]
+        for c in chunks:
+            ends.append(ends[-1] + c.num_tokens)
+        drafts_k = [c.num_draft_tokens for c in sampled]
+        base_rows = [ends[i + 1] - 1 - k for i, k in zip(sample_index, drafts_k)]  # last accepted row
+        base_pos = [c.end_position - 1 - c.num_draft_tokens for c in sampled]
+
+        verified = None
+        num_accepted = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
+        bonus = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
+        if num:
+            rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
+            logits = model.compute_logits(stage_output.index_select(0, self._tensor(rows)))  # [R, V]
+            if is_sampler:
+                verified = self._verify(logits, sampled, drafts_k, token_ids, rows)
+                num_accepted = verified.num_accepted
+                bonus = verified.tokens.gather(1, num_accepted[:, None])[:, 0]
+            packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
+            num_accepted, bonus = packed[0], packed[1]
+
+        bonus_rows = self._tensor(base_rows) + num_accepted  # [B]
+        target_hidden = self.mtp.target_hidden(stage_output, meta)
+        h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
+        draft_batch = None
+        if is_sampler and num and plan.num_draft_tokens:
+            draft_batch = SamplingBatch.build(
+                [c.sampling_params for c in sampled], [NO_BANS] * num, list(runner.eos_token_ids),
+                [runner._generator(c) for c in sampled], self.device, runner.vocab_size,
+            )
+        capacity = [len(c.block_table) * runner.block_size - 1 for c in sampled]
+        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
+        drafts, probs = self.proposer.propose(
+            plan, meta, sample_index, self._tensor(base_pos) + num_accepted, max_pos, capacity,
+            h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
+        )
+        if not is_sampler or not num:
+            return {}
+        return self._results(sampled, drafts_k, verified, drafts, probs, SampledToken)
+
+    def _verify(self, logits, sampled, drafts_k, token_ids, rows):
+        runner = self.runner
+        params, out_lens, gens, row_req, row_pos, row_draft = [], [], [], [], [], []
+        for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
+            gen = runner._generator(c)
+            for j in range(k + 1):
+                params.append(c.sampling_params)
+                out_lens.append(c.num_output_tokens + j)
+                gens.append(gen)
+                row_req.append(b)
+                row_pos.append(j)
+                row_draft.append(c.token_ids[len(c.token_ids) - k + j] if j < k else -1)
+        batch = SamplingBatch.build(params, out_lens, list(runner.eos_token_ids), gens, self.device, runner.vocab_size)
+        width = max(drafts_k) + 1
+        starts = [0]
+        for k in drafts_k:
+            starts.append(starts[-1] + k + 1)
+        grid = [[starts[b] + min(j, k) for j in range(width)] for b, k in enumerate(drafts_k)]  # [B, W]
+        draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
+        return verify_drafts(
+            logits, self._tensor(grid), self._tensor(row_req), self._tensor(row_pos), self._tensor(row_draft),
+            self._tensor(drafts_k), batch, draft_probs,
+        )
+
+    def _draft_prob_rows(self, sampled, drafts_k, row_draft, vocab: int) -> torch.Tensor:
+        """q [R, V] at every verified row: the stored draft distributions (a point mass at the
+        draft when none was stored, e.g. for drafts drawn greedily), zeros at bonus rows."""
+        blocks, row = [], 0
+        for c, k in zip(sampled, drafts_k):
+            block = torch.zeros(k + 1, vocab, device=self.device)  # [k+1, V]
+            stored = self._draft_probs.get(c.request_id)
+            if k and stored is not None and stored.shape[0] >= k and not c.sampling_params.greedy:
+                block[:k] = stored[:k]
+            elif k:
+                block[torch.arange(k, device=self.device), self._tensor(row_draft[row : row + k])] = 1.0
+            blocks.append(block)
+            row += k + 1
+        return torch.cat(blocks)
+
+    def _results(self, sampled, drafts_k, verified, drafts, probs, SampledToken) -> dict:
+        accepted = verified.num_accepted.tolist()
+        tokens = verified.tokens.tolist()
+        row_lps = verified.row_logprobs_lists()
+        draft_lists = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in sampled]  # [B, D]
+        results, row = {}, 0
+        for b, (c, k) in enumerate(zip(sampled, drafts_k)):
+            a = accepted[b]
+            emitted, lps = tokens[b][: a + 1], row_lps[row : row + a + 1]
+            results[c.request_id] = SampledToken(
+                token_id=emitted[-1], logprobs=lps[-1], accepted_token_ids=emitted[:-1],
+                accepted_logprobs=lps[:-1], num_draft_tokens=k, draft_token_ids=draft_lists[b],
+            )
+            if drafts and probs[0] is not None and not c.sampling_params.greedy:
+                self._draft_probs[c.request_id] = torch.stack([q[b] for q in probs])  # [D, V]
+            else:
+                self._draft_probs.pop(c.request_id, None)
+            row += k + 1
+        return results
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,0 +1,340 @@
+"""MTP speculative decoding on one rank (CPU, float32): exact greedy output, rollback, metrics.
+
+Tiny checkpoints get random `mtp.*` weights under their real names (tests.tiny_checkpoints), so
+the drafter's own proposals are almost never right; partial acceptance is exercised by planting
+drafts (the engine's test hook replaces the drafter's proposals with the known continuation,
+spoiled at chosen positions).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.engine.spec_decode import SpecDecodePolicy, SpeculativeConfig
+from tests import tiny_checkpoints as tc
+
+VOCAB = tc.VOCAB
+ENGINE = dict(device="cpu", dtype="float32", show_progress=False)
+CHUNKED = dict(max_num_batched_tokens=16, block_size=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def spec(k: int, **extra) -> dict:
+    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k, **extra}} if k else {}
+
+
+def prompts(seed: int = 0, lens=(1, 6, 17, 30)) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(0, 990) for _ in range(n)]} for n in lens]
+
+
+def generate(path, k: int = 0, params=GREEDY, ps=None, override=None, **kw):
+    with LLM(str(path), **ENGINE, **spec(k), **kw) as llm:
+        if override is not None:
+            llm.engine.draft_override = override
+        outs = llm.generate(ps or prompts(), params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], outs, llm.engine
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory, qwen3_next_dir, qwen3_5_moe_dir):
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        "qwen3_next": tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, root / "q3next")),
+        "qwen3_5_moe": tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_dir, root / "q35"), fused_experts=True),
+        "qwen4_exp": tc.add_mtp_weights(tc.make_qwen4_exp(root / "q4"), shared_head=True),
+    }
+
+
+_plain: dict[str, list[list[int]]] = {}
+
+
+def plain_tokens(mtp_models, family: str) -> list[list[int]]:
+    if family not in _plain:
+        _plain[family] = generate(mtp_models[family], **CHUNKED)[0]
+    return _plain[family]
+
+
+FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen4_exp"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_for_k_0_to_3(mtp_models, family):
+    """Chunked prefill mixed with verification steps; drafts mostly rejected (rollback every step)."""
+    expected = plain_tokens(mtp_models, family)
+    for k in (1, 2, 3):
+        tokens, outs, engine = generate(mtp_models[family], k, **CHUNKED)
+        assert tokens == expected, f"K={k}"
+        assert engine.spec_decode_metrics.num_draft_tokens > 0
+        assert all(o.spec_decode is not None for o in outs)
+
+
+def planting_proposer(reference: list[list[int]], k: int, max_tokens: int, log: list):
+    """Drafts = the reference continuation, with draft `w` spoiled, w cycling over 0..k (k: none
+    spoiled). Logs (request, drafts verified, drafts that must be accepted) of each plant."""
+    counter = {}
+
+    def override(request, proposed):
+        assert len(proposed) == k  # the drafter proposed its full share
+        i, n = int(request.request_id), len(request.output_token_ids)
+        step = counter[i] = counter.get(i, -1) + 1
+        drafts = list(reference[i][n : n + k])
+        wrong = (step + i) % (k + 1)
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % VOCAB
+        verified = min(k, max_tokens - n - 1)
+        log.append((request.request_id, verified, min(wrong, verified)))
+        return drafts
+
+    return override
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planted_drafts_partial_acceptance(mtp_models, family):
+    """Known-correct drafts with planted wrong ones: the output is unchanged (recurrent states,
+    PLE conv state and KV rolled back exactly) and acceptance is exactly as planted."""
+    k = 3
+    reference = plain_tokens(mtp_models, family)
+    log: list = []
+    override = planting_proposer(reference, k, GREEDY.max_tokens, log)
+    tokens, outs, engine = generate(mtp_models[family], k, override=override, **CHUNKED)
+    assert tokens == reference
+    for out in outs:
+        planted = [(v, a) for rid, v, a in log if rid == out.request_id and v > 0]
+        metrics = out.spec_decode
+        assert metrics.num_steps == len(planted)
+        assert metrics.num_accepted_tokens == sum(a for _, a in planted)
+        assert metrics.accepted_per_position == [sum(a > j for _, a in planted) for j in range(k)]
+        assert metrics.draft_tokens_per_position == [sum(v > j for v, _ in planted) for j in range(k)]
+    total = engine.spec_decode_metrics
+    assert total.num_accepted_tokens == sum(o.spec_decode.num_accepted_tokens for o in outs)
+    assert 0 < total.acceptance_rate < 1
+    assert len(total.per_position_acceptance_rate) == k and total.mean_acceptance_length > 1.5
+
+
+def test_preemption_and_recompute(mtp_models):
+    """A cache too small for every request: preempted requests drop their drafts, recompute from
+    scratch (drafter KV included) and still give the plain tokens."""
+    path = mtp_models["qwen3_next"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    small = dict(block_size=4, max_model_len=96, num_gpu_blocks_override=40, max_num_batched_tokens=64)
+    ps = prompts(5, lens=(6, 17, 31, 45, 58))
+    expected = generate(path, ps=ps, params=params, **small)[0]
+    log: list = []
+    tokens, _, engine = generate(
+        path, 2, ps=ps, params=params, override=planting_proposer(expected, 2, 20, log), **small
+    )
+    assert engine.scheduler.num_preemptions > 0, "the cache was meant to be too small"
+    assert engine.cache.usage() == 0.0
+    assert tokens == expected
+    assert engine.spec_decode_metrics.num_accepted_tokens > 0
+
+
+def test_drafts_match_an_independent_reference(mtp_models):
+    """The drafter's proposals against transformers' own decoder layer run over the whole
+    sequence (no cache): the first pass reads (target hidden at p, token p+1) at every position,
+    the second pass (its own output at the last position, draft 1)."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+    from safetensors.torch import load_file
+
+    from tests.reference import load_reference
+
+    path = mtp_models["qwen3_next"]
+    target = load_reference(path)
+    config = Qwen3NextConfig.from_pretrained(path)
+    config.layer_types = ["full_attention"]
+    config._attn_implementation = "eager"
+    layer = hf.Qwen3NextDecoderLayer(config, 0).float().eval()
+    mtp = load_file(str(path / "mtp.safetensors"))
+    state = {k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+    experts = range(config.num_experts)  # transformers keeps experts fused: [E, 2I, H] and [E, H, I]
+    state["mlp.experts.gate_up_proj"] = torch.stack([
+        torch.cat([state.pop(f"mlp.experts.{e}.gate_proj.weight"), state.pop(f"mlp.experts.{e}.up_proj.weight")])
+        for e in experts
+    ])
+    state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+    layer.load_state_dict(state)
+    norm = {n: hf.Qwen3NextRMSNorm(64, eps=config.rms_norm_eps) for n in ("e", "h", "out")}
+    for n, name in (("e", "pre_fc_norm_embedding"), ("h", "pre_fc_norm_hidden"), ("out", "norm")):
+        norm[n].weight.data.copy_(mtp[f"mtp.{name}.weight"])
+    rotary = hf.Qwen3NextRotaryEmbedding(config)
+    embed, head = target.model.embed_tokens, target.lm_head
+
+    @torch.no_grad()
+    def reference_logits(sequence: list[int], draft: int):
+        """Logits of draft 1 (after `sequence`) and of draft 2 given draft 1 = `draft`."""
+        ids = torch.tensor([sequence])
+        hidden = target.model(input_ids=ids).last_hidden_state[0, :-1]  # [P+1, H]: target states up to P
+        x = torch.cat([norm["e"](embed(ids[0, 1:])), norm["h"](hidden)], dim=-1) @ mtp["mtp.fc.weight"].T  # [P+1, H]
+
+        def run(x):
+            n = x.shape[0]
+            cos_sin = rotary(x[None], torch.arange(n)[None])
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            return norm["out"](layer(x[None], position_embeddings=cos_sin, attention_mask=mask)[0])  # [n, H]
+
+        out = run(x)
+        second = torch.cat([norm["e"](embed(torch.tensor([draft]))), norm["h"](out[-1:])], dim=-1) @ mtp["mtp.fc.weight"].T
+        out2 = run(torch.cat([x, second]))
+        return head(out[-1]), head(out2[-1])
+
+    seen = []
+
+    def record(request, proposed):
+        seen.append((list(request.all_token_ids), list(proposed)))
+        return proposed
+
+    generate(path, 2, ps=prompts(7, lens=(5, 19)), override=record, **CHUNKED)
+    assert len(seen) > 10
+    for sequence, (d1, d2) in seen[::3]:
+        first, second = reference_logits(sequence, d1)
+        assert first[d1] >= first.max() - 1e-3 and second[d2] >= second.max() - 1e-3
+
+
+def _plant_reference(reference: list[list[int]], k: int):
+    def override(request, proposed):
+        i, n = int(request.request_id), len(request.output_token_ids)
+        drafts = list(reference[i][n : n + k])
+        if (n + i) % 2 and drafts:
+            drafts[-1] = (drafts[-1] + 1) % VOCAB
+        return drafts
+
+    return override
+
+
+def test_stops_logprobs_and_min_tokens_inside_accepted_drafts(mtp_models):
+    """A stop token met among accepted drafts ends the request there; min_tokens bans apply per
+    verified position; logprobs come back for every emitted token, as in plain decoding."""
+    path = mtp_models["qwen3_next"]
+    base = generate(path)[0]
+    stop_at = [toks[6] for toks in base]  # the 7th token of each plain sequence
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[t], min_tokens=3, logprobs=2) for t in stop_at
+    ]
+    reference, ref_outs, _ = generate(path, params=params)
+    tokens, outs, _ = generate(path, 3, params=params, override=_plant_reference(reference, 3))
+    assert tokens == reference
+    for ours, theirs in zip(outs, ref_outs):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert (a.finish_reason, a.stop_reason) == (b.finish_reason, b.stop_reason)
+        assert len(a.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_generation_up_to_max_model_len(mtp_models):
+    """Drafts and the drafter's lookahead are cut at max_model_len; the last steps still verify."""
+    path = mtp_models["qwen3_5_moe"]
+    ps = prompts(9, lens=(25, 31))
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    small = dict(max_model_len=40, block_size=4)
+    reference = generate(path, ps=ps, params=params, **small)[0]
+    assert [len(t) for t in reference] == [15, 9]
+    tokens, _, engine = generate(path, 3, ps=ps, params=params, override=_plant_reference(reference, 3), **small)
+    assert tokens == reference and engine.spec_decode_metrics.num_accepted_tokens > 0
+
+
+def test_sampling_runs_and_is_reproducible(mtp_models):
+    params = SamplingParams(temperature=0.9, top_k=50, max_tokens=10, ignore_eos=True, seed=123)
+    path = mtp_models["qwen4_exp"]
+    first = generate(path, 2, params=params)[0]
+    assert first == generate(path, 2, params=params)[0]
+    assert all(len(t) == 10 and all(0 <= x < VOCAB for x in t) for t in first)
+
+
+# ---- configuration --------------------------------------------------------------------------
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "integer >= 1"),
+    ({"method": "mtp", "num_speculative_tokens": "2"}, "integer >= 1"),
+    ({"method": "mtp"}, "integer >= 1"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "policy": "sometimes"}, "policy must be one of"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_config(qwen3_next_dir, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(qwen3_next_dir), **ENGINE, speculative_config=config)
+
+
+def test_checkpoint_without_mtp_is_refused_before_loading(qwen3_next_dir, tmp_path, monkeypatch):
+    import lamina.worker.model_loader as model_loader
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(model_loader, "build_model", no_load)
+    monkeypatch.setattr("lamina.engine.llm_engine.build_model", no_load)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers nor mtp_num_hidden_layers"):
+        LLM(str(qwen3_next_dir), **ENGINE, **spec(2))
+    declared = shutil.copytree(qwen3_next_dir, tmp_path / "declared")
+    text = (declared / "config.json").read_text().replace('"num_hidden_layers"', '"num_nextn_predict_layers": 1, "num_hidden_layers"')
+    (declared / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="holds no mtp.\\* tensors"):
+        LLM(str(declared), **ENGINE, **spec(2))
+
+
+def test_cli_flag():
+    from lamina.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+    )
+    assert engine_kwargs(args)["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        engine_kwargs(build_parser().parse_args(["generate", "--speculative-config", "{oops"]))
+
+
+# ---- auto policy ----------------------------------------------------------------------------
+def _policy(**extra):
+    config = SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 3, "policy": "auto", **extra})
+    return SpecDecodePolicy(config, num_hidden_layers=40, num_mtp_layers=1, device_type="cuda", probe_interval=4)
+
+
+def test_auto_policy_follows_acceptance_and_batch_size():
+    policy = _policy()
+    for _ in range(30):
+        policy.observe([(3, 3)] * 8)  # every draft accepted
+    assert policy.decide(1) == 3
+    assert policy.decide(512) < 3  # a big batch is compute bound: extra tokens cost their price
+    for _ in range(60):
+        policy.observe([(3, 0)] * 8)  # nothing accepted
+    assert policy.decide(1) == 0
+    decisions = [policy.decide(1) for _ in range(8)]
+    assert decisions.count(1) == 2 and decisions.count(0) == 6  # probes while off
+    for _ in range(60):
+        policy.observe([(1, 1)] * 8)
+    assert policy.decide(1) > 0  # raised again once drafts pay
+    assert _policy(policy="fixed").decide(4096) == 3
+
+
+def test_auto_policy_in_the_engine(mtp_models):
+    """Drafts that stop paying switch speculation off; when they pay again it comes back; the
+    output never changes."""
+    path = mtp_models["qwen3_next"]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ps = prompts(3, lens=(7,))
+    reference = generate(path, ps=ps, params=params)[0][0]
+    history = []
+
+    def override(request, proposed):
+        n = len(request.output_token_ids)
+        good = n < 8 or n >= 24
+        history.append((n, len(proposed)))
+        drafts = list(reference[n : n + len(proposed)])
+        return drafts if good else [(t + 1) % VOCAB for t in drafts]
+
+    with LLM(str(path), **ENGINE, **spec(3, policy="auto", auto_saturation_tokens=64, auto_draft_cost=0.25)) as llm:
+        llm.engine.spec_policy.probe_interval = 2
+        llm.engine.draft_override = override
+        tokens = llm.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens == reference
+    sizes = [k for _, k in history]
+    assert 0 in sizes and min(n for n, k in history if k == 0) >= 8, history  # off only once drafts went bad
+    assert max(sizes) >= 2 and sizes[-1] >= 2, history  # back up once drafts are right again

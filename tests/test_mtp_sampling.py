@@ -1,0 +1,97 @@
+"""Speculative sampling keeps the target's distribution (a statistical test on a tiny vocabulary).
+
+A target and a drafter that are first-order Markov chains over 6 tokens, with different
+transition matrices (the drafter even gives zero probability to some tokens the target likes).
+Many independent sequences are generated at once: the drafter proposes 2 tokens, the target
+verifies them with `verify_drafts` (the function the runner uses), and plain target sampling
+fills in whatever a step did not emit. The empirical joint distribution of the first three
+tokens must match the target chain's exact one: a chi-square statistic over the 216 cells stays
+below a bound that a broken sampler (stale draft probabilities, or a broken acceptance test)
+exceeds by far. Fixed seeds: the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lamina.engine import rejection_sampler
+from lamina.engine.rejection_sampler import verify_drafts
+from lamina.engine.sampler import SamplingBatch
+from lamina.sampling_params import SamplingParams
+
+V, K, N = 6, 2, 60_000
+CELLS = V**3
+BOUND = CELLS + 6 * (2 * CELLS) ** 0.5  # chi-square with 215 dof: mean 215, sd ~21
+
+
+def chains():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.rand(V, V, generator=gen) ** 2 + 0.02
+    draft = torch.rand(V, V, generator=gen) ** 2
+    draft[:, 1] = 0.0  # the drafter never proposes token 1
+    return target / target.sum(1, keepdim=True), draft / draft.sum(1, keepdim=True)
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(probs, 1)[:, 0]
+
+
+def verify(p_rows, q_rows, drafts, num_drafts, mutation=None):
+    """p_rows [B, k+1, V], q_rows [B, k, V], drafts [B, k] -> (tokens [B, k+1], num_accepted [B])."""
+    bsz, width = p_rows.shape[:2]
+    k = width - 1
+    rows = torch.arange(bsz * width).view(bsz, width)  # [B, W]
+    row_req = torch.arange(bsz).repeat_interleave(width)
+    row_pos = torch.arange(width).repeat(bsz)
+    row_draft = torch.cat([drafts, torch.full((bsz, 1), -1)], dim=1).reshape(-1)  # [R]
+    q_flat = torch.cat([q_rows, torch.zeros(bsz, 1, V)], dim=1).reshape(-1, V)  # [R, V]
+    if mutation == "stale_q":
+        q_flat = p_rows.reshape(-1, V)  # verifies with the wrong q (here: p itself)
+    params = SamplingParams(temperature=1.0)
+    batch = SamplingBatch.build([params] * (bsz * width), [0] * (bsz * width), [], None, "cpu", V)
+    out = verify_drafts(
+        p_rows.reshape(-1, V).log(), rows, row_req, row_pos, row_draft, torch.full((bsz,), num_drafts), batch, q_flat,
+    )
+    return out.tokens, out.num_accepted
+
+
+def generate(mutation=None) -> torch.Tensor:
+    """First three tokens after token 0 of N sequences, [N, 3]."""
+    torch.manual_seed(1)
+    p, q = chains()
+    start = torch.zeros(N, dtype=torch.long)
+    d1 = draw(q[start])
+    d2 = draw(q[d1])
+    p_rows = torch.stack([p[start], p[d1], p[d2]], dim=1)  # [N, 3, V]
+    q_rows = torch.stack([q[start], q[d1]], dim=1)  # [N, 2, V]
+    tokens, accepted = verify(p_rows, q_rows, torch.stack([d1, d2], dim=1), K, mutation)
+    out = torch.empty(N, 3, dtype=torch.long)
+    out[:, 0] = tokens[:, 0]
+    # Tokens a step did not emit come from plain target sampling (a k = 0 verification).
+    for j in (1, 2):
+        plain, _ = verify(p[out[:, j - 1]][:, None], torch.zeros(N, 0, V), torch.zeros(N, 0, dtype=torch.long), 0)
+        out[:, j] = torch.where(accepted >= j, tokens[:, j], plain[:, 0])
+    return out
+
+
+def chi_square(samples: torch.Tensor) -> float:
+    p, _ = chains()
+    exact = p[0][:, None, None] * p[:, :, None] * p[None, :, :]  # [V, V, V]: p(a|0) p(b|a) p(c|b)
+    index = samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2]
+    counts = torch.bincount(index, minlength=CELLS).double()
+    expected = exact.reshape(-1).double() * N
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_speculative_sampling_preserves_the_target_distribution():
+    stat = chi_square(generate())
+    assert stat < BOUND, f"chi-square {stat:.0f} over {CELLS} cells exceeds {BOUND:.0f}"
+
+
+@pytest.mark.parametrize("mutation", ["stale_q", "always_accept"])
+def test_a_broken_sampler_fails_the_bound(mutation, monkeypatch):
+    if mutation == "always_accept":  # u = 0 passes every acceptance test
+        monkeypatch.setattr(rejection_sampler, "_uniforms", lambda n, batch, device: torch.zeros(n, device=device))
+    stat = chi_square(generate(None if mutation == "always_accept" else mutation))
+    assert stat > 3 * BOUND, f"chi-square {stat:.0f}: the broken sampler went unnoticed"
