@@ -121,3 +121,30 @@ def test_plan_command_refusals_exit_2(tmp_path, partition):
     )
     assert proc.returncode == 2, proc.stderr
     assert "--pp-layer-partition" in proc.stderr and partition in proc.stderr
+
+
+def test_plan_qwen4_exp_real_size_pp5_ple_on_a_later_stage(tmp_path, capsys):
+    from transformers import Qwen4ExpTextConfig
+
+    layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
+    hf = Qwen4ExpTextConfig(
+        num_hidden_layers=48, layer_types=layer_types, hidden_size=2560, vocab_size=248320, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=640, hc_count=4, ple_layer_ids=[2], ple_embed_dim=2560,
+        ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000, split_ngram_parts=512,
+        indexer_n_heads=64, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        eos_token_id=248044,
+    )
+    hf.architectures = ["Qwen4ExpForCausalLM"]
+    hf.save_pretrained(tmp_path)
+    assert cli_main(["plan", str(tmp_path), "-pp", "5", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "stages (default): 9, 10, 10, 10, 9" in out
+    assert "pipeline boundary: hyper-connection streams [T, 10240]" in out
+    assert "      1 linear/MoE/PLE" in out and "      3 indexed/MoE" in out
+    assert "PLE table 95.37 GiB" in out
+    # the PLE layer on stage 1: accepted, and the plan shows it there
+    assert cli_main(["plan", str(tmp_path), "-pp", "2", "--pp-layer-partition", "1,47", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranks"][1]["coords"]["layer_range"] == [1, 48] and data["layer_kinds"][1] == "linear/MoE/PLE"
+    assert data["ranks"][1]["estimate"]["ple_table_bytes"] > 0 and data["ranks"][0]["estimate"]["ple_table_bytes"] == 0

@@ -238,8 +238,13 @@ def test_config_reads_real_checkpoint_spelling(small_config_dir):
 # ---- parallel layouts (gloo, one process per rank) ------------------------------------------
 
 PARALLEL_LAYOUTS = {
-    "pp2_ple_on_stage1": dict(pipeline_parallel_size=2),  # stages [0-2], [3-4]: PLE ids 1 and 4 on both
+    # PLE on layers 1 and 3 (ids 2 and 4). The first field report's case: every PLE layer on a
+    # later stage (the incumbent refused any PP > 1, then anything but "all PLE on stage 0").
+    "pp2_every_ple_on_stage1": dict(pipeline_parallel_size=2, pp_layer_partition="1,4"),
+    "pp2_ple_split_across_stages": dict(pipeline_parallel_size=2),  # stages [0-2], [3-4]
+    "pp3_ple_on_middle_and_last": dict(pipeline_parallel_size=3, pp_layer_partition="1,2,2"),
     "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel_moe="on"),
+    "dp2_tp2_ep_sp": dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
 }
 
 
