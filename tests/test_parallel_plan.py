@@ -148,3 +148,8 @@ def test_plan_qwen4_exp_real_size_pp5_ple_on_a_later_stage(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ranks"][1]["coords"]["layer_range"] == [1, 48] and data["layer_kinds"][1] == "linear/MoE/PLE"
     assert data["ranks"][1]["estimate"]["ple_table_bytes"] > 0 and data["ranks"][0]["estimate"]["ple_table_bytes"] == 0
+    full = data["ranks"][1]["estimate"]["ple_table_bytes"]
+    # TP shards the table along its embedding dim: each rank holds half
+    assert cli_main(["plan", str(tmp_path), "-tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["estimate"]["ple_table_bytes"] for r in data["ranks"]] == [full // 2, full // 2]

@@ -90,12 +90,19 @@ class NGramHashEmbedding(nn.Module):
         dtype: torch.dtype,
         device,
         table_device,
+        tp_size: int = 1,
+        tp_rank: int = 0,
     ):
         super().__init__()
         self.ngram_size = ngram_size
         self.heads_per_ngram = heads_per_ngram
         self.num_heads = (ngram_size - 1) * heads_per_ngram
-        self.head_dim = embed_dim // self.num_heads
+        self.total_head_dim = embed_dim // self.num_heads
+        # Under TP each rank holds a slice of every row's features (the table's embedding dim):
+        # 1/tp of the table's memory; the projections that read it become row-parallel.
+        self.sharded = tp_size > 1 and self.total_head_dim % tp_size == 0
+        self.head_dim = self.total_head_dim // tp_size if self.sharded else self.total_head_dim
+        self.col_start = tp_rank * self.head_dim if self.sharded else 0
         self.device = torch.device(device)
         sizes = head_vocab_sizes(vocab_base, ple_index, self.num_heads)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -120,8 +127,8 @@ class NGramHashEmbedding(nn.Module):
         """`ngram_embedding.shard_{part}.weight`: rows [part*part_rows, ...) of the table."""
         start = part * self.part_rows
         rows = min(self.part_rows, self.num_rows - start)
-        check_shape(name, loaded, (rows, self.head_dim))
-        self.ngram_embedding.data[start : start + rows].copy_(loaded)
+        check_shape(name, loaded, (rows, self.total_head_dim))
+        self.ngram_embedding.data[start : start + rows].copy_(loaded.narrow(1, self.col_start, self.head_dim))
 
     def check_buffer(self, name: str, loaded: torch.Tensor) -> None:
         """The checkpoint's copies of the hash constants must equal the ones derived from the config."""
@@ -154,12 +161,30 @@ class NGramHashEmbedding(nn.Module):
         return staged.to(self.device, non_blocking=True)
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
-        """window [T, ngram_size] (see `ngram_windows`) -> embeddings [T, heads * head_dim]."""
+        """window [T, ngram_size] (see `ngram_windows`) -> embeddings [T, heads * head_dim]
+        (this rank's feature slice of every head when the table is TP-sharded)."""
         rows = ngram_row_ids(
             window, self.multipliers, self.head_sizes, self.head_offsets, self.heads_per_ngram
         )  # [T, heads]
         emb = self._gather(rows.reshape(-1))  # [T*heads, D]
         return emb.view(window.shape[0], self.num_heads * self.head_dim)  # [T, heads*D]
+
+
+class HeadSlicedLinear(ReplicatedLinear):
+    """A projection reading the PLE embedding [T, heads*D]; when the table is TP-sharded it keeps
+    only the input columns of this rank's feature slice of every head (its output is then Partial)."""
+
+    def __init__(self, embed_dim: int, output_size: int, embedding: "NGramHashEmbedding", *, dtype, device=None):
+        super().__init__(embedding.num_heads * embedding.head_dim, output_size, dtype=dtype, device=device)
+        self.embedding = embedding
+        self.total_embed_dim = embed_dim
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        e = self.embedding
+        check_shape(name, loaded, (self.weight.shape[0], self.total_embed_dim))
+        per_head = loaded.view(loaded.shape[0], e.num_heads, e.total_head_dim)  # [out, heads, D]
+        local = per_head.narrow(2, e.col_start, e.head_dim).reshape(loaded.shape[0], -1)  # [out, heads*D_local]
+        self.weight.data.copy_(local)
 
 
 class PLELayer(nn.Module):
@@ -175,8 +200,10 @@ class PLELayer(nn.Module):
         rms_norm_eps: float,
         dtype: torch.dtype,
         device=None,
+        tp=None,
     ):
         super().__init__()
+        self.tp = tp  # TP collectives; used when the table is sharded
         self.hidden_size = hidden_size
         self.hc_count = hc_count
         self.width = hc_count * hidden_size
@@ -184,8 +211,10 @@ class PLELayer(nn.Module):
         self.dilation = dilation
         self.state_len = (conv_kernel_size - 1) * dilation
         self.ple_embedding = embedding
-        self.key_proj = ReplicatedLinear(embed_dim, self.width, dtype=dtype, device=device)
-        self.value_proj = ReplicatedLinear(embed_dim, hidden_size, dtype=dtype, device=device)
+        local_embed = embedding.num_heads * embedding.head_dim
+        self.key_proj = HeadSlicedLinear(embed_dim, self.width, embedding, dtype=dtype, device=device)
+        self.value_proj = HeadSlicedLinear(embed_dim, hidden_size, embedding, dtype=dtype, device=device)
+        assert self.key_proj.weight.shape[1] == local_embed
         self.norm_key = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
         self.norm_query = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
         self.norm_conv = GroupedRMSNorm(self.width, hidden_size, rms_norm_eps, dtype=dtype, device=device)
@@ -206,9 +235,11 @@ class PLELayer(nn.Module):
     def forward(self, streams: torch.Tensor, window: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """streams [T, hc*H], window [T, ngram_size] -> streams + PLE output [T, hc*H]."""
         assert self.conv_state is not None, "PLE conv state not bound"
-        emb = self.ple_embedding(window)  # [T, E]
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))  # [T, hc, H]
-        value = self.value_proj(emb)  # [T, H]
+        emb = self.ple_embedding(window)  # [T, E_local]
+        key, value = self.key_proj(emb), self.value_proj(emb)  # [T, hc*H], [T, H]
+        if self.ple_embedding.sharded:  # each rank projected its feature slice: sum the partials
+            key, value = self.tp.all_reduce(key), self.tp.all_reduce(value)
+        key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))  # [T, hc, H]
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))  # [T, hc, H]
         gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [T, hc, 1]
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()

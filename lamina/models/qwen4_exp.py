@@ -84,11 +84,12 @@ class Qwen4ExpDecoderLayer(nn.Module):
                 embed_dim=cfg.ple_embed_dim, ple_index=ple_index, seed=cfg.ngram_seed,
                 vocab_base=cfg.ngram_vocab_size_base, divisible_by=cfg.make_ngram_vocab_size_divisible_by,
                 split_parts=cfg.split_ngram_parts, dtype=dtype, device=device, table_device=ple_table_device,
+                tp_size=ctx.tp_size, tp_rank=ctx.tp_rank,
             )
             self.ple = PLELayer(
                 hidden_size=hidden, hc_count=cfg.hc_count, embedding=table, embed_dim=cfg.ple_embed_dim,
                 conv_kernel_size=cfg.ple_conv_kernel_size, dilation=cfg.ngram_size, rms_norm_eps=eps,
-                dtype=dtype, device=device,
+                dtype=dtype, device=device, tp=ctx.tp,
             )
         hc = dict(hidden_size=hidden, hc_count=cfg.hc_count, lowrank=cfg.hc_lowrank, eps=eps, dtype=dtype, device=device)
         self.attn_hyper_connection = HyperConnection(**hc)
@@ -207,7 +208,10 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         cfg = self.cfg
         start, end = self.layer_range
         local = [cfg.ple_index(i) for i in range(start, end) if cfg.ple_index(i) is not None]
-        row_bytes = (cfg.ple_embed_dim // max(cfg.ngram_heads, 1)) * self.dtype.itemsize
+        head_dim = cfg.ple_embed_dim // max(cfg.ngram_heads, 1)
+        if self.ctx.tp_size > 1 and head_dim % self.ctx.tp_size == 0:
+            head_dim //= self.ctx.tp_size  # the table is TP-sharded along its features
+        row_bytes = head_dim * self.dtype.itemsize
         table_bytes = sum(
             ple_table_rows(cfg.ngram_vocab_size_base, p, cfg.ngram_heads, cfg.make_ngram_vocab_size_divisible_by)
             for p in local
