@@ -9,7 +9,6 @@ over NCCL.
 from __future__ import annotations
 
 import datetime
-import pickle
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +127,3 @@ def shutdown() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort during teardown
             pass
-
-
-def serialise(obj) -> bytes:
-    return pickle.dumps(obj)

@@ -52,12 +52,8 @@ def default_partition(num_layers: int, pp: int) -> list[int]:
             f"pipeline_parallel_size = {pp} exceeds the model's {num_layers} layers; use at most {num_layers}"
         )
     sizes = [num_layers // pp] * pp
-    remainder = num_layers % pp
-    stage = pp - 2
-    while remainder > 0:
-        sizes[stage if stage >= 0 else pp - 1] += 1
-        remainder -= 1
-        stage -= 1
+    for stage in range(pp - 2, pp - 2 - num_layers % pp, -1):  # remainder < pp: never reaches the last stage
+        sizes[stage] += 1
     return sizes
 
 
