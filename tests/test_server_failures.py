@@ -172,8 +172,11 @@ def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error(make_ser
     started = time.monotonic()
     stopper.start()
     _wait_for(lambda: engine.draining, what="the drain")
-    with pytest.raises(httpx.ConnectError):  # no new connections while draining
-        httpx.get(f"{server.url}/health", timeout=2)
+    try:  # no new work while draining: the listener is closed (or, racing it, /health says so)
+        refused = httpx.get(f"{server.url}/health", timeout=2).status_code == 503
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+        refused = True
+    assert refused
     stopper.join(30)
     for t in threads:
         t.join(10)
