@@ -42,8 +42,9 @@ class EngineArgs:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     debug_layouts: bool = False  # activations carry their layout; modules check it (tests)
-    fail_at_step: int | None = None  # tests only: rank `fail_rank` exits at this step
+    fail_at_step: int | None = None  # tests only: rank `fail_rank` fails at this step ...
     fail_rank: int | None = None
+    fail_mode: str = "exit"  # ... by exiting ("exit") or by raising ("raise")
     # MTP speculative decoding (vLLM's name): {"method": "mtp", "num_speculative_tokens": K,
     # "policy": "fixed" | "auto"}; see lamina.engine.spec_decode
     speculative_config: dict | None = None

@@ -123,6 +123,15 @@ def test_killed_rank_raises_not_hangs(qwen3_next_dir):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_raising_rank_is_named_with_its_error(qwen3_next_dir):
+    llm = LLM(str(qwen3_next_dir), pipeline_parallel_size=2, fail_at_step=2, fail_rank=1, fail_mode="raise", **ENGINE)
+    procs = list(llm.engine.executor.procs.procs.values())
+    with pytest.raises(WorkerError, match="rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"):
+        llm.generate(prompts(), PARAMS, use_tqdm=False)
+    llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
 def test_two_nodes_on_loopback(qwen3_next_dir):
     port = find_free_port()
     common = ["--model", str(qwen3_next_dir), "--device", "cpu", "--dtype", "float32", "-tp", "2", "--nnodes", "2",

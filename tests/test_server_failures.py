@@ -184,3 +184,44 @@ def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error(make_ser
     assert events["short"][-1] == "[DONE]" and '"finish_reason":"length"' in events["short"][-2]
     assert events["long"][-1] == "[DONE]" and "shutting down" in events["long"][-2]
     assert '"error"' in events["long"][-2]
+
+
+def test_killed_rank_process_fails_requests_and_health(make_server):
+    """A real worker process (rank 1 of TP2) is killed mid-generation."""
+    import os
+    import signal
+
+    server = make_server(llm_kwargs={"tensor_parallel_size": 2, "dtype": "float32"})
+    engine = server.async_engine
+    outcome: dict[str, object] = {}
+
+    def stream_client():
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30) as client:
+            try:
+                for _ in client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=200,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                    pass
+                outcome["stream"] = "finished"
+            except openai.APIError as e:
+                outcome["stream"] = e
+
+    def plain_client():
+        r = httpx.post(f"{server.base_url}/completions", json=_body(max_tokens=200), timeout=30)
+        outcome["plain"] = r
+
+    threads = [threading.Thread(target=stream_client), threading.Thread(target=plain_client)]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: engine.num_in_flight == 2 and engine.stats.num_steps >= 3, what="both requests running")
+    rank1 = engine.engine.executor.procs.procs[1]
+    killed_at = time.monotonic()
+    os.kill(rank1.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a client hangs after a rank died"
+    assert time.monotonic() - killed_at < 15
+    assert isinstance(outcome["stream"], openai.APIError)
+    assert outcome["plain"].status_code == 500 and outcome["plain"].json()["error"]["code"] == "engine_dead"
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+    assert not any(p.is_alive() for p in engine.engine.executor.procs.procs.values())

@@ -164,7 +164,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, load_format=args.load_format,
             seed=args.seed, model_options=model_options, debug_layouts=args.debug_layouts,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            fail_at_step=args.fail_at_step, fail_rank=args.fail_rank,
+            fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
         )
 
     @staticmethod

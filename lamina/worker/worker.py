@@ -36,8 +36,9 @@ class WorkerSpec:
     model_options: dict | None = None
     debug_layouts: bool = False
     gpu_memory_utilization: float = 0.9
-    fail_at_step: int | None = None  # tests: rank `fail_rank` dies at this step
+    fail_at_step: int | None = None  # tests: rank `fail_rank` fails at this step
     fail_rank: int | None = None
+    fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises
 
 
 def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
@@ -117,6 +118,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             elif kind == "step":
                 step += 1
                 if spec.fail_at_step is not None and step == spec.fail_at_step and rank == spec.fail_rank:
+                    if spec.fail_mode == "raise":
+                        raise RuntimeError(f"injected failure on rank {rank} at step {step}")
                     os._exit(17)  # tests: a rank dies mid-generation
                 result = _stage_step(spec, rank, runner, command[1])
                 results = pdist.gather_objects(result, groups)
