@@ -167,10 +167,17 @@ class LLMEngine:
             fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
         )
 
-    @staticmethod
-    def _load_tokenizer(path: str):
+    TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+    @classmethod
+    def _load_tokenizer(cls, path: str):
         from transformers import AutoTokenizer
 
+        # transformers 5 builds an empty placeholder tokenizer for a directory without tokenizer
+        # files; treat that as "no tokenizer" rather than decode with a one-token vocabulary.
+        if Path(path).is_dir() and not any((Path(path) / f).exists() for f in cls.TOKENIZER_FILES):
+            logger.warning("no tokenizer files in %s: only token-id prompts will work", path)
+            return None
         try:
             return AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError) as e:
@@ -250,6 +257,8 @@ class LLMEngine:
         """Check a request before it is queued; returns its resolved max_tokens."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size

@@ -12,7 +12,10 @@ import sys
 
 import torch
 
+from pathlib import Path
+
 from lamina.config import EngineArgs, resolve_dtype
+from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
@@ -101,6 +104,9 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         hf_config = read_model_config(args.model_path)
         architecture, model_cls = resolve_model_class(hf_config)
         cfg = model_cls.parse_config(hf_config, architecture)
+        spec = SpeculativeConfig.parse(engine_args.speculative_config)
+        if spec is not None:  # refuse what `generate` would refuse, from config and headers alone
+            check_speculative(spec, hf_config, model_cls, Path(args.model_path), engine_args.load_format)
         device_type = "cpu" if engine_args.device == "cpu" else ("cuda" if engine_args.device.startswith("cuda") or torch.cuda.is_available() else "cpu")
         plan = build_plan(cfg, engine_args.parallel_config(), num_devices=None, device_type=device_type)
         dtype = resolve_dtype(engine_args.dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), getattr(hf_config, "dtype", None))

@@ -59,7 +59,7 @@ def grouped_experts(
     out_sorted = torch.where(is_local[order][:, None], out_sorted.float(), 0.0) * pair_weights.float()[:, None]
     # Un-sort to [T, k, H] and sum over k in float32: deterministic (no atomics) and one rounding.
     per_pair = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # [T*k, H]
-    return per_pair.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [T, H]
+    return per_pair.view(num_tokens, top_k, w2.shape[1]).sum(dim=1).to(x.dtype)  # [T, H] (T may be 0)
 
 
 def _per_expert_loop(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -203,19 +203,22 @@ class Qwen3NextForCausalLM(nn.Module):
         """Every checkpoint tensor this stage needs, with its loader."""
         wm = WeightMap()
         p = self.checkpoint_prefix
+        tied = self.cfg.tie_word_embeddings
         if self.embed_tokens is not None:
             wm.add(f"{p}embed_tokens.weight", self.embed_tokens.load_shard)
+        elif tied and self.is_last_stage:
+            wm.add(f"{p}embed_tokens.weight", self.lm_head.load_shard)  # a last stage's own copy of the tied head
         else:
             wm.ignore(f"{p}embed_tokens.weight")  # another pipeline stage's
-        if not self.is_last_stage:
-            wm.ignore(f"{p}norm.weight")
-            wm.ignore("lm_head.weight")
         if self.is_last_stage:
             wm.add(f"{p}norm.weight", self.norm.load_shard)
-            if self.lm_head.weight is not getattr(self.embed_tokens, "weight", None):
+            if tied:
+                wm.ignore("lm_head.weight")  # some checkpoints carry the tied copy anyway
+            else:
                 wm.add("lm_head.weight", self.lm_head.load_shard)
-            if self.cfg.tie_word_embeddings:
-                wm.ignore("lm_head.weight")
+        else:
+            wm.ignore(f"{p}norm.weight")
+            wm.ignore("lm_head.weight")
         for idx, layer in self.layers.items():
             lp = f"{p}layers.{idx}."
             wm.add(lp + "input_layernorm.weight", layer.input_layernorm.load_shard)

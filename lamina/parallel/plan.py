@@ -120,6 +120,9 @@ def build_plan(model_cfg, parallel: ParallelConfig, *, num_devices: int | None =
     L = model_cfg.num_hidden_layers
 
     # --- sizes vs tp -------------------------------------------------------------------------
+    for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "num_hidden_layers"):
+        if getattr(model_cfg, name) <= 0:
+            raise ParallelConfigError(f"config {name} = {getattr(model_cfg, name)} must be positive")
     _check_divisible("num_attention_heads", model_cfg.num_attention_heads, tp, "tensor_parallel_size")
     kv = model_cfg.num_key_value_heads
     kv_replicated = tp > kv

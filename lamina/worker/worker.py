@@ -46,8 +46,10 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
     plan = plans[me.dp]
     runner.forget_finished(plan)
     runner.commit_spec_states(plan)  # speculative decoding: roll back to the accepted tokens
-    if plan.is_empty and not spec.plan.ep_enabled:
-        return None  # replicas without expert parallelism do not need to step together
+    if plan.is_empty and (not spec.plan.ep_enabled or all(p.is_empty for p in plans)):
+        # Without EP replicas need not step together; with EP an all-empty step (a bookkeeping
+        # flush after aborts) has no MoE collective to join either.
+        return None
     model = runner.model
     rows = plan.num_tokens
     if spec.plan.sp:

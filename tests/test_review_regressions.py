@@ -1,0 +1,78 @@
+"""Regressions found in review: each case crashed or was refused before its fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from lamina import LLM, SamplingParams
+from tests import tiny_checkpoints as tc
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ENGINE = dict(device="cpu", dtype="float32", show_progress=False)
+
+
+def test_mtp_k2_with_a_prompt_longer_than_the_token_budget(qwen3_next_dir, tmp_path):
+    """A step that only holds part of a prompt samples nothing; the drafter must not run an
+    empty MoE (it used to raise on a 0-row reshape)."""
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    with LLM(str(path), max_num_batched_tokens=16, **ENGINE) as llm:
+        plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(str(path), max_num_batched_tokens=16, speculative_config=spec, **ENGINE) as llm:
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == plain
+
+
+def test_abort_flush_step_under_expert_parallel(qwen3_next_dir):
+    """Aborting the last request leaves an all-empty lockstep step; EP ranks must not run a 0-row MoE."""
+    with LLM(str(qwen3_next_dir), data_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
+        engine = llm.engine
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY, request_id="a")
+        engine.step()
+        engine.abort_request("a")
+        assert engine.step() == []
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_tied_embeddings_under_pipeline_parallel(tmp_path):
+    """The last stage has no embedding: it loads its own copy of the tied head from embed_tokens."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(9)
+    config = Qwen3NextConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                             intermediate_size=96, **dict(tc.COMMON, tie_word_embeddings=True))
+    path = tc._save(Qwen3NextForCausalLM(config), tmp_path / "tied", 9)
+    prompt = {"prompt_token_ids": [9, 8, 7, 6, 5]}
+    with LLM(str(path), **ENGINE) as llm:
+        single = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(path), pipeline_parallel_size=2, **ENGINE) as llm:
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == single
+
+
+def test_config_rejected_by_transformers_exits_2(qwen3_next_dir, tmp_path):
+    shutil.copytree(qwen3_next_dir, tmp_path / "bad")
+    config = json.loads((tmp_path / "bad" / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][:3]
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "lamina.entrypoints.cli", "plan", str(tmp_path / "bad")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(qwen3_next_dir, tmp_path):
+    path = shutil.copytree(qwen3_next_dir, tmp_path / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (path / name).unlink(missing_ok=True)
+    with LLM(str(path), **ENGINE) as llm:
+        try:
+            llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop=["x"]), use_tqdm=False)
+        except ValueError as e:
+            assert "stop strings need a tokenizer" in str(e)
+        else:
+            raise AssertionError("stop strings without a tokenizer were accepted")
