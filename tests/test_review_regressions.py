@@ -76,3 +76,17 @@ def test_stop_strings_without_a_tokenizer_are_refused(qwen3_next_dir, tmp_path):
             assert "stop strings need a tokenizer" in str(e)
         else:
             raise AssertionError("stop strings without a tokenizer were accepted")
+
+
+def test_speculation_memory_is_reserved_from_the_kv_budget(qwen3_next_dir, tmp_path):
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+    budget = dict(kv_cache_memory_bytes=1 << 20, max_model_len=256, max_num_seqs=8, **ENGINE)
+    with LLM(str(path), **budget) as llm:
+        plain_blocks = llm.engine.num_kv_blocks
+    with LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **budget) as llm:
+        engine = llm.engine
+        reserve = engine._speculation_reserve(8)
+        runner = engine.executor.runner
+        assert reserve == 8 * 3 * (runner.state_bytes // 8 + engine.model_config.vocab_size * 4)
+        per_block = runner.paged_cache_bytes_per_block(16)
+        assert engine.num_kv_blocks == min(128, ((1 << 20) - reserve) // per_block) < plain_blocks

@@ -25,6 +25,9 @@ class InProcessExecutor:
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.paged_cache_bytes_per_block(block_size)
 
+    def state_bytes_per_slot(self) -> int:
+        return self.runner.state_bytes_per_slot()
+
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self.runner.allocate_caches(num_blocks, block_size, num_slots)
 

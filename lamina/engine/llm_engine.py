@@ -223,7 +223,8 @@ class LLMEngine:
                 budget = int(max(0, free - reserve) * 0.8)  # leave room for activations
             elif budget is None:
                 budget = CPU_KV_CACHE_BYTES
-            num_blocks = min(wanted, budget // max(1, bytes_per_block))
+            budget -= self._speculation_reserve(max_num_seqs)
+            num_blocks = min(wanted, max(0, budget) // max(1, bytes_per_block))
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than one sequence of "
@@ -231,6 +232,16 @@ class LLMEngine:
                 f"cache more memory"
             )
         return num_blocks
+
+    def _speculation_reserve(self, max_num_seqs: int) -> int:
+        """Memory speculative decoding holds besides the caches: per request, the recurrent states
+        after each of K draft positions (for rollback) and K float32 draft distributions."""
+        spec = getattr(self, "spec_config", None)
+        if spec is None:
+            return 0
+        k = spec.num_speculative_tokens
+        per_request = k * self.executor.state_bytes_per_slot() + k * self.model_config.vocab_size * 4
+        return max_num_seqs * per_request
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

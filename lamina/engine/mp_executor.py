@@ -169,6 +169,9 @@ class MultiprocExecutor:
     def bytes_per_block(self, block_size: int) -> int:
         return self._call(("bytes_per_block", block_size), "bytes_per_block")
 
+    def state_bytes_per_slot(self) -> int:
+        return self._call(("state_bytes_per_slot",), "state_bytes_per_slot")
+
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self._call(("allocate", num_blocks, block_size, num_slots), "allocated")
 

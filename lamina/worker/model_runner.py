@@ -64,6 +64,11 @@ class ModelRunner:
     def paged_cache_bytes_per_block(self, block_size: int) -> int:
         return sum(m.paged_cache_bytes_per_block(block_size, self.model.dtype) for m in self.paged_cache_modules())
 
+    def state_bytes_per_slot(self) -> int:
+        """Recurrent-state bytes of one request slot on this rank (call before `allocate_caches`:
+        it binds throwaway meta tensors that the allocation then replaces)."""
+        return sum(m.bind_state(1, self.model.dtype, "meta") for m in self.model.state_modules())
+
     def allocate_caches(self, num_kv_blocks: int, block_size: int, num_state_slots: int) -> None:
         self.block_size = block_size
         for module in self.paged_cache_modules():

@@ -111,6 +111,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 per_rank = pdist.gather_objects(runner.paged_cache_bytes_per_block(command[1]), groups)
                 if rank == 0:
                     conn.send(("bytes_per_block", max(per_rank)))
+            elif kind == "state_bytes_per_slot":
+                per_rank = pdist.gather_objects(runner.state_bytes_per_slot(), groups)
+                if rank == 0:
+                    conn.send(("state_bytes_per_slot", max(per_rank)))
             elif kind == "allocate":
                 _, num_blocks, block_size, num_slots = command
                 runner.allocate_caches(num_blocks, block_size, num_slots)
