@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import atexit
 import contextlib
 import socket
 import sys
@@ -142,6 +143,7 @@ class MultiprocExecutor:
         self.spec = spec
         self.procs = RankProcesses(spec, local_ranks)
         self._closed = False
+        atexit.register(self.shutdown)  # a script that never calls LLM.shutdown() still ends its ranks cleanly
         try:
             msg = self.procs.wait_rank0(startup_timeout)
             assert msg[0] == "ready", msg
@@ -182,6 +184,7 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         try:
             if all(p.is_alive() for p in self.procs.procs.values()):
                 self.procs.conns[0].send(("shutdown",))
