@@ -90,3 +90,31 @@ def test_speculation_memory_is_reserved_from_the_kv_budget(qwen3_next_dir, tmp_p
         assert reserve == 8 * 3 * (runner.state_bytes // 8 + engine.model_config.vocab_size * 4)
         per_block = runner.paged_cache_bytes_per_block(16)
         assert engine.num_kv_blocks == min(128, ((1 << 20) - reserve) // per_block) < plain_blocks
+
+
+def test_seeded_sampling_with_mtp_is_independent_of_batch_composition(qwen3_next_dir, tmp_path):
+    """A seeded request draws random numbers per draft; cutting its drafts to another request's
+    leftover token budget used to change its draws, so its text depended on the batch."""
+    import random
+
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(0, 990) for _ in range(n)]} for n in (6, 7, 8)]
+    seeded = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True, seed=123)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(str(path), max_num_batched_tokens=8, speculative_config=spec, **ENGINE) as llm:
+        for i in range(3):
+            alone = llm.generate(prompts[i], seeded, use_tqdm=False)[0].outputs[0].token_ids
+            batch = llm.generate(prompts, seeded, use_tqdm=False)
+            assert batch[i].outputs[0].token_ids == alone, i
+
+
+def test_token_budget_must_hold_a_verification_step(qwen3_next_dir, tmp_path):
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+    try:
+        LLM(str(path), max_num_batched_tokens=3, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+            **ENGINE)
+    except ValueError as e:
+        assert "max_num_batched_tokens = 3" in str(e) and "at least 4" in str(e)
+    else:
+        raise AssertionError("a token budget smaller than K+1 was accepted")

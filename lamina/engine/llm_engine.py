@@ -51,6 +51,12 @@ class LLMEngine:
         cfg = self.model_config
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.spec_config is not None and max_batched < self.spec_config.num_speculative_tokens + 1:
+            raise ValueError(
+                f"max_num_batched_tokens = {max_batched} cannot hold one verification step of "
+                f"num_speculative_tokens = {self.spec_config.num_speculative_tokens} (needs at least "
+                f"{self.spec_config.num_speculative_tokens + 1})"
+            )
         model_options = self.model_options()
 
         self.load_report = None

@@ -107,6 +107,11 @@ class Scheduler:
             next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
         )
 
+    @staticmethod
+    def _draws_per_draft(request: Request) -> bool:
+        params = request.sampling_params
+        return params.seed is not None and not params.greedy
+
     def _drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
         """The drafts a request's chunk verifies: none unless the chunk reaches its last token; at
         most what the budget, max_model_len and max_tokens leave room for."""
@@ -140,6 +145,12 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, num_new, budget - num_new)
+            if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
+                # A seeded sampling request draws random numbers for every draft it verifies: cutting
+                # its drafts to another request's leftover budget would make its text depend on the
+                # batch. It waits for a step with room for all of them.
+                index += 1
+                continue
             scheduled = True
             wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
             while not self.cache.allocate(request.request_id, wanted):

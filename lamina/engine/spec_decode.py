@@ -8,6 +8,11 @@ the same as JSON in `--speculative-config`). Optional keys:
   and more again when they pay; see `SpecDecodePolicy`).
 - `auto_saturation_tokens`, `auto_draft_cost`: the auto policy's cost model (below).
 
+Seeds: with the fixed policy a seeded request at temperature > 0 gives the same text alone or in
+any batch (the scheduler never cuts its drafts to fit another request's leftover budget). With
+"auto" the number of drafts follows the batch size, and so do the random numbers a seeded request
+draws: its text is reproducible for the same traffic, not across batch compositions.
+
 Everything here is checked from config files and safetensors headers, before any weight is read.
 The step flow itself lives in the worker (lamina.worker.spec_step); this module is pure CPU.
 """
