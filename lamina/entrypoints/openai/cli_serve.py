@@ -96,6 +96,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model_arg = args.model_tag or args.model
+    if getattr(args, "node_rank", 0) > 0:  # a secondary node of a multi-node layout: its ranks only, no HTTP
+        from lamina.config import EngineArgs
+        from lamina.engine.mp_executor import run_headless_node
+
+        return run_headless_node(EngineArgs(model=model_arg, **engine_kwargs(args)))
     model = model_arg or str(ensure_default_model())
     if is_untrained_default(model):
         print(f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): its text is not "
