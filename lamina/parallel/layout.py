@@ -21,7 +21,7 @@ _ATTR = "_lamina_layout"
 
 
 class LayoutError(RuntimeError):
-    pass
+    """A module received an activation in a layout other than the one it declares."""
 
 
 def shard_rows(num_tokens: int, tp_size: int) -> int:
