@@ -6,12 +6,17 @@ batch 1 and 64, on a real-width random config (Qwen3.5-35B-A3B shape, few layers
 
 Weights are seeded random (`load_format="dummy"`), so drafts are mostly rejected: the figure is
 the cost of proposing and verifying K drafts, not the speed-up a trained checkpoint would get.
-The K > 0 runs use the engine's fixed-K policy.
+Rows: a plain engine (no drafter), then one engine built with K = 3 run at fixed k = 0..3
+(k = 0 still runs the drafter's first pass, which keeps its KV history) and with the auto policy
+("mtp-*"), then the same engine with every draft replaced by the plain run's next tokens
+("oracle-*": all drafts accepted, the ceiling a perfect drafter would reach at this cost).
+Every row's greedy output is compared with the plain run's ("identical_to_plain").
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -48,36 +53,123 @@ def write_config(path: Path, shape: dict, layers: int) -> Path:
     return path
 
 
-def step_time(path: Path, device: str, k: int, batch: int, new_tokens: int, vocab: int) -> dict:
-    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k}
-    llm = LLM(str(path), device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
-              max_model_len=1024, max_num_seqs=batch, speculative_config=spec, show_progress=False)
+def timed_run(llm: LLM, prompts: list, new_tokens: int) -> dict:
+    """Median time of the steps in which every request of the batch decodes (no prefill)."""
     engine = llm.engine
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(0, vocab - 1) for _ in range(64)]} for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    before = engine.spec_decode_metrics.as_dict() if engine.spec_decode_metrics is not None else None
     for p in prompts:
         engine.add_request(p, params)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times, emitted = [], 0
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and engine.device.type == "cuda" else (lambda: None)
+    times, ks, lengths, finals = [], [], {}, {}
+    window_tokens, window_s = 0, 0.0
     while engine.has_unfinished_requests():
         waiting = engine.num_waiting
         sync()
         t0 = time.perf_counter()
         outs = engine.step()
         sync()
-        if waiting == 0 and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == batch:
-            times.append(time.perf_counter() - t0)
-        emitted += len(outs)
-    metrics = engine.spec_decode_metrics
-    llm.shutdown()
+        elapsed = time.perf_counter() - t0
+        new = {o.request_id: len(o.outputs[0].token_ids) for o in outs}
+        if waiting == 0 and len(outs) == len(prompts) and all(lengths.get(r, 0) >= 1 for r in new):
+            times.append(elapsed)  # every request was decoding: no prompt token in this step
+            ks.append(engine.num_draft_tokens)
+            window_tokens += sum(n - lengths[r] for r, n in new.items())
+            window_s += elapsed
+        lengths.update(new)
+        for o in outs:
+            if o.finished:
+                finals[tuple(o.prompt_token_ids)] = list(o.outputs[0].token_ids)
     times.sort()
-    median = times[len(times) // 2] if times else float("nan")
-    result = {"k": k, "batch": batch, "median_step_ms": median * 1e3, "steps_timed": len(times)}
-    if metrics is not None:
-        result["spec_metrics"] = {k2: v for k2, v in vars(metrics).items() if isinstance(v, (int, float, list))}
-    return result
+    row = {"median_step_ms": times[len(times) // 2] * 1e3 if times else float("nan"), "steps_timed": len(times),
+           "mean_k": sum(ks) / len(ks) if ks else 0.0,
+           "decode_tok_s": window_tokens / window_s if window_s else float("nan")}
+    if before is not None:
+        after = engine.spec_decode_metrics.as_dict()
+        steps = after["num_steps"] - before["num_steps"]
+        drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        row["verify_steps"], row["draft_tokens"], row["accepted_tokens"] = steps, drafts, accepted
+    return row, finals
+
+
+def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3) -> None:
+    """Operator table (self time, CPU and device) of a few decode steps once the batch decodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8 + steps, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(4):  # prefill and the first decode steps
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    out.write_text(prof.key_averages().table(sort_by=sort, row_limit=40)
+                   + "\n\nby CPU time\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+
+
+def bench_batch(
+    path: Path, device: str, batch: int, new_tokens: int, vocab: int, max_k: int, profile_dir: str | None = None
+) -> list[dict]:
+    """One plain engine (the baseline) and one engine built with K = max_k, switched between
+    fixed k = 0..max_k and the auto policy: every row of a batch size comes from the same two
+    loaded models, measured one after the other."""
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(0, vocab - 1) for _ in range(64)]} for _ in range(batch)]
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
+                  max_model_len=1024, max_num_seqs=batch, show_progress=False)
+    rows = []
+    llm = LLM(str(path), **common)
+    llm.generate(prompts, warm, use_tqdm=False)
+    plain, reference = timed_run(llm, prompts, new_tokens)
+    rows.append({"mode": "plain", "k": 0, "batch": batch, **plain})
+    llm.shutdown()
+    del llm
+    gc.collect()  # the two engines are never resident together (a 40-layer model is ~67 GB in bf16)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        print(f"after releasing the plain engine: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
+    spec = {"method": "mtp", "num_speculative_tokens": max_k}
+    llm = LLM(str(path), speculative_config=spec, **common)
+    llm.generate(prompts, warm, use_tqdm=False)
+    policy = llm.engine.spec_policy
+    for mode, k in [("fixed", k) for k in range(max_k + 1)] + [("auto", max_k)]:
+        policy.set_policy(mode, k)
+        row, out = timed_run(llm, prompts, new_tokens)
+        rows.append({"mode": f"mtp-{mode}", "k": k, "batch": batch, "identical_to_plain": out == reference, **row})
+
+    def oracle(request, proposed):  # the plain run's next tokens: every draft is right
+        ahead = reference[tuple(request.prompt_token_ids)][len(request.output_token_ids):][: len(proposed)]
+        return ahead + [0] * (len(proposed) - len(ahead))
+
+    llm.engine.draft_override = oracle
+    for mode, k in [("fixed", k) for k in range(1, max_k + 1)] + [("auto", max_k)]:
+        policy.set_policy(mode, k)
+        row, out = timed_run(llm, prompts, new_tokens)
+        rows.append({"mode": f"oracle-{mode}", "k": k, "batch": batch, "identical_to_plain": out == reference, **row})
+    llm.engine.draft_override = None
+    if profile_dir is not None:  # one decode step at fixed k = 1 under torch.profiler
+        policy.set_policy("fixed", min(1, max_k))
+        profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k1.txt")
+    llm.shutdown()
+    del llm, policy
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    base = rows[0]["median_step_ms"]
+    for r in rows:
+        r["added_ms_vs_plain"] = r["median_step_ms"] - base
+        print(json.dumps(r), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -88,19 +180,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--max-k", type=int, default=3)
+    parser.add_argument("--profile-dir", default=None, help="also write an operator table of k=1 steps here")
     args = parser.parse_args()
     shape = TINY if args.tiny else REAL
     path = write_config(Path(tempfile.mkdtemp()) / "cfg", shape, args.layers)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        base = None
-        for k in (0, 1, 2, 3):
-            r = step_time(path, args.device, k, batch, args.new_tokens, shape["vocab_size"])
-            base = r["median_step_ms"] if k == 0 else base
-            r["added_ms_vs_k0"] = r["median_step_ms"] - base
-            print(json.dumps(r), flush=True)
-            rows.append(r)
+        rows += bench_batch(path, args.device, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir)
     result = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "torch": torch.__version__,
               "config": ("tiny" if args.tiny else "Qwen3.5-35B-A3B shape") + f", {args.layers} layers + 1 MTP layer",
               "command": " ".join(sys.argv), "rows": rows}
     if args.out:

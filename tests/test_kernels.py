@@ -210,6 +210,41 @@ def test_step_then_chunk_chain():
     close(s, final_full)
 
 
+@pytest.mark.parametrize("lens", [[2, 2, 2], [4, 3, 4, 1], [5, 2]])
+def test_verification_sized_steps_use_small_chunks(lens, monkeypatch):
+    """Verification steps (K+1 tokens a request) run the chunked form on chunks of the next power
+    of two >= the longest request, not padded to 64; outputs, final and captured states match the
+    per-token loop."""
+    from lamina.kernels import gated_delta_rule as gdr
+
+    seen = []
+    real = gdr.chunk_gated_delta_rule_varlen
+
+    def spy(*args, **kwargs):
+        seen.append(args[8])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdr, "chunk_gated_delta_rule_varlen", spy)
+    q, k, v, g, beta, state = make_gdr_inputs(lens, seed=7)
+    qsl = make_qsl(lens)
+    req = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)])
+    offset = torch.tensor([i for n in lens for i in range(n)])
+    out, final, captured = gdr.gated_delta_rule_varlen(
+        q, k, v, g, beta, state, qsl, max(lens), capture=(req, offset, max(lens) - 1)
+    )
+    assert seen == [1 << (max(lens) - 1).bit_length()]
+    parts = [split_flat(x, lens) for x in (q, k, v, g, beta)]
+    row = 0
+    for b, n in enumerate(lens):
+        o, s = loop_gdr(*(p[b] for p in parts), state[b])
+        close(out[qsl[b] : qsl[b + 1]], o)
+        close(final[b], s)
+        for i in range(n):  # the state after token i is the final state of the first i+1 tokens
+            _, s_i = loop_gdr(*(p[b][: i + 1] for p in parts), state[b])
+            close(captured[row], s_i)
+            row += 1
+
+
 # ----------------------------------------------------------------------------- causal conv1d
 
 

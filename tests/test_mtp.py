@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lamina import LLM, SamplingParams
-from lamina.engine.spec_decode import SpecDecodePolicy, SpeculativeConfig
+from lamina.engine.spec_decode import SpeculativeConfig
+from lamina.engine.spec_policy import SpecDecodePolicy
 from tests import tiny_checkpoints as tc
 
 VOCAB = tc.VOCAB
@@ -306,12 +307,82 @@ def test_auto_policy_follows_acceptance_and_batch_size():
     for _ in range(60):
         policy.observe([(3, 0)] * 8)  # nothing accepted
     assert policy.decide(1) == 0
-    decisions = [policy.decide(1) for _ in range(8)]
-    assert decisions.count(1) == 2 and decisions.count(0) == 6  # probes while off
+    decisions = "".join(str(policy.decide(1)) for _ in range(15))
+    assert decisions.count("11") == 3 and decisions.count("1") == 6 and "0000" not in decisions, decisions
+    # probes while off: one draft for two steps (the second is a timed k = 1 step) every 4 idle steps
     for _ in range(60):
         policy.observe([(1, 1)] * 8)
     assert policy.decide(1) > 0  # raised again once drafts pay
     assert _policy(policy="fixed").decide(4096) == 3
+
+
+def test_auto_policy_trusts_measured_step_times():
+    """The model says a draft is nearly free at batch 64; timed steps say a k = 1 step costs twice
+    a k = 0 step (launch bound, as measured on an H200): with 70% acceptance speculation is a loss
+    there, while at batch 1 (cheap drafts, timed) it stays on."""
+    policy = _policy()
+    for _ in range(40):
+        policy.observe([(3, 3)] * 5 + [(3, 0)] * 2)  # c_1 about 0.7, later drafts always accepted
+    assert policy.decide(64) > 0  # the model alone: speculate
+    for _ in range(5):
+        policy.observe_step_time(64, 0, 0.100)
+        policy.observe_step_time(64, 1, 0.200)
+        policy.observe_step_time(64, 2, 0.300)
+        policy.observe_step_time(64, 3, 0.400)
+        policy.observe_step_time(1, 0, 0.100)
+        policy.observe_step_time(1, 3, 0.120)
+    assert policy.decide(64) == 0
+    assert policy.cost_ratio(40, 1) == 1.0  # 32-63 is another size class, not timed yet
+    assert policy.decide(1) == 3
+    assert policy.cost_ratio(1, 1) == policy.cost_ratio(1, 0)  # an untimed k borrows the nearest timed ratio
+    # a timing not refreshed for long goes stale: k = 3 then borrows k = 0's ratio and is re-tried
+    for _ in range(600):
+        policy.observe_step_time(64, 0, 0.100)
+    assert policy.cost_ratio(64, 3) == policy.cost_ratio(64, 0)
+    assert policy.decide(64) > 0
+    model_only = _policy(auto_cost="model")
+    model_only.observe_step_time(64, 1, 10.0)
+    assert model_only.cost_ratio(64, 1) == 1.0
+    with pytest.raises(ValueError, match="auto_cost"):
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1, "auto_cost": "guess"})
+
+
+def test_engine_times_only_steady_decode_steps(mtp_models):
+    """The auto policy is told the time of steps where every request verifies and proposes k
+    drafts, never of steps holding prompt tokens or requests whose drafts were cut."""
+    path = mtp_models["qwen3_next"]
+    ps = prompts(3, lens=(7, 30, 12))
+    with LLM(str(path), **ENGINE, **spec(2, policy="auto")) as llm:
+        policy = llm.engine.spec_policy
+        timed, decided = [], []
+        real_observe, real_decide = policy.observe_step_time, policy.decide
+        policy.observe_step_time = lambda b, k, t: (timed.append((b, k, t)), real_observe(b, k, t))
+        policy.decide = lambda b: decided.append(real_decide(b)) or decided[-1]
+        steps = []
+        real_step = llm.engine.step
+
+        def step():
+            before = len(timed)
+            out = real_step()
+            steps.append(len(timed) - before)
+            return out
+
+        llm.engine.step = step
+        llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert timed and len(timed) < len(steps)
+    assert steps[0] == 0  # the prefill step is never timed
+    assert all(t > 0 and b == 3 and 0 <= k <= 2 for b, k, t in timed)
+    assert policy.cost_ratio(3, timed[-1][1]) != 1.0  # the timing reached the cost estimate
+
+
+def test_set_policy_bounds():
+    policy = _policy()
+    policy.set_policy("fixed", 2)
+    assert policy.decide(1) == 2
+    with pytest.raises(ValueError, match="0..3"):
+        policy.set_policy("fixed", 4)
+    with pytest.raises(ValueError, match="policy"):
+        policy.set_policy("sometimes", 1)
 
 
 def test_auto_policy_in_the_engine(mtp_models):
@@ -330,7 +401,8 @@ def test_auto_policy_in_the_engine(mtp_models):
         drafts = list(reference[n : n + len(proposed)])
         return drafts if good else [(t + 1) % VOCAB for t in drafts]
 
-    with LLM(str(path), **ENGINE, **spec(3, policy="auto", auto_saturation_tokens=64, auto_draft_cost=0.25)) as llm:
+    with LLM(str(path), **ENGINE, **spec(3, policy="auto", auto_saturation_tokens=64, auto_draft_cost=0.25,
+                                          auto_cost="model")) as llm:
         llm.engine.spec_policy.probe_interval = 2
         llm.engine.draft_override = override
         tokens = llm.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -16,7 +16,8 @@ from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.engine.spec_decode import SpecDecodePolicy, SpeculativeConfig, check_speculative, num_mtp_layers
+from lamina.engine.spec_decode import SpeculativeConfig, check_speculative, num_mtp_layers
+from lamina.engine.spec_policy import SpecDecodePolicy
 from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import SamplingParams
@@ -30,6 +31,12 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def _steady_decode(chunk, num_drafts: int) -> bool:
+    """A chunk that verifies `num_drafts` drafts and proposes as many (no prompt tokens): the
+    steps the auto policy times."""
+    return chunk.sample and chunk.num_draft_tokens == num_drafts and chunk.num_tokens == num_drafts + 1
 
 
 class _RequestState:
@@ -108,6 +115,7 @@ class LLMEngine:
         # Speculative decoding: the K policy, engine-wide counters, each replica's commits for the
         # next plan, and (tests only) a hook that replaces the drafter's proposals.
         self.spec_policy = None
+        self._policy_batch = 1  # the batch size the policy decided the current step for
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
         self.num_draft_tokens = 0  # drafts proposed in the last step
         if self.spec_config is not None:
@@ -341,6 +349,7 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a new token."""
+        started = time.perf_counter()
         num_drafts = self._decide_num_draft_tokens()
         plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
         if all(p.is_empty for p in plans):
@@ -366,6 +375,8 @@ class LLMEngine:
             outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications)
         if self.spec_policy is not None:
             self.spec_policy.observe(verifications)
+            if all(_steady_decode(c, num_drafts) for p in plans for c in p.chunks):
+                self.spec_policy.observe_step_time(self._policy_batch, num_drafts, time.perf_counter() - started)
         return outputs
 
     def _decide_num_draft_tokens(self) -> int:
@@ -373,6 +384,7 @@ class LLMEngine:
         if self.spec_policy is None:
             return 0
         batch = max(min(s.num_running + s.num_waiting, self.max_num_seqs) for s in self.schedulers)
+        self._policy_batch = batch
         self.num_draft_tokens = self.spec_policy.decide(batch)
         return self.num_draft_tokens
 
