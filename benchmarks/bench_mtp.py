@@ -1,7 +1,7 @@
 """Added cost per decode step of MTP speculation with K = 1, 2, 3 draft tokens, vs K = 0, at
 batch 1 and 64, on a real-width random config (Qwen3.5-35B-A3B shape, few layers + 1 MTP layer).
 
-    python benchmarks/bench_mtp.py --out results/mtp_cost_h200.json            # GPU
+    python benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --out mtp.json   # GPU, bf16 (docs/PERFORMANCE.md)
     python benchmarks/bench_mtp.py --device cpu --tiny                          # a quick CPU smoke run
 
 Weights are seeded random (`load_format="dummy"`), so drafts are mostly rejected: the figure is
@@ -116,8 +116,31 @@ def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3) -> None:
                    + "\n\nby CPU time\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
 
+def compare(reference: dict, logprobs: dict, out: dict) -> dict:
+    """How a run's greedy sequences compare with the plain run's. At a sequence's first differing
+    token both runs had the same context, so the plain run's top-20 logprobs there say whether the
+    two choices were a near-tie (rounding) or not: `worst_gap` is the largest plain logprob of
+    the plain choice minus that of the other run's choice (None when some choice fell outside the
+    top 20)."""
+    identical, gaps, first = 0, [], []
+    for key, ref in reference.items():
+        got = out.get(key, [])
+        d = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if d is None and len(got) == len(ref):
+            identical += 1
+            continue
+        d = min(len(ref), len(got)) if d is None else d
+        first.append(d)
+        top = logprobs[key][d] if d < len(logprobs[key]) else {}
+        gaps.append(top[ref[d]] - top[got[d]] if d < len(got) and got[d] in top else None)
+    return {"identical_to_plain": identical == len(reference), "sequences_identical": identical,
+            "sequences": len(reference), "first_divergence": min(first) if first else None,
+            "worst_gap": None if None in gaps else max(gaps, default=0.0)}
+
+
 def bench_batch(
-    path: Path, device: str, batch: int, new_tokens: int, vocab: int, max_k: int, profile_dir: str | None = None
+    path: Path, device: str, dtype: str, batch: int, new_tokens: int, vocab: int, max_k: int,
+    profile_dir: str | None = None,
 ) -> list[dict]:
     """One plain engine (the baseline) and one engine built with K = max_k, switched between
     fixed k = 0..max_k and the auto policy: every row of a batch size comes from the same two
@@ -125,13 +148,18 @@ def bench_batch(
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(0, vocab - 1) for _ in range(64)]} for _ in range(batch)]
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
+    common = dict(device=device, dtype=dtype, load_format="dummy",
                   max_model_len=1024, max_num_seqs=batch, show_progress=False)
     rows = []
     llm = LLM(str(path), **common)
     llm.generate(prompts, warm, use_tqdm=False)
     plain, reference = timed_run(llm, prompts, new_tokens)
     rows.append({"mode": "plain", "k": 0, "batch": batch, **plain})
+    # the plain run again, untimed, with top-20 logprobs: judges any later difference
+    with_lp = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=20),
+                           use_tqdm=False)
+    logprobs = {tuple(o.prompt_token_ids): o.outputs[0].logprobs for o in with_lp}
+    rows[0]["repeat_identical"] = all(list(o.outputs[0].token_ids) == reference[tuple(o.prompt_token_ids)] for o in with_lp)
     llm.shutdown()
     del llm
     gc.collect()  # the two engines are never resident together (a 40-layer model is ~67 GB in bf16)
@@ -145,7 +173,7 @@ def bench_batch(
     for mode, k in [("fixed", k) for k in range(max_k + 1)] + [("auto", max_k)]:
         policy.set_policy(mode, k)
         row, out = timed_run(llm, prompts, new_tokens)
-        rows.append({"mode": f"mtp-{mode}", "k": k, "batch": batch, "identical_to_plain": out == reference, **row})
+        rows.append({"mode": f"mtp-{mode}", "k": k, "batch": batch, **compare(reference, logprobs, out), **row})
 
     def oracle(request, proposed):  # the plain run's next tokens: every draft is right
         ahead = reference[tuple(request.prompt_token_ids)][len(request.output_token_ids):][: len(proposed)]
@@ -155,7 +183,7 @@ def bench_batch(
     for mode, k in [("fixed", k) for k in range(1, max_k + 1)] + [("auto", max_k)]:
         policy.set_policy(mode, k)
         row, out = timed_run(llm, prompts, new_tokens)
-        rows.append({"mode": f"oracle-{mode}", "k": k, "batch": batch, "identical_to_plain": out == reference, **row})
+        rows.append({"mode": f"oracle-{mode}", "k": k, "batch": batch, **compare(reference, logprobs, out), **row})
     llm.engine.draft_override = None
     if profile_dir is not None:  # one decode step at fixed k = 1 under torch.profiler
         policy.set_policy("fixed", min(1, max_k))
@@ -169,7 +197,7 @@ def bench_batch(
     for r in rows:
         r["added_ms_vs_plain"] = r["median_step_ms"] - base
         print(json.dumps(r), flush=True)
-    return rows
+    return rows, reference, logprobs
 
 
 def main() -> None:
@@ -181,15 +209,26 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--max-k", type=int, default=3)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--profile-dir", default=None, help="also write an operator table of k=1 steps here")
     args = parser.parse_args()
     shape = TINY if args.tiny else REAL
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     path = write_config(Path(tempfile.mkdtemp()) / "cfg", shape, args.layers)
-    rows = []
+    rows, plain_runs = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        rows += bench_batch(path, args.device, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir)
-    result = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-              "torch": torch.__version__,
+        batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir)
+        rows += batch_rows
+        plain_runs.append((batch, reference, logprobs))
+    # Plain decoding alone, across batch sizes: the first prompts of every batch are the same, so
+    # this says how much the output moves when only the batch shape changes (no speculation).
+    across = []
+    for (b1, ref1, lp1), (b2, ref2, _) in zip(plain_runs, plain_runs[1:]):
+        shared = {key: ref1[key] for key in ref1 if key in ref2}
+        across.append({"batches": [b1, b2], **compare(shared, lp1, {key: ref2[key] for key in shared})})
+    print(json.dumps({"plain_across_batch_sizes": across}), flush=True)
+    result = {"device": args.device, "plain_across_batch_sizes": across, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "torch": torch.__version__, "dtype": dtype,
               "config": ("tiny" if args.tiny else "Qwen3.5-35B-A3B shape") + f", {args.layers} layers + 1 MTP layer",
               "command": " ".join(sys.argv), "rows": rows}
     if args.out:

@@ -299,7 +299,7 @@ def _policy(**extra):
 
 
 def test_auto_policy_follows_acceptance_and_batch_size():
-    policy = _policy()
+    policy = _policy(auto_cost="model")
     for _ in range(30):
         policy.observe([(3, 3)] * 8)  # every draft accepted
     assert policy.decide(1) == 3
@@ -314,6 +314,37 @@ def test_auto_policy_follows_acceptance_and_batch_size():
         policy.observe([(1, 1)] * 8)
     assert policy.decide(1) > 0  # raised again once drafts pay
     assert _policy(policy="fixed").decide(4096) == 3
+    assert policy.decide(2) == 3  # measured costs are off: no baseline timing either
+
+
+def test_auto_policy_explores_untimed_k():
+    """Timed at k = 0 and k = 1 only, a larger k is assumed as cheap as k = 1: with drafts that are
+    usually right it is tried, timed, and kept when it pays; a probe while speculation is off
+    tries the most promising k."""
+    policy = _policy()
+    for _ in range(40):
+        policy.observe([(3, 3)] * 9 + [(3, 0)])
+    for _ in range(3):
+        policy.observe_step_time(64, 0, 0.100)
+        policy.observe_step_time(64, 1, 0.200)
+    assert policy.decide(64) == 3
+    for _ in range(3):
+        policy.observe_step_time(64, 3, 0.220)
+    assert policy.decide(64) == 3  # 3.4 tokens for 2.2x the time
+    for _ in range(3):
+        policy.observe_step_time(64, 3, 0.500)
+    assert policy.decide(64) < 3
+    off = SpecDecodePolicy(
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 3, "policy": "auto"}),
+        num_hidden_layers=40, num_mtp_layers=1, device_type="cuda", probe_interval=2,
+    )
+    for _ in range(3):
+        off.observe_step_time(8, 0, 0.100)
+        off.observe_step_time(8, 1, 0.300)
+    off.observe([(1, 0)] * 8)
+    # off at k = 0; the probe every 2 idle steps tries k = 3 (untimed, so assumed as cheap as k = 1,
+    # and more drafts promise more tokens) for two steps
+    assert [off.decide(8) for _ in range(5)] == [0, 3, 3, 0, 3]
 
 
 def test_auto_policy_trusts_measured_step_times():
@@ -323,7 +354,9 @@ def test_auto_policy_trusts_measured_step_times():
     policy = _policy()
     for _ in range(40):
         policy.observe([(3, 3)] * 5 + [(3, 0)] * 2)  # c_1 about 0.7, later drafts always accepted
-    assert policy.decide(64) > 0  # the model alone: speculate
+    assert policy.best_k(64) > 0  # the model alone: speculate
+    assert [policy.decide(64), policy.decide(64)] == [0, 0]  # but first two steps time k = 0 at this size
+    assert [policy.decide(1), policy.decide(1)] == [0, 0]  # and at batch 1
     for _ in range(5):
         policy.observe_step_time(64, 0, 0.100)
         policy.observe_step_time(64, 1, 0.200)
@@ -332,17 +365,18 @@ def test_auto_policy_trusts_measured_step_times():
         policy.observe_step_time(1, 0, 0.100)
         policy.observe_step_time(1, 3, 0.120)
     assert policy.decide(64) == 0
-    assert policy.cost_ratio(40, 1) == 1.0  # 32-63 is another size class, not timed yet
+    assert policy.step_cost(40, 1) == policy.model_cost(40, 1)  # 32-63: another size class, not timed yet
     assert policy.decide(1) == 3
-    assert policy.cost_ratio(1, 1) == policy.cost_ratio(1, 0)  # an untimed k borrows the nearest timed ratio
-    # a timing not refreshed for long goes stale: k = 3 then borrows k = 0's ratio and is re-tried
+    assert policy.step_cost(1, 1) == policy.step_cost(1, 0)  # untimed: as cheap as the nearest cheaper timed k
+    assert abs(policy.step_cost(64, 2) - 0.300) < 1e-9 and abs(policy.step_cost(1, 3) - 0.120) < 1e-9
+    # a timing not refreshed for long goes stale: k = 3 is then assumed as cheap as k = 0, re-tried
     for _ in range(600):
         policy.observe_step_time(64, 0, 0.100)
-    assert policy.cost_ratio(64, 3) == policy.cost_ratio(64, 0)
+    assert policy.step_cost(64, 3) == policy.step_cost(64, 0)
     assert policy.decide(64) > 0
     model_only = _policy(auto_cost="model")
     model_only.observe_step_time(64, 1, 10.0)
-    assert model_only.cost_ratio(64, 1) == 1.0
+    assert model_only.step_cost(64, 1) == model_only.model_cost(64, 1)
     with pytest.raises(ValueError, match="auto_cost"):
         SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1, "auto_cost": "guess"})
 
@@ -372,7 +406,8 @@ def test_engine_times_only_steady_decode_steps(mtp_models):
     assert timed and len(timed) < len(steps)
     assert steps[0] == 0  # the prefill step is never timed
     assert all(t > 0 and b == 3 and 0 <= k <= 2 for b, k, t in timed)
-    assert policy.cost_ratio(3, timed[-1][1]) != 1.0  # the timing reached the cost estimate
+    b, k, _ = timed[-1]
+    assert policy.step_cost(b, k) != policy.model_cost(b, k)  # the timing reached the cost estimate
 
 
 def test_set_policy_bounds():

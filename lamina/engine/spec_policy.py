@@ -5,7 +5,7 @@ step time for the current batch of B decoding requests:
 
     E(k)    = 1 + sum_{j<=k} prod_{i<=j} c_i      (c_i: measured acceptance of draft i, given
                                                   drafts 1..i-1 were accepted)
-    cost(k) = rho(B, k) * model(B, k)
+    cost(k) = rho(B, k) * model(B, k)    (seconds, once steps of B's size class are timed)
     model(B, k) = (1 + r1) f(B (k+1)) + k r f(B),    f(n) = max(1, n / n_sat)
 
 The model: the target scores B(k+1) tokens and the drafter's first pass runs over the same
@@ -16,15 +16,20 @@ to n_sat tokens costs about the same (memory bound).
 rho corrects the model with time: with `auto_cost="measured"` the engine reports the wall time of
 every step in which each request decoded with k drafts verified and k proposed (no prompt tokens),
 and rho(B, k) is a decaying average of measured / modelled cost for B's size class (powers of
-two) at that k. A k not yet timed borrows the ratio of the nearest timed k; so does a k whose
-timing went stale (each timing's weight, +1 per own step up to 8, decays by 0.995 per timed
-step; below 0.5 it is stale: about 550 steps after a k was last used), so the policy re-tries a
-k it stopped using now and then. On an H200 without CUDA graphs a verification step costs far more than the
-model says (launch bound; docs/PERFORMANCE.md), which only timing reveals.
+two) at that k. A k not timed in the class is assumed to cost what the nearest cheaper timed k
+costs: optimistic, so it gets tried (and timed) once it might pay. Timings go stale (each one's
+weight, +1 per own step up to 8, decays by 0.995 per timed step; below 0.5 it is stale: about
+550 steps after a k was last used), so the policy re-tries a k it stopped using now and then.
+On an H200 without CUDA graphs a verification step costs far more than the model says (launch
+bound; docs/PERFORMANCE.md), and the extra cost barely grows with k: only timing reveals that.
 
-While k = 0 nothing is measured, so every `probe_interval` steps the policy proposes one draft
-for `probe_steps` steps (the second of them verifies and proposes one draft: a timed k = 1 step).
-Acceptance counts decay by `decay` per verifying step, so the policy follows the text.
+While k = 0 nothing is measured, so every `probe_interval` steps the policy proposes drafts for
+`probe_steps` steps, at the most promising k >= 1 (the second step verifies and proposes that
+many: a timed step).
+Conversely, before speculating in a size class whose k = 0 step is not timed (or went stale), it
+runs `probe_steps` steps without drafts to time that baseline.
+Acceptance counts decay by `decay` per verified request (a window of about 100 verifications,
+so one step at batch 64, many at batch 1), so the policy follows the text.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def size_class(batch: int) -> int:
 class SpecDecodePolicy:
     def __init__(
         self, config: SpeculativeConfig, *, num_hidden_layers: int, num_mtp_layers: int, device_type: str,
-        decay: float = 0.9, probe_interval: int = 32, probe_steps: int = 2, prior: float = 0.5,
+        decay: float = 0.99, probe_interval: int = 32, probe_steps: int = 2, prior: float = 0.5,
         prior_weight: float = 1.0, time_alpha: float = 0.3, time_decay: float = 0.995,
         max_time_weight: float = 8.0, stale_weight: float = 0.5,
     ):
@@ -64,6 +69,8 @@ class SpecDecodePolicy:
         self.current = self.max_k
         self._idle_steps = 0
         self._probe_left = 0
+        self._baseline_left = 0
+        self._probe_k = 1
         # (size class, k) -> [measured/model ratio (decaying average), freshness weight]
         self._ratio: dict[tuple[int, int], list[float]] = {}
 
@@ -87,8 +94,9 @@ class SpecDecodePolicy:
         """One step's verifications: (drafts checked, drafts accepted) per request."""
         if not verifications:
             return
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
+        fade = self.decay ** len(verifications)
+        self.reached = [r * fade for r in self.reached]
+        self.accepted = [a * fade for a in self.accepted]
         for num_drafts, num_accepted in verifications:
             for j in range(min(num_accepted + 1, num_drafts, self.max_k)):
                 self.reached[j] += 1.0
@@ -128,23 +136,32 @@ class SpecDecodePolicy:
             entry[0] += self.time_alpha * (ratio - entry[0])
             entry[1] = min(entry[1] + 1.0, self.max_time_weight)
 
-    def cost_ratio(self, batch: int, k: int) -> float:
-        """rho(B, k): measured / modelled cost (1.0 while nothing of B's size class is timed)."""
-        cls = size_class(batch)
-        fresh = {kk: e[0] for (c, kk), e in self._ratio.items() if c == cls and e[1] >= self.stale_weight}
-        if k in fresh:
-            return fresh[k]
-        if not fresh:
-            return 1.0
-        return fresh[min(fresh, key=lambda kk: (abs(kk - k), kk))]  # borrowed from the nearest timed k
+    def is_timed(self, batch: int, k: int) -> bool:
+        entry = self._ratio.get((size_class(batch), k))
+        return entry is not None and entry[1] >= self.stale_weight
 
     def step_cost(self, batch: int, k: int) -> float:
-        return self.cost_ratio(batch, k) * self.model_cost(batch, k)
+        """Estimated cost of a step at k drafts: measured seconds where this size class is timed
+        (a timed k: its decaying measured / modelled ratio times the model at this batch; an
+        untimed or stale k: optimistically, the cost of the nearest cheaper timed k, so it gets
+        tried and timed), model units where nothing of the class is timed."""
+        cls = size_class(batch)
+        fresh = {kk: e[0] for (c, kk), e in self._ratio.items() if c == cls and e[1] >= self.stale_weight}
+        if not fresh:
+            return self.model_cost(batch, k)
+        if k not in fresh:
+            lower = [kk for kk in fresh if kk < k]
+            k = max(lower) if lower else min(fresh)
+        return fresh[k] * self.model_cost(batch, k)
 
     # ---- decision ------------------------------------------------------------------------
-    def best_k(self, batch: int) -> int:
+    def scores(self, batch: int) -> list[float]:
+        """Expected tokens per unit of step time for k = 0..K."""
         batch = max(1, batch)
-        scores = [self.expected_tokens(k) / self.step_cost(batch, k) for k in range(self.max_k + 1)]
+        return [self.expected_tokens(k) / self.step_cost(batch, k) for k in range(self.max_k + 1)]
+
+    def best_k(self, batch: int) -> int:
+        scores = self.scores(batch)
         best = max(range(self.max_k + 1), key=lambda k: (scores[k], -k))
         # A little hysteresis: stay unless the best is clearly better.
         if self.current <= self.max_k and scores[self.current] >= 0.98 * scores[best]:
@@ -155,16 +172,29 @@ class SpecDecodePolicy:
         """Drafts to propose in this step for a batch of about `batch` decoding requests."""
         if not self.auto:
             return self.max_k
-        self.current = self.best_k(batch)
-        if self.current > 0:
-            self._idle_steps = self._probe_left = 0
-            return self.current
+        if self._baseline_left > 0:  # timing k = 0 (below)
+            self._baseline_left -= 1
+            return 0
         if self._probe_left > 0:
             self._probe_left -= 1
-            return 1
+            return self._probe_k
+        self.current = self.best_k(batch)
+        if self.current > 0 and self.measure and not self.is_timed(batch, 0):
+            # Speculating without a timed k = 0 step of this size class would compare against a
+            # borrowed guess of the baseline; two steps without drafts time it (the second
+            # verifies none and proposes none).
+            self._baseline_left = self.probe_steps - 1
+            return 0
+        if self.current > 0:
+            self._idle_steps = 0
+            return self.current
         self._idle_steps += 1
         if self._idle_steps >= self.probe_interval and self.max_k > 0:
+            # A probe: the most promising k >= 1 for `probe_steps` steps keeps acceptance and
+            # that k's timing fresh while speculation is off.
             self._idle_steps = 0
+            scores = self.scores(batch)
+            self._probe_k = max(range(1, self.max_k + 1), key=lambda k: (scores[k], -k))
             self._probe_left = self.probe_steps - 1
-            return 1  # a probe: keeps acceptance (and the k = 1 timing) fresh while speculation is off
+            return self._probe_k
         return 0
