@@ -115,7 +115,6 @@ class LLMEngine:
         # Speculative decoding: the K policy, engine-wide counters, each replica's commits for the
         # next plan, and (tests only) a hook that replaces the drafter's proposals.
         self.spec_policy = None
-        self._policy_batch = 1  # the batch size the policy decided the current step for
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
         self.num_draft_tokens = 0  # drafts proposed in the last step
         if self.spec_config is not None:
@@ -376,15 +375,19 @@ class LLMEngine:
         if self.spec_policy is not None:
             self.spec_policy.observe(verifications)
             if all(_steady_decode(c, num_drafts) for p in plans for c in p.chunks):
-                self.spec_policy.observe_step_time(self._policy_batch, num_drafts, time.perf_counter() - started)
+                batch = max(len(p.chunks) for p in plans)  # the requests that decoded
+                self.spec_policy.observe_step_time(batch, num_drafts, time.perf_counter() - started)
         return outputs
 
     def _decide_num_draft_tokens(self) -> int:
         """Drafts to propose this step (0 without speculative decoding)."""
         if self.spec_policy is None:
             return 0
-        batch = max(min(s.num_running + s.num_waiting, self.max_num_seqs) for s in self.schedulers)
-        self._policy_batch = batch
+        running = max(s.num_running for s in self.schedulers)  # the requests about to decode
+        if running == 0 and not any(s.num_waiting for s in self.schedulers):
+            self.num_draft_tokens = 0  # nothing to run: leave the policy's counters alone
+            return 0
+        batch = min(running or max(s.num_waiting for s in self.schedulers), self.max_num_seqs)
         self.num_draft_tokens = self.spec_policy.decide(batch)
         return self.num_draft_tokens
 

@@ -17,17 +17,18 @@ rho corrects the model with time: with `auto_cost="measured"` the engine reports
 every step in which each request decoded with k drafts verified and k proposed (no prompt tokens),
 and rho(B, k) is a decaying average of measured / modelled cost for B's size class (powers of
 two) at that k. A k not timed in the class is assumed to cost what the nearest cheaper timed k
-costs: optimistic, so it gets tried (and timed) once it might pay. Timings go stale (each one's
+costs, plus 10 %: optimistic, so it gets tried (and timed) once it promises clearly more. Timings go stale (each one's
 weight, +1 per own step up to 8, decays by 0.995 per timed step; below 0.5 it is stale: about
 550 steps after a k was last used), so the policy re-tries a k it stopped using now and then.
 On an H200 without CUDA graphs a verification step costs far more than the model says (launch
 bound; docs/PERFORMANCE.md), and the extra cost barely grows with k: only timing reveals that.
 
-While k = 0 nothing is measured, so every `probe_interval` steps the policy proposes drafts for
-`probe_steps` steps, at the most promising k >= 1 (the second step verifies and proposes that
-many: a timed step).
+While k = 0 nothing is measured, so after `probe_interval` steps (doubling after each probe that
+leaves speculation off, up to 8x) the policy proposes drafts for `probe_steps` steps, at the most promising k >= 1 (the steps after the first verify and propose
+that many: timed steps; a k's first timing is only trusted once a second one confirms it).
 Conversely, before speculating in a size class whose k = 0 step is not timed (or went stale), it
-runs `probe_steps` steps without drafts to time that baseline.
+runs `probe_steps` steps without drafts to time that baseline (at most once per
+`probe_interval` steps, so steps that can never be timed do not stop speculation).
 Acceptance counts decay by `decay` per verified request (a window of about 100 verifications,
 so one step at batch 64, many at batch 1), so the policy follows the text.
 """
@@ -45,9 +46,10 @@ def size_class(batch: int) -> int:
 class SpecDecodePolicy:
     def __init__(
         self, config: SpeculativeConfig, *, num_hidden_layers: int, num_mtp_layers: int, device_type: str,
-        decay: float = 0.99, probe_interval: int = 32, probe_steps: int = 2, prior: float = 0.5,
+        decay: float = 0.99, probe_interval: int = 32, probe_steps: int = 3, prior: float = 0.5,
         prior_weight: float = 1.0, time_alpha: float = 0.3, time_decay: float = 0.995,
-        max_time_weight: float = 8.0, stale_weight: float = 0.5,
+        max_time_weight: float = 8.0, stale_weight: float = 0.5, explore_margin: float = 0.1,
+        max_probe_gap: int = 8,
     ):
         self.max_k = self.configured_k = config.num_speculative_tokens
         self.auto = config.policy == "auto"
@@ -61,6 +63,7 @@ class SpecDecodePolicy:
         self.prior, self.prior_weight = prior, prior_weight
         self.time_alpha, self.time_decay = time_alpha, time_decay
         self.max_time_weight, self.stale_weight = max_time_weight, stale_weight
+        self.explore_margin, self.max_probe_gap = explore_margin, max_probe_gap
         self._reset()
 
     def _reset(self) -> None:
@@ -70,8 +73,11 @@ class SpecDecodePolicy:
         self._idle_steps = 0
         self._probe_left = 0
         self._baseline_left = 0
+        self._baseline_tried: dict[int, int] = {}  # size class -> step of the last baseline attempt
+        self._step = 0
         self._probe_k = 1
-        # (size class, k) -> [measured/model ratio (decaying average), freshness weight]
+        self._probe_gap = self.probe_interval  # grows while probes keep finding drafts not worth it
+        # (size class, k) -> [measured/model ratio (decaying average), freshness weight, samples]
         self._ratio: dict[tuple[int, int], list[float]] = {}
 
     def set_policy(self, policy: str, num_speculative_tokens: int) -> None:
@@ -131,10 +137,17 @@ class SpecDecodePolicy:
         ratio = seconds / self.model_cost(max(1, batch), k)
         entry = self._ratio.get((size_class(batch), k))
         if entry is None:
-            self._ratio[(size_class(batch), k)] = [ratio, 1.0]
+            # The first step at a new shape may carry one-off costs (allocations, kernel choice):
+            # alone it is not trusted (below the stale weight), and the second sample replaces it
+            # when smaller.
+            self._ratio[(size_class(batch), k)] = [ratio, self.stale_weight / 2, 1]
+        elif entry[2] == 1:
+            entry[0] = min(entry[0], ratio)
+            entry[1], entry[2] = 1.0, 2
         else:
             entry[0] += self.time_alpha * (ratio - entry[0])
             entry[1] = min(entry[1] + 1.0, self.max_time_weight)
+            entry[2] += 1
 
     def is_timed(self, batch: int, k: int) -> bool:
         entry = self._ratio.get((size_class(batch), k))
@@ -143,16 +156,18 @@ class SpecDecodePolicy:
     def step_cost(self, batch: int, k: int) -> float:
         """Estimated cost of a step at k drafts: measured seconds where this size class is timed
         (a timed k: its decaying measured / modelled ratio times the model at this batch; an
-        untimed or stale k: optimistically, the cost of the nearest cheaper timed k, so it gets
-        tried and timed), model units where nothing of the class is timed."""
+        untimed or stale k: optimistically, the cost of the nearest cheaper timed k plus
+        `explore_margin`, so it gets tried and timed when it promises clearly more tokens), model
+        units where nothing of the class is timed."""
         cls = size_class(batch)
         fresh = {kk: e[0] for (c, kk), e in self._ratio.items() if c == cls and e[1] >= self.stale_weight}
         if not fresh:
             return self.model_cost(batch, k)
-        if k not in fresh:
-            lower = [kk for kk in fresh if kk < k]
-            k = max(lower) if lower else min(fresh)
-        return fresh[k] * self.model_cost(batch, k)
+        if k in fresh:
+            return fresh[k] * self.model_cost(batch, k)
+        lower = [kk for kk in fresh if kk < k]
+        near = max(lower) if lower else min(fresh)
+        return fresh[near] * self.model_cost(batch, near) * (1.0 + self.explore_margin)
 
     # ---- decision ------------------------------------------------------------------------
     def scores(self, batch: int) -> list[float]:
@@ -178,21 +193,31 @@ class SpecDecodePolicy:
         if self._probe_left > 0:
             self._probe_left -= 1
             return self._probe_k
+        self._step += 1
         self.current = self.best_k(batch)
-        if self.current > 0 and self.measure and not self.is_timed(batch, 0):
+        cls = size_class(batch)
+        if (
+            self.current > 0 and self.measure and not self.is_timed(batch, 0)
+            and self._step - self._baseline_tried.get(cls, -self.probe_interval) >= self.probe_interval
+        ):
             # Speculating without a timed k = 0 step of this size class would compare against a
-            # borrowed guess of the baseline; two steps without drafts time it (the second
-            # verifies none and proposes none).
+            # borrowed guess of the baseline: a few steps without drafts time it (all but the
+            # first verify none and propose none). When they could not be timed (prompt chunks in
+            # every step), speculation goes on and the baseline is tried again later.
+            self._baseline_tried[cls] = self._step
             self._baseline_left = self.probe_steps - 1
             return 0
         if self.current > 0:
             self._idle_steps = 0
+            self._probe_gap = self.probe_interval
             return self.current
         self._idle_steps += 1
-        if self._idle_steps >= self.probe_interval and self.max_k > 0:
+        if self._idle_steps >= self._probe_gap and self.max_k > 0:
             # A probe: the most promising k >= 1 for `probe_steps` steps keeps acceptance and
-            # that k's timing fresh while speculation is off.
+            # that k's timing fresh while speculation is off. Each probe that leaves speculation
+            # off doubles the gap to the next (up to max_probe_gap x probe_interval).
             self._idle_steps = 0
+            self._probe_gap = min(2 * self._probe_gap, self.max_probe_gap * self.probe_interval)
             scores = self.scores(batch)
             self._probe_k = max(range(1, self.max_k + 1), key=lambda k: (scores[k], -k))
             self._probe_left = self.probe_steps - 1
