@@ -42,11 +42,11 @@ TINY = dict(
 )
 
 
-def write_config(path: Path, shape: dict, layers: int) -> Path:
+def write_config(path: Path, shape: dict, layers: int, max_positions: int = 4096) -> Path:
     from transformers import Qwen3_5MoeTextConfig
 
     layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)]
-    config = Qwen3_5MoeTextConfig(num_hidden_layers=layers, layer_types=layer_types, max_position_embeddings=4096,
+    config = Qwen3_5MoeTextConfig(num_hidden_layers=layers, layer_types=layer_types, max_position_embeddings=max_positions,
                                   eos_token_id=shape["vocab_size"] - 1, mtp_num_hidden_layers=1, **shape)
     config.architectures = ["Qwen3_5MoeForCausalLM"]
     config.save_pretrained(path)

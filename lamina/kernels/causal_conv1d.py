@@ -36,6 +36,7 @@ def causal_conv1d_varlen(
     activation: str | None = "silu",
     dilation: int = 1,
     capture: tuple[torch.Tensor, torch.Tensor] | None = None,
+    groups: list | None = None,
 ):
     """Args:
         x: `[T, C]` flat inputs; weight: `[C, K]` (no bias);
@@ -43,6 +44,8 @@ def causal_conv1d_varlen(
         query_start_loc: `[B+1]`; max_query_len: host int;
         activation: "silu" or None; dilation: distance between taps;
         capture: optional (req `[R]`, offset `[R]`) long: tokens after which to report the state.
+        groups: optional request groups (lamina.kernels.request_groups): one call per group, so
+            short requests are not padded to a long one's length. Same results.
 
     Returns:
         out `[T, C]` in x's dtype, new_conv_state `[B, C, (K-1)*dilation]` in conv_state's dtype;
@@ -55,6 +58,8 @@ def causal_conv1d_varlen(
     state_len = (kernel - 1) * dilation
     if conv_state.shape[-1] != state_len:
         raise ValueError(f"conv_state holds {conv_state.shape[-1]} inputs, expected (K-1)*dilation = {state_len}")
+    if groups is not None:
+        return _grouped(x, weight, conv_state, activation, dilation, capture, groups)
     bsz = query_start_loc.shape[0] - 1
     max_len = max(1, max_query_len)
 
@@ -82,3 +87,23 @@ def causal_conv1d_varlen(
     chans = torch.arange(channels, device=seq.device)  # [C]
     captured = seq[req[:, None, None], chans[None, :, None], take[:, None, :]]  # [R, C, S]
     return out.to(x.dtype), new_state.to(conv_state.dtype), captured.to(conv_state.dtype)
+
+
+def _grouped(x, weight, conv_state, activation, dilation, capture, groups):
+    """`causal_conv1d_varlen` once per request group; outputs scattered back in batch order."""
+    out = torch.empty_like(x)  # [T, C]
+    new_state = torch.empty_like(conv_state)  # [B, C, S]
+    captured = None
+    if capture is not None:
+        captured = conv_state.new_empty((capture[0].shape[0], *conv_state.shape[1:]))  # [R, C, S]
+    for group in groups:
+        result = causal_conv1d_varlen(
+            x.index_select(0, group.tokens), weight, conv_state.index_select(0, group.requests),
+            group.query_start_loc, group.max_query_len, activation=activation, dilation=dilation,
+            capture=group.capture if capture is not None else None,
+        )
+        out.index_copy_(0, group.tokens, result[0])
+        new_state.index_copy_(0, group.requests, result[1])
+        if captured is not None and group.capture is not None:
+            captured.index_copy_(0, group.capture_rows, result[2])
+    return (out, new_state) if capture is None else (out, new_state, captured)

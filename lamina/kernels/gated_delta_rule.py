@@ -221,6 +221,7 @@ def gated_delta_rule_varlen(
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
     capture: tuple[torch.Tensor, torch.Tensor] | None = None,
+    groups: list | None = None,
 ):
     """Dispatch: decode-only batches (`max_query_len == 1`, so T == B) take the single-step
     form, everything else the chunked form. Same arguments and results as
@@ -230,7 +231,13 @@ def gated_delta_rule_varlen(
     the smallest power of two >= `max_query_len` (at most `chunk_size`): a speculative
     verification step (K+1 tokens per request) then works on chunks of 2 or 4 tokens instead of
     padding each request to 64 (on an H200 that padding made a K=1 step at batch 64 cost 2.6x a
-    plain decode step)."""
+    plain decode step).
+
+    `groups` (lamina.kernels.request_groups, from `ForwardMetadata.request_groups()`): run each
+    group of similar requests on its own, so a step mixing decodes with a long prompt chunk does
+    not pad every request to the chunk's length. Same results."""
+    if groups is not None:
+        return _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture, groups)
     if max_query_len == 1:
         if q.shape[0] != initial_state.shape[0]:
             raise ValueError("max_query_len == 1 needs exactly one token per request (T == B)")
@@ -242,3 +249,25 @@ def gated_delta_rule_varlen(
     return chunk_gated_delta_rule_varlen(
         q, k, v, g, beta, initial_state, query_start_loc, max_query_len, chunk, use_qk_l2norm, capture
     )
+
+
+def _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture, groups):
+    """`gated_delta_rule_varlen` once per request group; outputs scattered back in batch order."""
+    num_v_heads, head_v_dim = v.shape[1:]
+    out = v.new_empty((q.shape[0], num_v_heads, head_v_dim))  # [T, Hv, Dv]
+    final = torch.empty_like(initial_state, dtype=torch.float32)  # [B, Hv, Dk, Dv]
+    captured = None
+    if capture is not None:
+        captured = final.new_empty((capture[0].shape[0], *final.shape[1:]))  # [R, Hv, Dk, Dv]
+    for group in groups:
+        rows = group.tokens
+        result = gated_delta_rule_varlen(
+            q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), g.index_select(0, rows),
+            beta.index_select(0, rows), initial_state.index_select(0, group.requests), group.query_start_loc,
+            group.max_query_len, chunk_size, use_qk_l2norm, capture=group.capture if capture is not None else None,
+        )
+        out.index_copy_(0, rows, result[0])
+        final.index_copy_(0, group.requests, result[1])
+        if captured is not None and group.capture is not None:
+            captured.index_copy_(0, group.capture_rows, result[2])
+    return (out, final) if capture is None else (out, final, captured)

@@ -91,6 +91,7 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     key_mask: torch.Tensor | None = None,
+    groups: list | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -103,6 +104,9 @@ def paged_attention(
             block_size, padded query layout): keys a query may read besides the causal rule
             (sparse attention); every valid query must keep at least one causal key, and padded
             query rows must keep key 0.
+        groups: optional request groups (lamina.kernels.request_groups, by context length): one
+            call per group, so no request's queries and context are padded to another's much
+            longer ones. Same results.
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -110,6 +114,8 @@ def paged_attention(
     Returns:
         `[T, Hq, D]` in q's dtype.
     """
+    if groups is not None:
+        return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups)
     total_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -154,3 +160,21 @@ def paged_attention(
     out = out.transpose(1, 2)  # [B, Lq, Hq, D]
     flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
     return from_padded(out, valid, flat)  # [T, Hq, D]
+
+
+def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups):
+    """`paged_attention` once per request group; outputs scattered back in batch order."""
+    out = torch.empty_like(q)  # [T, Hq, D]
+    block_size = k_cache.shape[1]
+    for group in groups:
+        mask = None
+        if key_mask is not None:  # the step's padded layout: keep the group's rows, queries and keys
+            ctx_len = max(1, -(-group.max_seq_len // block_size)) * block_size
+            mask = key_mask.index_select(0, group.requests)[:, : max(1, group.max_query_len), :ctx_len]
+        result = paged_attention(
+            q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
+            seq_lens.index_select(0, group.requests), group.query_start_loc, group.max_query_len,
+            group.max_seq_len, scale, key_mask=mask,
+        )
+        out.index_copy_(0, group.tokens, result)
+    return out

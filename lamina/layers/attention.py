@@ -95,6 +95,7 @@ class GatedAttention(nn.Module):
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
+            groups=meta.request_groups(by_context=True),
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         attn = attn * torch.sigmoid(gate)

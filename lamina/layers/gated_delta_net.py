@@ -140,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
         core, state_out, *captured = gated_delta_rule_varlen(
             query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True,
-            capture=meta.state_capture,
+            capture=meta.state_capture, groups=meta.request_groups(),
         )  # core [T, Hv, Dv]
         stash_captured(self, "ssm_state", captured[0] if captured else None)
         self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))

@@ -6,7 +6,7 @@ Built by the worker from a step plan; never inferred from activation shapes. Hos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,3 +35,29 @@ class ForwardMetadata:
     # the tokens after which recurrent layers also keep their state (lamina.layers.spec_state),
     # so that rejected drafts can be undone.
     state_capture: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # Host copies from the plan: each request's query length and context length after this step
+    # (an upper bound is enough), and the capture list's (req, offset). They let the padded kernels split a step into groups
+    # of similar requests (lamina.kernels.request_groups); None: never split.
+    query_lens_host: tuple[int, ...] | None = None
+    seq_lens_host: tuple[int, ...] | None = None
+    capture_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    def request_groups(self, by_context: bool = False):
+        """Groups of similar requests for the padded kernels (by query length, or for attention by
+        context length too), or None when one call over the whole step pads little enough."""
+        if by_context in self._groups:
+            return self._groups[by_context]
+        from lamina.kernels import request_groups as rg
+
+        groups = None
+        capture_known = by_context or self.state_capture is None or self.capture_host is not None
+        if rg.enabled() and capture_known and self.query_lens_host is not None and self.seq_lens_host is not None:
+            plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
+            if plan is not None:
+                groups = rg.build_groups(
+                    plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device,
+                    None if by_context else self.capture_host,
+                )
+        self._groups[by_context] = groups
+        return groups

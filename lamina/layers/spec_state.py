@@ -58,7 +58,7 @@ def conv_with_capture(
     capture = meta.state_capture
     result = causal_conv1d_varlen(
         x, weight, state_in, meta.query_start_loc, meta.max_query_len,
-        activation=activation, dilation=dilation, capture=capture,
+        activation=activation, dilation=dilation, capture=capture, groups=meta.request_groups(),
     )
     stash_captured(module, state_name, result[2] if capture is not None else None)
     return result[0], result[1]

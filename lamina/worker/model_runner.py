@@ -123,7 +123,11 @@ class ModelRunner:
             token_request_index=as_tensor(request_index),
             dp_num_tokens=plan.dp_num_tokens,
             state_capture=self.spec.capture_for(plan) if self.spec is not None else None,
+            query_lens_host=tuple(int(n) for n in lens),
+            seq_lens_host=tuple(int(n) for n in seq_lens),
         )
+        if meta.state_capture is not None:
+            meta.capture_host = self.spec.capture_host
         return as_tensor(token_ids), meta, logits_rows
 
     # ---- step ----------------------------------------------------------------------------

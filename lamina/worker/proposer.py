@@ -108,6 +108,8 @@ class MTPProposer:
             has_initial_state=torch.ones(num, dtype=torch.bool, device=self.device),
             token_request_index=torch.arange(num, device=self.device),
             dp_num_tokens=plan.dp_num_samples,
+            query_lens_host=(1,) * num,
+            seq_lens_host=tuple(min(m + step, c) + 1 for m, c in zip(max_pos, capacity)),
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

@@ -56,7 +56,9 @@ class SpecDecodeStep:
                 req += [i] * k
                 offset += range(first, first + k)
         if not req:
+            self.capture_host = None
             return None
+        self.capture_host = (tuple(req), tuple(offset))
         return self._tensor(req), self._tensor(offset), max(offset)  # the bound keeps kernels' buffers small
 
     def commit(self, plan: StepPlan) -> None:

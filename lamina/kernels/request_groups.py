@@ -1,0 +1,129 @@
+"""Groups of requests of similar size, so the padded reference kernels never pad a whole batch to
+its longest request.
+
+The varlen kernels in this package pad every request of a step to the step's longest query
+(delta rule, causal conv) and, for attention, to its longest context. A step that mixes many
+decoding requests with one long prompt chunk (continuous batching does this all the time) would
+then pad, say, 200 one-token requests to 8000 tokens: hundreds of GB at real width. Splitting the
+requests into groups whose padded size stays near their real size bounds that, at the price of
+one kernel call per group. Steps that need no split (all decodes, uniform verification chunks,
+a lone prefill) keep a single call and pay nothing.
+
+Groups are planned from host ints the step plan already has (`ForwardMetadata.query_lens_host`,
+`seq_lens_host`), never from tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["RequestGroup", "plan_groups", "build_groups", "enabled"]
+
+
+def enabled() -> bool:
+    """`LAMINA_REQUEST_GROUPS=0` turns splitting off (to measure what it saves)."""
+    return os.environ.get("LAMINA_REQUEST_GROUPS", "1") != "0"
+
+# A group may pad to at most PAD_FACTOR x its real size plus SLACK (in query tokens for the
+# delta rule and conv, in context tokens for attention) before the planner starts a new group.
+PAD_FACTOR = 2
+TOKEN_SLACK = 4096
+CONTEXT_SLACK = 1 << 16
+SHORT_QUERY = 16  # attention: decode / verification queries are never grouped with prompt chunks
+
+
+@dataclass
+class RequestGroup:
+    requests: torch.Tensor  # [Bg] long: the group's requests (rows of the step's batch)
+    tokens: torch.Tensor  # [Tg] long: their tokens' rows in the flat batch, request by request
+    query_start_loc: torch.Tensor  # [Bg+1] long: cumulative query lengths inside the group
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # Speculative state capture inside the group: (req [Rg] group-local, offset [Rg], max offset),
+    # and which rows of the step's capture list they are ([Rg]); None when the group has none.
+    capture: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    capture_rows: torch.Tensor | None = None
+
+
+def _greedy(order: list[int], size: Sequence[int], slack: int) -> list[list[int]]:
+    """Walk requests in ascending `size`; close a group when adding the next request would pad it
+    beyond PAD_FACTOR x its real size + slack."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for r in order:
+        current = groups[-1]
+        if current and (len(current) + 1) * size[r] > PAD_FACTOR * (total + size[r]) + slack:
+            groups.append([])
+            current, total = groups[-1], 0
+        current.append(r)
+        total += size[r]
+    return groups
+
+
+def plan_groups(query_lens: Sequence[int], seq_lens: Sequence[int] | None = None) -> list[list[int]] | None:
+    """Request indices per group, each in batch order; None when one call over the whole batch
+    pads little enough. Without `seq_lens`: groups by query length (delta rule, conv). With
+    them: short queries (decode, verification) apart from prompt chunks, then by context length
+    (attention)."""
+    n = len(query_lens)
+    if n <= 1:
+        return None
+    if seq_lens is None:
+        if n * max(query_lens) <= PAD_FACTOR * sum(query_lens) + TOKEN_SLACK:
+            return None
+        groups = _greedy(sorted(range(n), key=lambda r: query_lens[r]), query_lens, TOKEN_SLACK)
+    else:
+        short = [r for r in range(n) if query_lens[r] <= SHORT_QUERY]
+        long = [r for r in range(n) if query_lens[r] > SHORT_QUERY]
+        padded = n * max(query_lens) * max(seq_lens)
+        real = sum(q * s for q, s in zip(query_lens, seq_lens))
+        if padded <= PAD_FACTOR * real + CONTEXT_SLACK:
+            return None
+        groups = []
+        for part in (short, long):
+            if part:
+                groups += _greedy(sorted(part, key=lambda r: seq_lens[r]), seq_lens, CONTEXT_SLACK)
+    groups = [sorted(g) for g in groups if g]
+    return groups if len(groups) > 1 else None
+
+
+def build_groups(
+    requests_per_group: list[list[int]],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    device,
+    capture_host: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> list[RequestGroup]:
+    """Device index tensors of planned groups (a handful of small host-to-device copies)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    groups = []
+    for members in requests_per_group:
+        tokens = [t for r in members for t in range(starts[r], starts[r] + query_lens[r])]
+        qsl = [0]
+        for r in members:
+            qsl.append(qsl[-1] + query_lens[r])
+        group = RequestGroup(
+            requests=tensor(members), tokens=tensor(tokens), query_start_loc=tensor(qsl),
+            num_tokens=len(tokens), max_query_len=max(query_lens[r] for r in members),
+            max_seq_len=max(seq_lens[r] for r in members),
+        )
+        if capture_host is not None:
+            local = {r: i for i, r in enumerate(members)}
+            rows = [j for j, r in enumerate(capture_host[0]) if r in local]
+            if rows:
+                offsets = [capture_host[1][j] for j in rows]
+                group.capture = (tensor([local[capture_host[0][j]] for j in rows]), tensor(offsets), max(offsets))
+                group.capture_rows = tensor(rows)
+        groups.append(group)
+    return groups

@@ -1,0 +1,172 @@
+"""Request groups: steps that mix short and long requests run the padded kernels per group of
+similar requests (lamina.kernels.request_groups), with the same results as one padded call."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.kernels import causal_conv1d_varlen, gated_delta_rule_varlen, paged_attention, write_kv_cache
+from lamina.kernels import request_groups as rg
+from tests.test_kernels import close, make_gdr_inputs, make_qsl
+
+ENGINE = dict(device="cpu", dtype="float32", show_progress=False)
+
+
+# ---- planning ------------------------------------------------------------------------------
+def test_plan_splits_decodes_from_a_long_chunk():
+    lens = [1] * 200 + [8000] + [1] * 5
+    groups = rg.plan_groups(lens)
+    assert groups is not None and len(groups) == 2
+    assert groups[1] == [200] and groups[0] == [r for r in range(206) if r != 200]
+    padded = sum(len(g) * max(lens[r] for r in g) for g in groups)
+    assert padded <= 2 * sum(lens) + 2 * rg.TOKEN_SLACK  # vs 206 * 8000 in one call
+
+
+def test_plan_keeps_uniform_and_small_steps_whole():
+    assert rg.plan_groups([1] * 256) is None  # decode
+    assert rg.plan_groups([4] * 256) is None  # verification, K = 3
+    assert rg.plan_groups([8192]) is None  # a lone prefill chunk
+    assert rg.plan_groups([1] * 30 + [100]) is None  # little padding in absolute terms
+    assert rg.plan_groups([1] * 30 + [500]) is not None  # 15500 padded rows for 530 real ones
+    assert rg.plan_groups([1] * 64, [100] * 64) is None
+
+
+def test_plan_by_context_separates_long_contexts_and_prompt_chunks():
+    q = [1] * 63 + [1]
+    s = [500] * 63 + [32000]
+    groups = rg.plan_groups(q, s)
+    assert groups == [list(range(63)), [63]]
+    # a prompt chunk is never grouped with decodes, even at similar context lengths
+    groups = rg.plan_groups([1] * 100 + [3000], [3000] * 101)
+    assert groups == [list(range(100)), [100]]
+
+
+# ---- kernels: grouped == one call --------------------------------------------------------
+def _groups(lens, seq_lens=None, capture=None, by_context=False):
+    seq = seq_lens if seq_lens is not None else lens
+    plan = rg.plan_groups(lens, seq if by_context else None)
+    assert plan is not None and len(plan) > 1
+    return rg.build_groups(plan, lens, seq, "cpu", capture)
+
+
+@pytest.fixture
+def eager_groups(monkeypatch):
+    """Split even tiny steps."""
+    monkeypatch.setattr(rg, "TOKEN_SLACK", 0)
+    monkeypatch.setattr(rg, "CONTEXT_SLACK", 0)
+    monkeypatch.setattr(rg, "PAD_FACTOR", 1)
+
+
+def test_delta_rule_grouped_matches_one_call(eager_groups):
+    lens = [1, 40, 1, 3, 1, 2, 70, 1]
+    q, k, v, g, beta, state = make_gdr_inputs(lens, seed=11)
+    qsl = make_qsl(lens)
+    req = [1, 3, 3, 5, 7, 6, 6]
+    off = [10, 0, 2, 1, 0, 5, 69]
+    capture = (torch.tensor(req), torch.tensor(off), max(off))
+    ref = gated_delta_rule_varlen(q, k, v, g, beta, state, qsl, max(lens), capture=capture)
+    groups = _groups(lens, capture=(req, off))
+    got = gated_delta_rule_varlen(q, k, v, g, beta, state, qsl, max(lens), capture=capture, groups=groups)
+    for a, b in zip(got, ref):
+        close(a, b)
+
+
+def test_conv_grouped_matches_one_call(eager_groups):
+    lens = [1, 40, 1, 3, 0, 2, 70, 1]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(lens), 6, generator=gen)
+    weight = torch.randn(6, 4, generator=gen)
+    state = torch.randn(len(lens), 6, 3, generator=gen)
+    qsl = make_qsl(lens)
+    req, off = [1, 3, 5, 6], [39, 2, 0, 10]
+    capture = (torch.tensor(req), torch.tensor(off))
+    ref = causal_conv1d_varlen(x, weight, state, qsl, max(lens), capture=capture)
+    got = causal_conv1d_varlen(x, weight, state, qsl, max(lens), capture=capture,
+                               groups=_groups(lens, capture=(req, off)))
+    for a, b in zip(got, ref):
+        close(a, b)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask):
+    d, bs, hq, hkv = 8, 4, 4, 2
+    reqs = [(3, 1), (60, 1), (0, 12), (20, 1), (5, 4), (90, 1)]  # (cached context, new tokens)
+    gen = torch.Generator().manual_seed(5)
+    max_blocks = max(-(-(c + n) // bs) for c, n in reqs)
+    nb = len(reqs) * max_blocks + 1
+    k_cache, v_cache = torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d)
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables, slots = [], []
+    for c, n in reqs:
+        blocks = [perm.pop() for _ in range(-(-(c + n) // bs))]
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        slots += [blocks[p // bs] * bs + p % bs for p in range(c + n)]
+    write_kv_cache(torch.randn(len(slots), hkv, d, generator=gen), torch.randn(len(slots), hkv, d, generator=gen),
+                   k_cache, v_cache, torch.tensor(slots))
+    q_lens = [n for _, n in reqs]
+    seq = [c + n for c, n in reqs]
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    qsl, block_tables, seq_lens = make_qsl(q_lens), torch.tensor(tables), torch.tensor(seq)
+    key_mask = None
+    if with_mask:  # a sparse selection that keeps every query's own position
+        ctx = -(-max(seq) // bs) * bs
+        key_mask = torch.rand(len(reqs), max(q_lens), ctx, generator=gen) < 0.5
+        for b, (c, n) in enumerate(reqs):
+            for i in range(max(q_lens)):
+                key_mask[b, i, min(c + i, c + n - 1) if i < n else 0] = True
+    args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), max(seq), d**-0.5)
+    ref = paged_attention(*args, key_mask=key_mask)
+    groups = _groups(q_lens, seq, by_context=True)
+    got = paged_attention(*args, key_mask=key_mask, groups=groups)
+    close(got, ref)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+def _run(path, monkeypatch, grouped: bool, **kw):
+    monkeypatch.setenv("LAMINA_REQUEST_GROUPS", "1" if grouped else "0")
+    rng = random.Random(1)
+    lens = (3, 70, 5, 44, 2, 90)
+    prompts = [{"prompt_token_ids": [rng.randrange(0, 990) for _ in range(n)]} for n in lens]
+    calls = []
+    real = rg.build_groups
+    monkeypatch.setattr(rg, "build_groups", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    with LLM(str(path), **ENGINE, max_num_batched_tokens=64, block_size=8, **kw) as llm:
+        # requests join while others decode, so steps mix decodes and prompt chunks
+        engine = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request(prompts[0], params), engine.add_request(prompts[1], params)]
+        out, step = {}, 0
+        while engine.has_unfinished_requests():
+            if step in (2, 4, 6, 8) and len(ids) < len(prompts):
+                ids.append(engine.add_request(prompts[len(ids)], params))
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+            step += 1
+    return [out[i] for i in ids], calls
+
+
+@pytest.mark.parametrize("family,spec_k", [("qwen3_next", 0), ("qwen3_next", 2), ("qwen4_exp", 0)])
+def test_engine_output_unchanged_by_groups(family, spec_k, eager_groups, monkeypatch, tmp_path,
+                                           qwen3_next_dir):
+    from tests import tiny_checkpoints as tc
+
+    if family == "qwen4_exp":
+        path = tc.make_qwen4_exp(tmp_path / "q4")
+    else:
+        path = qwen3_next_dir
+    kw = {}
+    if spec_k:
+        import shutil
+
+        path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec_k}
+    grouped, calls = _run(path, monkeypatch, True, **kw)
+    assert calls and max(calls) > 1  # steps really were split
+    plain, no_calls = _run(path, monkeypatch, False, **kw)
+    assert not no_calls
+    assert grouped == plain
