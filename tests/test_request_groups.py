@@ -45,6 +45,13 @@ def test_plan_by_context_separates_long_contexts_and_prompt_chunks():
     assert groups == [list(range(100)), [100]]
 
 
+def test_plan_caps_the_context_rows_of_a_group():
+    groups = rg.plan_groups([1] * 256, [32768] * 256)  # no padding at all, but 8M context rows
+    assert groups is not None and len(groups) == 16 and all(len(g) == 16 for g in groups)
+    assert sorted(r for g in groups for r in g) == list(range(256))
+    assert rg.plan_groups([1] * 16, [32768] * 16) is None  # 512k rows: one call
+
+
 # ---- kernels: grouped == one call --------------------------------------------------------
 def _groups(lens, seq_lens=None, capture=None, by_context=False):
     seq = seq_lens if seq_lens is not None else lens

@@ -34,6 +34,9 @@ PAD_FACTOR = 2
 TOKEN_SLACK = 4096
 CONTEXT_SLACK = 1 << 16
 SHORT_QUERY = 16  # attention: decode / verification queries are never grouped with prompt chunks
+# Attention gathers each group's context as [B_g, S_g] rows (S_g its longest context): at most
+# this many rows per group, so 256 decodes at 32k context run as 16 groups, not one 68 GB gather.
+CONTEXT_ROWS_CAP = 1 << 19
 
 
 @dataclass
@@ -50,14 +53,15 @@ class RequestGroup:
     capture_rows: torch.Tensor | None = None
 
 
-def _greedy(order: list[int], size: Sequence[int], slack: int) -> list[list[int]]:
+def _greedy(order: list[int], size: Sequence[int], slack: int, cap: int | None = None) -> list[list[int]]:
     """Walk requests in ascending `size`; close a group when adding the next request would pad it
-    beyond PAD_FACTOR x its real size + slack."""
+    beyond PAD_FACTOR x its real size + slack, or its padded size beyond `cap`."""
     groups: list[list[int]] = [[]]
     total = 0
     for r in order:
         current = groups[-1]
-        if current and (len(current) + 1) * size[r] > PAD_FACTOR * (total + size[r]) + slack:
+        padded = (len(current) + 1) * size[r]
+        if current and (padded > PAD_FACTOR * (total + size[r]) + slack or (cap is not None and padded > cap)):
             groups.append([])
             current, total = groups[-1], 0
         current.append(r)
@@ -82,12 +86,13 @@ def plan_groups(query_lens: Sequence[int], seq_lens: Sequence[int] | None = None
         long = [r for r in range(n) if query_lens[r] > SHORT_QUERY]
         padded = n * max(query_lens) * max(seq_lens)
         real = sum(q * s for q, s in zip(query_lens, seq_lens))
-        if padded <= PAD_FACTOR * real + CONTEXT_SLACK:
+        if padded <= PAD_FACTOR * real + CONTEXT_SLACK and n * max(seq_lens) <= CONTEXT_ROWS_CAP:
             return None
         groups = []
         for part in (short, long):
             if part:
-                groups += _greedy(sorted(part, key=lambda r: seq_lens[r]), seq_lens, CONTEXT_SLACK)
+                order = sorted(part, key=lambda r: seq_lens[r])
+                groups += _greedy(order, seq_lens, CONTEXT_SLACK, CONTEXT_ROWS_CAP)
     groups = [sorted(g) for g in groups if g]
     return groups if len(groups) > 1 else None
 
