@@ -82,6 +82,31 @@ def test_delta_rule_grouped_matches_one_call(eager_groups):
         close(a, b)
 
 
+def test_delta_rule_grouped_with_empty_requests_default_planning():
+    """A request with no token this step lands among the decodes (review finding: the grouped call
+    took the one-token path and raised)."""
+    lens = [1] * 10 + [0] + [5000]
+    q, k, v, g, beta, state = make_gdr_inputs(lens, seed=12)
+    qsl = make_qsl(lens)
+    plan = rg.plan_groups(lens)
+    assert plan is not None and [10] in [[r for r in grp if lens[r] == 0] for grp in plan]
+    groups = rg.build_groups(plan, lens, lens, "cpu")
+    ref = gated_delta_rule_varlen(q, k, v, g, beta, state, qsl, max(lens))
+    got = gated_delta_rule_varlen(q, k, v, g, beta, state, qsl, max(lens), groups=groups)
+    for a, b in zip(got, ref):
+        close(a, b)
+    close(got[1][10], state[10])  # the empty request's state is untouched
+
+
+def test_groups_without_the_capture_list_are_refused(eager_groups):
+    lens = [1, 40, 1, 3]
+    q, k, v, g, beta, state = make_gdr_inputs(lens, seed=13)
+    capture = (torch.tensor([1]), torch.tensor([5]), 5)
+    groups = _groups(lens)  # built without capture_host
+    with pytest.raises(ValueError, match="captured tokens"):
+        gated_delta_rule_varlen(q, k, v, g, beta, state, make_qsl(lens), 40, capture=capture, groups=groups)
+
+
 def test_conv_grouped_matches_one_call(eager_groups):
     lens = [1, 40, 1, 3, 0, 2, 70, 1]
     gen = torch.Generator().manual_seed(3)
@@ -157,7 +182,7 @@ def _run(path, monkeypatch, grouped: bool, **kw):
     return [out[i] for i in ids], calls
 
 
-@pytest.mark.parametrize("family,spec_k", [("qwen3_next", 0), ("qwen3_next", 2), ("qwen4_exp", 0)])
+@pytest.mark.parametrize("family,spec_k", [("qwen3_next", 0), ("qwen3_next", 2), ("qwen4_exp", 0), ("qwen4_exp", 2)])
 def test_engine_output_unchanged_by_groups(family, spec_k, eager_groups, monkeypatch, tmp_path,
                                            qwen3_next_dir):
     from tests import tiny_checkpoints as tc
@@ -170,7 +195,8 @@ def test_engine_output_unchanged_by_groups(family, spec_k, eager_groups, monkeyp
     if spec_k:
         import shutil
 
-        path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+        shared = family == "qwen4_exp"
+        path = tc.add_mtp_weights(shutil.copytree(path, tmp_path / "mtp"), shared_head=shared)
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec_k}
     grouped, calls = _run(path, monkeypatch, True, **kw)
     assert calls and max(calls) > 1  # steps really were split

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.request_groups import check_group_capture
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
 
 __all__ = ["causal_conv1d_varlen"]
@@ -95,6 +96,7 @@ def _grouped(x, weight, conv_state, activation, dilation, capture, groups):
     new_state = torch.empty_like(conv_state)  # [B, C, S]
     captured = None
     if capture is not None:
+        check_group_capture(capture, groups)
         captured = conv_state.new_empty((capture[0].shape[0], *conv_state.shape[1:]))  # [R, C, S]
     for group in groups:
         result = causal_conv1d_varlen(

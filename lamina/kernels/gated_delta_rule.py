@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from lamina.kernels.request_groups import check_group_capture
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, to_padded
 
 __all__ = [
@@ -223,8 +224,8 @@ def gated_delta_rule_varlen(
     capture: tuple[torch.Tensor, torch.Tensor] | None = None,
     groups: list | None = None,
 ):
-    """Dispatch: decode-only batches (`max_query_len == 1`, so T == B) take the single-step
-    form, everything else the chunked form. Same arguments and results as
+    """Dispatch: decode-only batches (`max_query_len == 1` and T == B) take the single-step
+    form, everything else (requests with no token in this step included) the chunked form. Same arguments and results as
     `chunk_gated_delta_rule_varlen`.
 
     The chunked form pads every request to a whole number of chunks, so its chunk is shrunk to
@@ -238,9 +239,7 @@ def gated_delta_rule_varlen(
     not pad every request to the chunk's length. Same results."""
     if groups is not None:
         return _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture, groups)
-    if max_query_len == 1:
-        if q.shape[0] != initial_state.shape[0]:
-            raise ValueError("max_query_len == 1 needs exactly one token per request (T == B)")
+    if max_query_len == 1 and q.shape[0] == initial_state.shape[0]:  # host shapes: no sync
         out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
         if capture is None:
             return out, state
@@ -258,6 +257,7 @@ def _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture
     final = torch.empty_like(initial_state, dtype=torch.float32)  # [B, Hv, Dk, Dv]
     captured = None
     if capture is not None:
+        check_group_capture(capture, groups)
         captured = final.new_empty((capture[0].shape[0], *final.shape[1:]))  # [R, Hv, Dk, Dv]
     for group in groups:
         rows = group.tokens

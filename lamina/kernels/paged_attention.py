@@ -103,7 +103,8 @@ def paged_attention(
             key_mask: optional `[B, max_query_len, S]` bool (S = ceil(max_seq_len / block_size) *
             block_size, padded query layout): keys a query may read besides the causal rule
             (sparse attention); every valid query must keep at least one causal key, and padded
-            query rows must keep key 0.
+            query rows must keep key 0. Or a function of a request group (None: the whole step)
+            that returns that mask for the group's requests, so no whole-step mask is built.
         groups: optional request groups (lamina.kernels.request_groups, by context length): one
             call per group, so no request's queries and context are padded to another's much
             longer ones. Same results.
@@ -116,6 +117,8 @@ def paged_attention(
     """
     if groups is not None:
         return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups)
+    if callable(key_mask):
+        key_mask = key_mask(None)
     total_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -168,7 +171,9 @@ def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, group
     block_size = k_cache.shape[1]
     for group in groups:
         mask = None
-        if key_mask is not None:  # the step's padded layout: keep the group's rows, queries and keys
+        if callable(key_mask):
+            mask = key_mask(group)
+        elif key_mask is not None:  # the step's padded layout: keep the group's rows, queries and keys
             ctx_len = max(1, -(-group.max_seq_len // block_size)) * block_size
             mask = key_mask.index_select(0, group.requests)[:, : max(1, group.max_query_len), :ctx_len]
         result = paged_attention(

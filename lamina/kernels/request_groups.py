@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RequestGroup", "plan_groups", "build_groups", "enabled"]
+__all__ = ["RequestGroup", "plan_groups", "build_groups", "enabled", "check_group_capture"]
 
 
 def enabled() -> bool:
@@ -132,3 +132,14 @@ def build_groups(
                 group.capture_rows = tensor(rows)
         groups.append(group)
     return groups
+
+
+def check_group_capture(capture, groups: list[RequestGroup]) -> None:
+    """Groups must cover every captured token (built with the step's capture list), or the
+    grouped kernels would return unwritten rows. Host shapes only: no device sync."""
+    covered = sum(g.capture_rows.shape[0] for g in groups if g.capture_rows is not None)
+    if covered != capture[0].shape[0]:
+        raise ValueError(
+            f"request groups cover {covered} of the step's {capture[0].shape[0]} captured tokens: "
+            "build them with the capture list (build_groups(..., capture_host=...))"
+        )

@@ -63,8 +63,10 @@ class QSAIndexer(nn.Module):
         return self.key_cache.numel() * dtype.itemsize
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> key mask [B, max(1, max_query_len), ctx_len] bool for `paged_attention`."""
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> the key mask for `paged_attention`, as a function of a request group
+        (None: the whole step) returning `[B_g, max(1, max_query_len_g), ctx_len_g]` bool. Per group,
+        so a step mixing decodes with a long prompt chunk never builds a whole-step padded mask."""
         assert self.key_cache is not None, "indexer key cache not bound"
         num_tokens = meta.num_tokens
         qk = self.index_qk_proj(x).view(num_tokens, self.num_heads + 1, self.head_dim)  # [T, Hi+1, D]
@@ -72,18 +74,30 @@ class QSAIndexer(nn.Module):
         query = self.rotary.apply(self.q_layernorm(query), cos, sin)  # [T, Hi, D]
         write_paged_rows(self.key_cache, raw_key, meta.slot_mapping)
 
+        def key_mask(group) -> torch.Tensor:
+            if group is None:
+                return self._mask(query, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  meta.max_query_len, meta.max_seq_len)
+            return self._mask(
+                query.index_select(0, group.tokens), meta.block_tables.index_select(0, group.requests),
+                meta.seq_lens.index_select(0, group.requests), group.query_start_loc, group.max_query_len,
+                group.max_seq_len,
+            )
+
+        return key_mask
+
+    def _mask(self, query, block_tables, seq_lens, query_start_loc, max_query_len: int, max_seq_len: int):
         block_size = self.key_cache.shape[1]
-        blocks_used = max(1, -(-meta.max_seq_len // block_size))
+        blocks_used = max(1, -(-max_seq_len // block_size))
         ctx_len = blocks_used * block_size
-        raw = gather_paged_context(self.key_cache, meta.block_tables, blocks_used)[:, :, 0]  # [B, S, D]
-        num_index_blocks = meta.max_seq_len // self.ratio
+        raw = gather_paged_context(self.key_cache, block_tables, blocks_used)[:, :, 0]  # [B, S, D]
+        num_index_blocks = max_seq_len // self.ratio
         block_keys = self.k_layernorm(pool_block_keys(raw, self.ratio, num_index_blocks))  # [B, nb, D]
-        starts = torch.arange(num_index_blocks, device=x.device) * self.ratio  # [nb]
+        starts = torch.arange(num_index_blocks, device=query.device) * self.ratio  # [nb]
         start_cos, start_sin = self.rotary.cos_sin(starts)  # [nb, rotary_dim]
         block_keys = self.rotary.apply(block_keys.transpose(0, 1), start_cos, start_sin).transpose(0, 1)  # [B, nb, D]
         return qsa_key_mask(
-            query, block_keys, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-            self.ratio, self.top_blocks, ctx_len,
+            query, block_keys, seq_lens, query_start_loc, max_query_len, self.ratio, self.top_blocks, ctx_len,
         )
 
 
