@@ -136,11 +136,6 @@ def paged_attention(
     slots = (blocks[:, :, None] * block_size + in_block).reshape(bsz, ctx_len)  # [B, S]
     keys = _gather_context(k_cache, slots)  # [B, S, Hkv, D]
     values = _gather_context(v_cache, slots)  # [B, S, Hkv, D]
-    if group > 1:
-        keys = keys[:, :, :, None].expand(bsz, ctx_len, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, D]
-        keys = keys.reshape(bsz, ctx_len, num_q_heads, head_dim)  # [B, S, Hq, D]
-        values = values[:, :, :, None].expand(bsz, ctx_len, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, D]
-        values = values.reshape(bsz, ctx_len, num_q_heads, head_dim)  # [B, S, Hq, D]
 
     index, valid = padded_index(query_start_loc, max_len)  # [B, Lq]
     queries = to_padded(q, index, valid)  # [B, Lq, Hq, D]
@@ -153,12 +148,16 @@ def paged_attention(
     if key_mask is not None:
         mask = mask & key_mask
 
+    # KV heads are shared by query-head groups inside SDPA (enable_gqa), never expanded: on an H200
+    # a batch-64 decode over 4096 tokens took 0.22 ms and no extra memory this way, 5.5 ms and
+    # 4 GiB with expanded copies (benchmarks/results/sdpa_gqa_h200.json).
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, Hq, Lq, D]
-        keys.transpose(1, 2).to(q.dtype),  # [B, Hq, S, D]
-        values.transpose(1, 2).to(q.dtype),  # [B, Hq, S, D]
+        keys.transpose(1, 2).to(q.dtype),  # [B, Hkv, S, D]
+        values.transpose(1, 2).to(q.dtype),  # [B, Hkv, S, D]
         attn_mask=mask[:, None],  # [B, 1, Lq, S]
         scale=scale,
+        enable_gqa=group > 1,
     )  # [B, Hq, Lq, D]
     out = out.transpose(1, 2)  # [B, Lq, Hq, D]
     flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
