@@ -239,7 +239,9 @@ def gated_delta_rule_varlen(
     not pad every request to the chunk's length. Same results."""
     if groups is not None:
         return _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture, groups)
-    if max_query_len == 1 and q.shape[0] == initial_state.shape[0]:  # host shapes: no sync
+    # T (tokens) and B (requests) are this call's own sizes, not a guessed layout: they differ when
+    # some request has no token in this step (then the chunked form handles it).
+    if max_query_len == 1 and q.shape[0] == initial_state.shape[0]:
         out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
         if capture is None:
             return out, state
