@@ -224,8 +224,8 @@ def gated_delta_rule_varlen(
     capture: tuple[torch.Tensor, torch.Tensor] | None = None,
     groups: list | None = None,
 ):
-    """Dispatch: decode-only batches (`max_query_len == 1` and T == B) take the single-step
-    form, everything else (requests with no token in this step included) the chunked form. Same arguments and results as
+    """Dispatch: decode-only batches (`max_query_len == 1`, so T == B) take the single-step
+    form, everything else the chunked form. Same arguments and results as
     `chunk_gated_delta_rule_varlen`.
 
     The chunked form pads every request to a whole number of chunks, so its chunk is shrunk to
@@ -239,9 +239,9 @@ def gated_delta_rule_varlen(
     not pad every request to the chunk's length. Same results."""
     if groups is not None:
         return _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture, groups)
-    # T (tokens) and B (requests) are this call's own sizes, not a guessed layout: they differ when
-    # some request has no token in this step (then the chunked form handles it).
-    if max_query_len == 1 and q.shape[0] == initial_state.shape[0]:
+    if max_query_len == 1:
+        if q.shape[0] != initial_state.shape[0]:
+            raise ValueError("max_query_len == 1 needs exactly one token per request (T == B)")
         out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
         if capture is None:
             return out, state
@@ -263,10 +263,15 @@ def _grouped(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, capture
         captured = final.new_empty((capture[0].shape[0], *final.shape[1:]))  # [R, Hv, Dk, Dv]
     for group in groups:
         rows = group.tokens
-        result = gated_delta_rule_varlen(
+        # One-token requests grouped with requests that have no token this step (host counts from
+        # the plan) are not a decode batch: the chunked form takes them, on chunks of one token.
+        with_empty_requests = group.max_query_len <= 1 and group.num_tokens != group.num_reqs
+        kernel = chunk_gated_delta_rule_varlen if with_empty_requests else gated_delta_rule_varlen
+        result = kernel(
             q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), g.index_select(0, rows),
             beta.index_select(0, rows), initial_state.index_select(0, group.requests), group.query_start_loc,
-            group.max_query_len, chunk_size, use_qk_l2norm, capture=group.capture if capture is not None else None,
+            group.max_query_len, 1 if with_empty_requests else chunk_size, use_qk_l2norm,
+            capture=group.capture if capture is not None else None,
         )
         out.index_copy_(0, rows, result[0])
         final.index_copy_(0, group.requests, result[1])

@@ -45,6 +45,7 @@ class RequestGroup:
     tokens: torch.Tensor  # [Tg] long: their tokens' rows in the flat batch, request by request
     query_start_loc: torch.Tensor  # [Bg+1] long: cumulative query lengths inside the group
     num_tokens: int
+    num_reqs: int
     max_query_len: int
     max_seq_len: int
     # Speculative state capture inside the group: (req [Rg] group-local, offset [Rg], max offset),
@@ -120,7 +121,7 @@ def build_groups(
             qsl.append(qsl[-1] + query_lens[r])
         group = RequestGroup(
             requests=tensor(members), tokens=tensor(tokens), query_start_loc=tensor(qsl),
-            num_tokens=len(tokens), max_query_len=max(query_lens[r] for r in members),
+            num_tokens=len(tokens), num_reqs=len(members), max_query_len=max(query_lens[r] for r in members),
             max_seq_len=max(seq_lens[r] for r in members),
         )
         if capture_host is not None:
