@@ -36,3 +36,15 @@ def qwen3_5_moe_vl_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_next_fused_dir(tmp_path_factory, qwen3_next_dir):
     return tc.fuse_experts_copy(qwen3_next_dir, tmp_path_factory.mktemp("q3next_fused") / "ckpt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skipped where there is none (CI)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

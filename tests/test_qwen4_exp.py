@@ -264,3 +264,44 @@ def test_parallel_layout_matches_single_rank(two_ple_dir, name):
         return [o.outputs[0].token_ids for o in outputs]
 
     assert run(**PARALLEL_LAYOUTS[name]) == run()
+
+
+@pytest.mark.parametrize("spelling", ["full_attention", "indexed_attention", "qwen_sparse_attention"])
+@pytest.mark.parametrize("conditional", [False, True], ids=["causal_lm", "multimodal"])
+def test_every_transformers_spelling_of_indexed_layers_loads(tmp_path_factory, spelling, conditional):
+    """Real checkpoints, transformers 5.18+ and 5.17 spell the sparse layers differently, and each
+    transformers refuses the others' spelling; lamina reads all three whatever is installed (the
+    config.json dict is normalised before transformers sees it)."""
+    import json
+    import shutil
+
+    from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
+
+    src = tc.make_qwen4_exp(tmp_path_factory.mktemp("q4_spell_src") / "ckpt", conditional=conditional)
+    path = tmp_path_factory.mktemp(f"q4_spell_{spelling}") / "ckpt"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    part = config["text_config"] if conditional else config
+    part["layer_types"] = [t if t == "linear_attention" else spelling for t in part["layer_types"]]
+    (path / "config.json").write_text(json.dumps(config))
+
+    assert normalise_layer_type_spelling(json.loads(json.dumps(config))) == (spelling != "full_attention")
+    hf_config = read_model_config(path)
+    arch = "Qwen4ExpForConditionalGeneration" if conditional else "Qwen4ExpForCausalLM"
+    cfg = Qwen4ExpForCausalLM.parse_config(hf_config, arch)
+    assert cfg.indexed_attention_layers == (2, 4) and cfg.has_qsa
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13]}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = []
+    for model in (src, path):
+        with _llm(model) as llm:
+            outputs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outputs[0] == outputs[1]
+
+
+def test_spelling_normaliser_leaves_other_models_alone():
+    from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
+
+    config = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "indexed_attention"]}
+    assert not normalise_layer_type_spelling(config)
+    assert config["layer_types"] == ["linear_attention", "indexed_attention"]

@@ -126,10 +126,13 @@ def make_qwen4_exp(
     partial_rotary_factor: float = 1.0,
     conditional: bool = False,
     qsa: bool = True,
+    indexer_n_heads: int = 8,
+    indexer_budget: int = 8,
+    indexer_compress_ratio: int = 4,
     seed: int = 4,
 ) -> Path:
     """A tiny Qwen4-Exp: hyper-connections, N-gram PLE on `ple_layer_ids` (1-based), QSA indexed
-    attention whose budget (8 tokens in blocks of 4) is far below the test contexts. Norms, the PLE
+    attention whose budget (by default 8 tokens in blocks of 4) is far below the test contexts. Norms, the PLE
     short-conv weights (zero in transformers' init) and the n-gram tables are randomised so that
     every PLE term matters. `layer_types` uses the real checkpoints' `full_attention` spelling."""
     import transformers
@@ -145,7 +148,10 @@ def make_qwen4_exp(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor},
     )
     if qsa:
-        text.update(indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+        text.update(
+            indexer_n_heads=indexer_n_heads, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=indexer_budget,
+            indexer_compress_ratio=indexer_compress_ratio,
+        )
     if conditional:
         config = transformers.Qwen4ExpConfig(
             text_config=text,

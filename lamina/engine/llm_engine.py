@@ -149,7 +149,9 @@ class LLMEngine:
         num_devices = torch.cuda.device_count() if self.device.type == "cuda" else None
         self.plan = build_plan(cfg, self.parallel_config, num_devices=num_devices, device_type=self.device.type)
         self.max_model_len = self._resolve_max_model_len(cfg)
-        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model)
+        # The model's own config (spellings normalised by read_model_config) so that transformers
+        # does not re-read a config.json its version may refuse.
+        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.spec_config = SpeculativeConfig.parse(args.speculative_config)
         self.mtp_prefix = None
@@ -183,7 +185,7 @@ class LLMEngine:
     TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
     @classmethod
-    def _load_tokenizer(cls, path: str):
+    def _load_tokenizer(cls, path: str, config=None):
         from transformers import AutoTokenizer
 
         # transformers 5 builds an empty placeholder tokenizer for a directory without tokenizer
@@ -192,7 +194,7 @@ class LLMEngine:
             logger.warning("no tokenizer files in %s: only token-id prompts will work", path)
             return None
         try:
-            return AutoTokenizer.from_pretrained(path)
+            return AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
         except (OSError, ValueError, TypeError) as e:
             logger.warning("no tokenizer loaded from %s (%s): only token-id prompts will work", path, e)
             return None

@@ -14,6 +14,17 @@ Qwen4-Exp's indexed attention layers let every query read only part of its causa
 
 Everything is computed for all queries of all requests at once in the padded `[B, Lq, ...]`
 layout that `paged_attention` uses; the result is its `key_mask`.
+
+Ties. Block scores are sums of ReLUs, so they are often exactly 0 and the top-k has ties. Which
+tied block a query gets must depend on its own scores and its own number of complete blocks
+only, never on how far its score row was padded (the longest request of the step, the chunk's
+later queries). `select_top_blocks` makes that choice per query over exactly its complete blocks:
+
+- on the CPU (the reference path) with `torch.topk` over each query's `num_complete` scores,
+  i.e. the very call transformers makes, so ties resolve as there;
+- on other devices by the canonical rule "higher score first, equal scores: lower block index
+  first" (a stable descending sort), which padding with -inf cannot change and which needs no
+  host sync.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import torch
 
 from lamina.kernels.varlen import padded_index, query_lens, to_padded
 
-__all__ = ["pool_block_keys", "qsa_key_mask"]
+__all__ = ["pool_block_keys", "qsa_key_mask", "select_top_blocks"]
 
 
 def pool_block_keys(raw_keys: torch.Tensor, ratio: int, num_blocks: int) -> torch.Tensor:
@@ -82,17 +93,66 @@ def qsa_key_mask(
         queries = to_padded(q.float(), index, valid)  # [B, Lq, Hi, D]
         scores = torch.einsum("blhd,bnd->blhn", queries, block_keys.float())  # [B, Lq, Hi, nb]
         scores = scores.relu().sum(dim=2) / math.sqrt(q.shape[-1])  # [B, Lq, nb]
-        block_ids = torch.arange(num_blocks, device=device)  # [nb]
-        incomplete = block_ids[None, None, :] >= num_complete[:, :, None]  # [B, Lq, nb]
-        scores = scores.masked_fill(incomplete, float("-inf"))
-        top_values, top_ids = scores.topk(min(top_blocks, num_blocks), dim=-1)  # [B, Lq, k]
-        # Picks that landed on incomplete blocks (fewer complete blocks than k) go to a spare column.
-        top_ids = torch.where(top_values > float("-inf"), top_ids, num_blocks)  # [B, Lq, k]
-        chosen = torch.zeros(*scores.shape[:2], num_blocks + 1, dtype=torch.bool, device=device)  # [B, Lq, nb+1]
-        chosen.scatter_(-1, top_ids, True)
-        chosen[..., num_blocks] = False
+        # Padded query rows select nothing (their key rows are all True below anyway).
+        candidates = torch.where(valid, num_complete, 0).clamp(max=num_blocks)  # [B, Lq]
+        chosen = select_top_blocks(scores, candidates, top_blocks)  # [B, Lq, nb]
+        chosen = torch.cat([chosen, chosen.new_zeros(*chosen.shape[:2], 1)], dim=-1)  # [B, Lq, nb+1]: spare column
         chosen_keys = chosen.index_select(-1, key_block.clamp(max=num_blocks))  # [B, Lq, S]
     else:
         chosen_keys = torch.zeros_like(causal)
     allowed = causal & (~in_complete | chosen_keys)  # [B, Lq, S]
     return allowed | ~valid[:, :, None]
+
+
+def select_top_blocks(scores: torch.Tensor, num_candidates: torch.Tensor, top_blocks: int) -> torch.Tensor:
+    """Each row's `top_blocks` highest-scoring blocks among its first `num_candidates` (all of them
+    when it has fewer), chosen over exactly those candidates (see the module docstring on ties).
+
+    Args:
+        scores: `[..., nb]` float block scores; entries past a row's candidates are ignored;
+        num_candidates: `[...]` long, each row's number of complete blocks, in [0, nb];
+        top_blocks: host int, blocks kept per row.
+
+    Returns:
+        `[..., nb]` bool, True for the chosen blocks.
+    """
+    num_blocks = scores.shape[-1]
+    block_ids = torch.arange(num_blocks, device=scores.device)  # [nb]
+    is_candidate = block_ids < num_candidates[..., None]  # [..., nb]
+    if top_blocks >= num_blocks:
+        return is_candidate
+    if scores.device.type == "cpu":
+        return _select_like_reference(scores, num_candidates, top_blocks, is_candidate)
+    return _select_canonical(scores, num_candidates, top_blocks)
+
+
+def _select_canonical(scores: torch.Tensor, num_candidates: torch.Tensor, top_blocks: int) -> torch.Tensor:
+    """Higher score first; equal scores: lower block index first. A stable descending sort keeps
+    equal scores in block order and the -inf of non-candidates sorts them after every candidate,
+    so padding never reorders a row's candidates. No host sync (graph-capturable)."""
+    num_blocks = scores.shape[-1]
+    is_candidate = torch.arange(num_blocks, device=scores.device) < num_candidates[..., None]  # [..., nb]
+    k = min(top_blocks, num_blocks)
+    masked = scores.float().masked_fill(~is_candidate, float("-inf"))  # [..., nb]
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]  # [..., k]
+    in_row = torch.gather(is_candidate, -1, order)  # [..., k]: False where a row has fewer than k
+    return torch.zeros_like(is_candidate).scatter_(-1, order, in_row)
+
+
+def _select_like_reference(
+    scores: torch.Tensor, num_candidates: torch.Tensor, top_blocks: int, is_candidate: torch.Tensor
+) -> torch.Tensor:
+    """CPU reference: rows with more candidates than `top_blocks` run `topk` over exactly their
+    candidates, one call per distinct candidate count (so ties fall as in transformers, which calls
+    `topk` on each query's complete blocks). Rows with fewer keep all of them. CPU only: it reads
+    the distinct counts on the host."""
+    num_blocks = scores.shape[-1]
+    flat_scores = scores.reshape(-1, num_blocks)  # [N, nb]
+    flat_counts = num_candidates.reshape(-1)  # [N]
+    chosen = is_candidate.reshape(-1, num_blocks).clone()  # [N, nb]
+    for count in torch.unique(flat_counts[flat_counts > top_blocks]).tolist():
+        rows = torch.nonzero(flat_counts == count).squeeze(1)  # [n_rows]
+        top_ids = flat_scores.index_select(0, rows)[:, :count].topk(top_blocks, dim=-1).indices  # [n_rows, k]
+        picked = torch.zeros(rows.shape[0], num_blocks, dtype=torch.bool)
+        chosen.index_copy_(0, rows, picked.scatter_(-1, top_ids, True))
+    return chosen.reshape(is_candidate.shape)

@@ -2,9 +2,11 @@
 before any weight is read.
 
 `layer_types` of real checkpoints say `full_attention` for the indexed layers and transformers
-rewrites them to `indexed_attention` (5.17: `qwen_sparse_attention`); all of them mean an attention
-layer here (`full_attention` in `layer_types`), indexed when the QSA fields are set, plain gated
-attention when none is.
+rewrites them to `indexed_attention` (5.18+; 5.17: `qwen_sparse_attention`); all of them mean an
+attention layer here (`full_attention` in `layer_types`), indexed when the QSA fields are set, plain
+gated attention when none is. A checkpoint saved by one transformers carries that version's
+spelling, which another version refuses: `normalise_layer_type_spelling` rewrites a config.json's
+dict to `full_attention`, the spelling every version reads, before transformers sees it.
 `ple_layer_ids` count from 1: id L puts a PLE module on decoder layer L-1.
 """
 
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from lamina.models.hybrid_config import HybridTextConfig, parse_hybrid_text_config
 
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-# Spellings of an attention layer: real checkpoints, transformers >= 5.24, transformers 5.17.
+# Spellings of an attention layer: real checkpoints, transformers >= 5.18, transformers 5.17.
 _ATTENTION_KINDS = ("full_attention", "indexed_attention", "qwen_sparse_attention")
+QWEN4_EXP_MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 OUTPUT_GATE_TYPES = ("silu", "sigmoid")
 
 
@@ -67,6 +70,20 @@ class Qwen4ExpTextConfig(HybridTextConfig):
     @property
     def ngram_heads(self) -> int:
         return (self.ngram_size - 1) * self.heads_per_ngram
+
+
+def normalise_layer_type_spelling(config_dict: dict) -> bool:
+    """Rewrite a Qwen4-Exp config.json dict's attention-layer spellings (and its `text_config`'s)
+    to `full_attention`, in place. Returns whether anything changed; other models are untouched."""
+    if config_dict.get("model_type") not in QWEN4_EXP_MODEL_TYPES:
+        return False
+    changed = False
+    for part in (config_dict, config_dict.get("text_config")):
+        types = part.get("layer_types") if isinstance(part, dict) else None
+        if isinstance(types, list) and any(t in _ATTENTION_KINDS[1:] for t in types):
+            part["layer_types"] = ["full_attention" if t in _ATTENTION_KINDS else t for t in types]
+            changed = True
+    return changed
 
 
 class _WithLayerTypes:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lamina.layers.norm import GatedRMSNorm, RMSNorm
 from lamina.models.loader import CheckpointError, LoadReport, load_checkpoint, resolve_shards
+from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
 
@@ -27,6 +29,9 @@ def read_model_config(model_dir: str | Path):
     if not (path / "config.json").exists():
         raise CheckpointError(f"model path {str(path)!r} has no config.json")
     try:
+        config_dict, _ = PretrainedConfig.get_config_dict(str(path))
+        if normalise_layer_type_spelling(config_dict):  # a spelling this transformers may refuse
+            return CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
         return AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers' config validation raises its own classes
         raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
