@@ -30,6 +30,7 @@ class EngineArgs:
     ple_table_device: str = "auto"  # Qwen4-Exp N-gram PLE table: auto | gpu | cpu
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
     show_progress: bool = True
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)
     # parallelism (vLLM names)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

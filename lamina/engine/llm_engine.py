@@ -97,6 +97,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.cuda_graphs = False
+        if self.parallel_config.is_single_rank and not args.enforce_eager:
+            self.cuda_graphs = self.executor.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
         self.num_replicas = self.plan.dp
         self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
         self.schedulers = [

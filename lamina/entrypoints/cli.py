@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: seeded random weights from config.json alone (benchmarks)")
     g.add_argument("--ple-table-device", default="auto", choices=["auto", "gpu", "cpu"],
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
@@ -65,7 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
-        load_format=args.load_format, speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
+        load_format=args.load_format, enforce_eager=args.enforce_eager, speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )
 
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=_plan)
     add_serve_parser(sub)
+    from lamina.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,8 +1,8 @@
 """Routed-expert computation over a flat token batch.
 
 `grouped_experts` sorts the (token, expert) pairs by expert and runs the two expert matmuls as
-grouped GEMMs (`torch._grouped_mm`) with device-side offsets: no host sync, so a decode step stays
-capturable in a CUDA graph. Where the grouped GEMM cannot run (feature dims whose rows are not
+grouped GEMMs (`torch._grouped_mm`) with device-side offsets: no host sync (per-expert counts by
+`scatter_add_`, not `bincount`, whose output size syncs). Where the grouped GEMM cannot run (feature dims whose rows are not
 16-byte aligned, or a torch without it), a per-expert loop is used; it is a loop over experts,
 never over tokens.
 """
@@ -44,7 +44,8 @@ def grouped_experts(
     order = torch.argsort(sort_key, stable=True)  # [T*k]
     token_of_pair = order // top_k  # [T*k]
     pair_weights = topk_weights.reshape(-1)[order] * is_local[order].to(topk_weights.dtype)  # [T*k]
-    counts = torch.bincount(sort_key, minlength=num_local_experts + 1)[:num_local_experts]  # [E_local]
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=x.device)
+    counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key))[:num_local_experts]  # [E_local], no sync
     x_sorted = x[token_of_pair]  # [T*k, H]
 
     if _grouped_mm_usable(x, w13, w2):

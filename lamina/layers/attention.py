@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from lamina.kernels.paged_attention import paged_attention, write_kv_cache
-from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear
+from lamina.kernels.selection import is_one_token_decode, kernel_set
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
 from lamina.layers.rotary import RotaryEmbedding
@@ -61,6 +62,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        self.kernels = kernel_set(device if device is not None else ctx.device)
+        self.qkv_rows = None if attention_bias else share_weight_storage(self.q_proj, self.k_proj, self.v_proj)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -83,6 +86,8 @@ class GatedAttention(nn.Module):
         selection in `paged_attention`'s padded layout (see there)."""
         layout.expect(x, layout.R, self.ctx, "GatedAttention input")
         num_tokens = meta.num_tokens
+        if self.kernels == "triton" and key_mask is None and self.qkv_rows is not None and is_one_token_decode(meta):
+            return self._decode_fused(x, meta, cos, sin)
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
         gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
@@ -100,3 +105,25 @@ class GatedAttention(nn.Module):
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         attn = attn * torch.sigmoid(gate)
         return self.o_proj(attn)
+
+    def _decode_fused(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One token per request on the Triton kernels: one GEMV for q/gate, k and v; q/k norm,
+        rotary and the cache write in one launch; attention with the output gate in another."""
+        from lamina.kernels.triton_decode import paged_decode_attention
+        from lamina.kernels.triton_qk_prep import qk_norm_rope_cache
+
+        num_tokens, heads, kv_heads, dim = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = torch.nn.functional.linear(x, self.qkv_rows)  # [T, H*2D + 2*Hkv*D]
+        query_gate, key, value = qkv.split([heads * 2 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        query_gate = query_gate.view(num_tokens, heads, 2 * dim)  # [T, H, 2D]: per head [query D | gate D]
+        key = key.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
+        value = value.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        query = qk_norm_rope_cache(
+            query_gate[..., :dim], key, value, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.q_norm.zero_centred, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache,
+        )  # [T, H, D]
+        attn = paged_decode_attention(
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, gate=query_gate[..., dim:],
+        )  # [T, H, D], gated
+        return self.o_proj(attn.reshape(num_tokens, heads * dim))

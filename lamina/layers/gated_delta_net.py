@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
+from lamina.kernels.selection import is_one_token_decode, kernel_set
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
 from lamina.layers.spec_state import conv_with_capture, stash_captured
@@ -79,6 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(self.total_value_dim, hidden_size, ctx, dtype=dtype, device=device)
         self.conv_state: torch.Tensor | None = None  # bound by the runner
         self.ssm_state: torch.Tensor | None = None
+        self.kernels = kernel_set(device if device is not None else ctx.device)
+        self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
 
     # ---- loading -------------------------------------------------------------------------
     def load_conv_weight(self, name: str, loaded: torch.Tensor) -> None:
@@ -120,6 +123,10 @@ class GatedDeltaNet(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "recurrent state not bound"
         layout.expect(x, layout.R, self.ctx, "GatedDeltaNet input")
         num_tokens = meta.num_tokens
+        if self.kernels == "triton" and is_one_token_decode(meta):
+            projected = F.linear(x, self.in_proj_rows)  # [T, conv_dim + value_dim + 2*Hv]: one GEMV
+            mixed_qkv, z, b, a = projected.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+            return self._decode_in_place(mixed_qkv, z, b, a, meta)
         qkvz = self.in_proj_qkvz(x)  # [T, 2*key_dim + 2*value_dim]
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)  # [T, Hv] each
@@ -134,8 +141,7 @@ class GatedDeltaNet(nn.Module):
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        beta = torch.sigmoid(b.float())  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        g, beta = self._gates(b, a)
 
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
         core, state_out, *captured = gated_delta_rule_varlen(
@@ -145,6 +151,33 @@ class GatedDeltaNet(nn.Module):
         stash_captured(self, "ssm_state", captured[0] if captured else None)
         self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))
 
+        return self._output(core, z, num_tokens)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = torch.sigmoid(b.float())  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        return g, beta
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor, num_tokens: int) -> torch.Tensor:
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         core = self.norm(core, z).reshape(num_tokens, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(core)
+
+    def _decode_in_place(self, mixed_qkv, z, b, a, meta: ForwardMetadata) -> torch.Tensor:
+        """One token per request on the Triton kernels: conv and delta rule read and write the
+        state pools at the requests' slots in place (no gather / scatter of states)."""
+        from lamina.kernels.triton_decode import causal_conv1d_decode, gated_delta_rule_decode
+
+        num_tokens = meta.num_tokens
+        slots, keep = meta.state_slots, meta.has_initial_state
+        mixed_qkv = causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots, keep)  # [T, C]
+        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        core = gated_delta_rule_decode(
+            query, key, value, a, b, self.ssm_state, slots, keep, a_log=self.A_log, dt_bias=self.dt_bias,
+        )  # [T, Hv, Dv]: the gates are computed in the kernel from the raw projections a, b
+        stash_captured(self, "conv_state", None)
+        stash_captured(self, "ssm_state", None)
+        return self._output(core, z, num_tokens)

@@ -134,3 +134,20 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def share_weight_storage(*linears: nn.Module) -> torch.Tensor:
+    """Put the weights of several linears over the same input (no biases) into one `[sum rows, in]`
+    tensor, each `.weight` becoming a view of its rows, and return it: one GEMV then computes all
+    of their outputs (the fast decode path), while loading and the reference path see the usual
+    parameters."""
+    if any(getattr(m, "bias", None) is not None for m in linears):
+        raise ValueError("share_weight_storage: linears with a bias cannot share one GEMV")
+    first = linears[0].weight
+    rows = [m.weight.shape[0] for m in linears]
+    joint = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)  # [sum rows, in]
+    start = 0
+    for m, n in zip(linears, rows):
+        m.weight = nn.Parameter(joint[start : start + n], requires_grad=False)
+        start += n
+    return joint

@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.moe import grouped_experts
-from lamina.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape
+from lamina.kernels.selection import kernel_set
+from lamina.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_shape,
+    share_weight_storage,
+)
 from lamina.layers.metadata import ForwardMetadata
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
@@ -80,6 +87,13 @@ class SparseMoE(nn.Module):
             torch.empty(self.num_local_experts, hidden_size, self.intermediate_per_rank, dtype=dtype, device=device),
             requires_grad=False,
         )  # [E_local, H, I_local]
+        self.kernels = kernel_set(device if device is not None else ctx.device)
+        if self.kernels == "triton":
+            from lamina.kernels.triton_moe import fused_moe
+
+            self.experts_kernel = fused_moe
+        else:
+            self.experts_kernel = grouped_experts
         self.has_shared_expert = shared_expert_intermediate_size > 0
         # Under SP with EP every rank holds different tokens: the shared expert must be whole.
         self.shared_replicated = ctx.sp and self.ep
@@ -87,6 +101,14 @@ class SparseMoE(nn.Module):
             shared_ctx = ParallelContext.single(ctx.device) if self.shared_replicated else ctx
             self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, shared_ctx, dtype=dtype, device=device)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype, device=device)
+            # Router and shared-expert gate rows in one tensor: the fused path computes both logits in one GEMV.
+            self.router_rows = share_weight_storage(self.gate, self.shared_expert_gate)  # [E+1, H]
+        # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
+        # routed experts' and every routed expert is local (no EP).
+        self.fuse_shared_expert = (
+            self.kernels == "triton" and self.has_shared_expert and not self.ep
+            and tuple(self.shared_expert.gate_up_proj.weight.shape) == tuple(self.w13.shape[1:])
+        )
 
     @property
     def input_layout(self) -> str:
@@ -130,15 +152,28 @@ class SparseMoE(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)  # [N, E]
+        if self.kernels == "triton":
+            from lamina.kernels.triton_moe import route_softmax_topk
+
+            return route_softmax_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_weights.to(x.dtype), topk_ids
 
+    def _experts_with_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts and the gated shared expert in the fused Triton launches."""
+        from lamina.kernels.triton_moe import route_softmax_topk
+
+        logits = F.linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
+        topk_weights, topk_ids = route_softmax_topk(logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype)
+        shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, logits[:, self.num_experts])
+        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, shared=shared)
+
     def _local_experts(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
-        return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -147,6 +182,8 @@ class SparseMoE(nn.Module):
         ctx = self.ctx
         layout.expect(x, self.input_layout, ctx, "SparseMoE input")
         num_tokens = meta.num_tokens
+        if self.fuse_shared_expert:
+            return layout.tag(self._experts_with_shared(x), self.output_layout, ctx)
         if not self.ep:
             out = self._local_experts(x)
         elif self.shared_replicated:

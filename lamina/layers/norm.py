@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lamina.kernels.selection import kernel_set
 from lamina.layers.linear import check_shape
 
 
@@ -17,12 +18,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.kernels = kernel_set(device)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, tuple(self.weight.shape))
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            from lamina.kernels.triton_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.zero_centred)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.weight.float()
@@ -41,12 +47,17 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"gated norm activation {activation!r} is not one of 'silu', 'sigmoid'")
         self.activation = activation
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.kernels = kernel_set(device)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, tuple(self.weight.shape))
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            from lamina.kernels.triton_norm import gated_rms_norm
+
+            return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * normed.to(x.dtype)

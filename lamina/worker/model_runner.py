@@ -18,6 +18,7 @@ import torch
 from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
 from lamina.engine.step_plan import ScheduledChunk, StepPlan
 from lamina.layers.metadata import ForwardMetadata
+from lamina.worker.cuda_graphs import can_replay
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ModelRunner:
         self.kv_cache_bytes = 0
         self.state_bytes = 0
         self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
+        self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
+        self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.spec = None
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
@@ -73,8 +76,28 @@ class ModelRunner:
         self.block_size = block_size
         for module in self.paged_cache_modules():
             self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.model.dtype, self.device)
+        self.spare_state_slot = num_state_slots
         for module in self.model.state_modules():
-            self.state_bytes += module.bind_state(num_state_slots, self.model.dtype, self.device)
+            self.state_bytes += module.bind_state(num_state_slots + 1, self.model.dtype, self.device)
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> bool:
+        """Capture CUDA graphs of the one-token decode step for padded batch sizes up to
+        `max_batch` (single-rank CUDA runs whose decode kernels are graph-safe, without MTP).
+        Returns whether graphs were captured. `static_off_cuda` (tests): on the CPU, run decode
+        steps through the graphs' static buffers and padding, eagerly."""
+        from lamina.worker import cuda_graphs
+
+        if self.device.type != "cuda" and not static_off_cuda:
+            return False
+        if self.spec is not None or not cuda_graphs.model_is_capturable(self.model):
+            return False
+        graphs = cuda_graphs.DecodeGraphs(
+            self.model, device=self.device, max_batch=max_batch, block_size=self.block_size,
+            max_blocks_per_seq=-(-max_model_len // self.block_size), spare_state_slot=self.spare_state_slot,
+        )
+        graphs.capture(cuda_graphs.capture_sizes(max_batch))
+        self.decode_graphs = graphs
+        return True
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardMetadata, list[int]]:
@@ -173,6 +196,10 @@ class ModelRunner:
         self.commit_spec_states(plan)
         if plan.is_empty:
             return {}
+        if self.spec is None and can_replay(self.decode_graphs, plan.chunks):
+            with torch.inference_mode():
+                logits = self.decode_graphs.run(plan.chunks)  # [B, vocab]
+                return self.sample(logits, plan.chunks)
         hidden, rows = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
             return self.verify_and_propose(plan, hidden)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One iteration on the H200: kernel tests on CUDA, batch-1/16/64 latency (graphs), a batch-1 profile.
+set -x
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -x 2>&1 | tail -4
+python3 benchmarks/tune_moe.py --out $OUT/tune_moe.json 2>&1 | grep -v "^skip" | cut -c1-400
+python3 -m lamina.entrypoints.cli bench latency --batch-size 1 16 64 --input-len 128 --output-len 64 --dtype bfloat16 --output-json $OUT/latency_graphs.json 2>&1 | tail -5
+python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
+python3 -c "
+import json; d=json.load(open('$OUT/profile_b1.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:12]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])
+print('\n'.join(d['host_profile_20_steps']))"

@@ -1,0 +1,79 @@
+"""Profile decode steps of the 40-layer Qwen3.5-35B-A3B shape (dummy weights): wall time per step,
+GPU kernel time per step, kernel launches per step, and the top kernels.
+
+    python benchmarks/profile_decode.py --batch 1 [--enforce-eager] [--out profile.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lamina import LLM, SamplingParams  # noqa: E402
+from lamina.entrypoints.bench import _preset_dir  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    path = _preset_dir("qwen3.5-35b-a3b", args.layers)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=512,
+              max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request({"prompt_token_ids": [(i * 7919 + j) % 200000 for j in range(128)]}, params)
+    for _ in range(4):  # prefill + warm decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) / args.steps
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in by_name.items()), reverse=True)[:15]
+    result = {
+        "batch": args.batch, "layers": args.layers, "cuda_graphs": engine.cuda_graphs,
+        "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu_us / 1e3,
+        "kernels_per_step": len(kernels) / args.steps,
+        "top_kernels": [{"us_per_step": t, "calls_per_step": n, "name": k[:120]} for t, n, k in top],
+    }
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(20):
+        engine.step()
+    host.disable()
+    stream = io.StringIO()
+    pstats.Stats(host, stream=stream).sort_stats("tottime").print_stats(18)
+    result["host_profile_20_steps"] = stream.getvalue().splitlines()[:45]
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

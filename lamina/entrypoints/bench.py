@@ -1,0 +1,318 @@
+"""`lamina bench latency | throughput`: vLLM-style benchmarks of the offline engine.
+
+latency: for each batch size, B prompts of `--input-len` random token ids decode `--output-len`
+tokens together; reports TTFT (the prefill steps), TPOT (mean decode step), output tok/s and the
+fraction of the HBM roofline: the bytes one decode step really reads (every non-expert weight
+but the embedding, the distinct routed experts of a measured step, the shared experts, the LM
+head, the KV cache read, the recurrent state read and written) over the device copy bandwidth
+measured in the same run. throughput: N prompts offline, total and output tok/s.
+
+Each run prints a markdown table, writes one JSON record per row (`--output-json`) and, where
+matplotlib is installed, a PNG of output tok/s against batch size with the roofline drawn.
+Without `--model`, `--preset qwen3.5-35b-a3b` writes that model's text config (dummy weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    # Qwen3.5-35B-A3B text model (40 layers: 30 gated delta net, 10 gated attention).
+    "qwen3.5-35b-a3b": dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, eos_token_id=248044, tie_word_embeddings=False,
+    ),
+}
+
+
+def add_bench_parser(subparsers) -> None:
+    from lamina.entrypoints import cli
+
+    p = subparsers.add_parser("bench", help="benchmarks: latency (decode), throughput (offline)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=["latency", "throughput"])
+    cli.add_engine_args(p)
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--preset", default="qwen3.5-35b-a3b", choices=sorted(PRESETS),
+                   help="config written when --model is not given (weights: --load-format dummy)")
+    b.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="latency: batch sizes to sweep")
+    b.add_argument("--num-prompts", type=int, default=64, help="throughput: number of prompts")
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--output-json", default=None, help="write the records (a JSON list) here")
+    b.add_argument("--plot", default=None, help="latency: write a PNG of tok/s against batch size")
+    p.set_defaults(func=run_bench)
+
+
+def _preset_dir(preset: str, num_layers: int | None) -> Path:
+    from transformers import Qwen3_5MoeTextConfig
+
+    fields = dict(PRESETS[preset])
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    n = fields["num_hidden_layers"]
+    fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    config = Qwen3_5MoeTextConfig(**fields)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    path = Path(tempfile.mkdtemp(prefix="lamina-bench-"))
+    config.save_pretrained(path)
+    return path
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def distinct_experts_per_layer(llm, prompts_ids: list[list[int]]) -> list[int]:
+    """Run one eager step of the given one-token-per-request decode batch and count, per MoE
+    layer, the distinct experts its tokens were routed to."""
+    from lamina.layers.moe import SparseMoE
+
+    model = llm.engine.executor.runner.model
+    counts = []
+
+    def wrap(moe):
+        inner = moe.experts_kernel
+
+        def counted(x, w13, w2, weights, ids, start, **kwargs):
+            counts.append(int(torch.unique(ids).numel()))
+            return inner(x, w13, w2, weights, ids, start, **kwargs)
+
+        return inner, counted
+
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    saved = []
+    for m in moes:
+        inner, counted = wrap(m)
+        saved.append(inner)
+        m.experts_kernel = counted
+    with torch.inference_mode():
+        hidden = model(torch.tensor([p[-1] for p in prompts_ids], device=llm.engine.device), _decode_meta(llm, len(prompts_ids)), None)
+        del hidden
+    for m, inner in zip(moes, saved):
+        m.experts_kernel = inner
+    return counts
+
+
+def _decode_meta(llm, batch: int):
+    """Metadata of a throwaway one-token step that writes only the spare state slot."""
+    from lamina.layers.metadata import ForwardMetadata
+
+    device = llm.engine.device
+    runner = llm.engine.executor.runner
+    ar = torch.arange(batch, device=device)
+    return ForwardMetadata(
+        num_tokens=batch, num_reqs=batch, max_query_len=1, max_seq_len=1, positions=torch.zeros_like(ar),
+        query_start_loc=torch.arange(batch + 1, device=device), seq_lens=torch.ones_like(ar),
+        slot_mapping=torch.full_like(ar, -1), block_tables=torch.zeros(batch, 1, dtype=torch.long, device=device),
+        state_slots=torch.full_like(ar, runner.spare_state_slot), has_initial_state=torch.zeros_like(ar, dtype=torch.bool),
+        token_request_index=ar,
+    )
+
+
+def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[int]) -> int:
+    """Bytes one decode step at this batch reads (and, for recurrent state, writes)."""
+    from lamina.layers.attention import GatedAttention
+    from lamina.layers.embedding import VocabParallelEmbedding
+    from lamina.layers.gated_delta_net import GatedDeltaNet
+    from lamina.layers.moe import SparseMoE
+
+    model = llm.engine.executor.runner.model
+    total = 0
+    expert_params = set()
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            expert_params |= {id(m.w13), id(m.w2)}
+        if isinstance(m, VocabParallelEmbedding):
+            expert_params |= {id(p) for p in m.parameters()}  # only B rows are read
+    for p in model.parameters():
+        if id(p) not in expert_params:
+            total += p.numel() * p.element_size()
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for m, distinct in zip(moes, distinct_experts):
+        per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        total += distinct * per_expert
+    for m in model.modules():
+        if isinstance(m, GatedAttention):
+            total += batch * context_len * 2 * m.num_kv_heads * m.head_dim * m.k_cache.element_size()
+        if isinstance(m, GatedDeltaNet):
+            per_slot = m.ssm_state[0].numel() * 4 + m.conv_state[0].numel() * m.conv_state.element_size()
+            total += 2 * batch * per_slot  # read and written
+    return total
+
+
+def _engine_kwargs(args) -> dict:
+    from lamina.entrypoints.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    kwargs["show_progress"] = False
+    return kwargs
+
+
+def run_latency(args, model_path: str) -> list[dict]:
+    from lamina import LLM, SamplingParams
+
+    device = torch.device("cuda") if torch.cuda.is_available() and args.device in ("auto", "cuda") else torch.device(args.device if args.device != "auto" else "cpu")
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    records = []
+    rng = random.Random(0)
+    max_batch = max(args.batch_size)
+    kwargs = _engine_kwargs(args)
+    kwargs["max_num_seqs"] = kwargs.get("max_num_seqs") or max_batch
+    kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16
+    with LLM(model_path, **kwargs) as llm:
+        engine = llm.engine
+        vocab = engine.model_config.vocab_size
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)
+        for batch in args.batch_size:
+            prompts = [[rng.randrange(0, min(vocab, 200_000)) for _ in range(args.input_len)] for _ in range(batch)]
+            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+            for p in prompts:
+                engine.add_request({"prompt_token_ids": p}, params)
+            ttft = None
+            decode_time, decode_steps = 0.0, 0
+            start = time.perf_counter()
+            produced = {}
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outs = engine.step()
+                _sync(device)
+                dt = time.perf_counter() - t0
+                all_started = len(produced) == batch
+                for o in outs:
+                    produced[o.request_id] = len(o.outputs[0].token_ids)
+                if ttft is None and len(produced) == batch:
+                    ttft = time.perf_counter() - start
+                elif all_started and len(outs) == batch:
+                    decode_time += dt
+                    decode_steps += 1
+            tpot = decode_time / max(decode_steps, 1)
+            record = {
+                "kind": "latency", "command": " ".join(["lamina", *sys.argv[1:]]), "gpu": _gpu_name(device),
+                "model": args.model or f"{args.preset} ({engine.model_config.num_hidden_layers} layers, dummy)",
+                "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": batch, "input_len": args.input_len,
+                "output_len": args.output_len, "output_tok_per_s": batch / tpot if decode_steps else None,
+                "total_tok_per_s": batch * (args.input_len + args.output_len) / (time.perf_counter() - start),
+                "tpot_ms": tpot * 1e3, "ttft_ms": ttft * 1e3 if ttft is not None else None,
+                "cuda_graphs": engine.cuda_graphs, "decode_steps": decode_steps,
+            }
+            if bandwidth is not None:
+                distinct = distinct_experts_per_layer(llm, prompts)
+                nbytes = decode_bytes(llm, batch, args.input_len + args.output_len // 2, distinct)
+                record.update(
+                    bytes_per_step=nbytes, copy_bandwidth_gb_s=bandwidth / 1e9,
+                    roofline_tpot_ms=nbytes / bandwidth * 1e3,
+                    hbm_roofline_fraction=(nbytes / bandwidth) / tpot if decode_steps else None,
+                    mean_distinct_experts=sum(distinct) / max(len(distinct), 1),
+                )
+            records.append(record)
+    return records
+
+
+def run_throughput(args, model_path: str) -> list[dict]:
+    from lamina import LLM, SamplingParams
+
+    rng = random.Random(0)
+    kwargs = _engine_kwargs(args)
+    kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16
+    device = torch.device("cuda") if torch.cuda.is_available() and args.device in ("auto", "cuda") else torch.device("cpu")
+    with LLM(model_path, **kwargs) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(0, min(vocab, 200_000)) for _ in range(args.input_len)]}
+                   for _ in range(args.num_prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        _sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return [{
+            "kind": "throughput", "command": " ".join(["lamina", *sys.argv[1:]]), "gpu": _gpu_name(device),
+            "model": args.model or f"{args.preset} (dummy)", "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "max_num_seqs": llm.engine.max_num_seqs, "elapsed_s": elapsed,
+            "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
+        }]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def markdown_table(records: list[dict]) -> str:
+    columns = [c for c in ("batch_size", "num_prompts", "input_len", "output_len", "ttft_ms", "tpot_ms",
+                           "output_tok_per_s", "total_tok_per_s", "hbm_roofline_fraction", "mean_distinct_experts")
+               if any(c in r for r in records)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    for r in records:
+        cells = [r.get(c) for c in columns]
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch_size"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(batches, [r["output_tok_per_s"] for r in records], "o-", label="lamina")
+    if all("roofline_tpot_ms" in r for r in records):
+        ax.plot(batches, [b / (r["roofline_tpot_ms"] / 1e3) for b, r in zip(batches, records)], "k--", label="HBM roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode output tok/s")
+    ax.set_title(records[0]["model"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_bench(args) -> int:
+    model_path = args.model or str(_preset_dir(args.preset, args.num_layers))
+    if args.model is None:
+        args.load_format = "dummy"
+    records = run_latency(args, model_path) if args.kind == "latency" else run_throughput(args, model_path)
+    print(markdown_table(records))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(records, indent=2))
+    if args.plot and args.kind == "latency":
+        try:
+            plot(records, args.plot)
+        except ImportError:
+            print("lamina bench: matplotlib is not installed; no plot written", file=sys.stderr)
+    return 0

@@ -1,0 +1,46 @@
+"""Which kernel set a layer uses, chosen once when the model is built, never per tensor value.
+
+- `reference`: the plain torch kernels of this package (CPU, CI, the oracle).
+- `triton`: lamina's Triton kernels (`triton_decode`, `triton_moe`) for the one-token decode step
+  and the routed experts; everything else stays on the reference kernels.
+
+`LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
+`triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
+under Triton's interpreter (`TRITON_INTERPRET=1` must be set before Triton is imported): slow, but
+it lets CI run the engine end to end on the fast kernels at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+KERNEL_SETS = ("auto", "reference", "triton")
+
+
+def kernel_set(device: torch.device | str | None) -> str:
+    """'triton' or 'reference' for layers built on `device`."""
+    wanted = os.environ.get("LAMINA_KERNELS", "auto")
+    if wanted not in KERNEL_SETS:
+        raise ValueError(f"LAMINA_KERNELS = {wanted!r} is not one of {', '.join(KERNEL_SETS)}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if wanted == "reference":
+        return "reference"
+    if wanted == "triton":
+        if not has_triton:
+            raise ValueError("LAMINA_KERNELS = 'triton' but Triton is not installed (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"LAMINA_KERNELS = 'triton' on device {device.type!r} needs TRITON_INTERPRET=1 (Triton's CPU interpreter)"
+            )
+        return "triton"
+    return "triton" if device.type == "cuda" and has_triton else "reference"
+
+
+def is_one_token_decode(meta) -> bool:
+    """A step whose every request has exactly one new token and keeps no per-position states
+    (host ints of the plan only): what the Triton decode kernels handle."""
+    return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and meta.state_capture is None

@@ -1,0 +1,248 @@
+"""Triton kernels of the one-token decode step, reading the caches and state pools in place.
+
+Each kernel has a torch reference in this package (CPU, CI, the oracle) and is tested against it,
+on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes:
+
+- `paged_decode_attention`: one query per request over its paged K/V (block tables, `seq_lens`
+  read on the device), all query heads of a KV head in one program (GQA), online softmax.
+  Reference: `paged_attention` with `max_query_len == 1`.
+- `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
+  written back to the float32 state pool at the request's slot. Reference:
+  `recurrent_gated_delta_rule_step`.
+- `causal_conv1d_decode`: the depthwise causal conv of one token with the rolling input state
+  in the conv-state pool. Reference: `causal_conv1d_varlen` with one token per request.
+
+Nothing here reads a tensor value on the host, and every launch shape depends on host ints only
+(batch size, head counts, dims), so a decode step built from them can be captured in a CUDA graph.
+Padded rows of a captured batch point at a spare state slot and have `seq_len >= 1`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_decode_attention", "gated_delta_rule_decode", "causal_conv1d_decode"]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- paged attention, one query per request ------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, gate_ptr, out_ptr, scale,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_gb, stride_gh, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        pos = start + offs_n  # [N]
+        n_ok = pos < seq_len
+        block = tl.load(block_tables_ptr + req * stride_bt + pos // PAGE_SIZE, mask=n_ok, other=0)
+        row = pos % PAGE_SIZE
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    dtype = out_ptr.dtype.element_ty
+    out = (acc / l_i[:, None]).to(dtype)
+    if GATED:  # the output gate: attn * sigmoid(gate), rounded as the layer's torch ops round
+        gate = tl.load(gate_ptr + req * stride_gb + heads[:, None] * stride_gh + offs_d[None, :],
+                       mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = (out.to(tl.float32) * gate).to(dtype)
+    tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out,
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
+    caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
+    `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
+    attn * sigmoid(gate). Returns `[B, Hq, D]` in q's dtype."""
+    bsz, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((bsz, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    gated = gate is not None
+    gate = gate if gated else q
+    _paged_decode_attention_kernel[(bsz, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
+        PRECISION=_dot_precision(q.dtype), GATED=gated,
+    )
+    return out
+
+
+# ---- gated delta rule, one token per request ---------------------------------------------------------
+
+
+@triton.jit
+def _gdr_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, keep_ptr, out_ptr,
+    scale, eps,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_bb,
+    stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    k_head = head // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    q = tl.load(q_ptr + req * stride_qb + k_head * stride_qh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + req * stride_kb + k_head * stride_kh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q) + eps)
+        k = k * tl.rsqrt(tl.sum(k * k) + eps)
+    q = q * scale
+    v = tl.load(v_ptr + req * stride_vb + head * stride_vh + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + req * stride_gb + head).to(tl.float32)
+    beta = tl.load(beta_ptr + req * stride_bb + head).to(tl.float32)
+    if RAW_GATES:  # g holds `a`, beta holds `b` of the projection: the layer's gate math, fused
+        a = g + tl.load(dt_bias_ptr + head).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-beta))
+    slot = tl.load(slots_ptr + req)
+    keep = tl.load(keep_ptr + req)
+    s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    state = tl.load(s_ptrs, mask=s_ok, other=0.0)  # [K, V] float32
+    state = tl.where(keep != 0, state, 0.0) * tl.exp(g)
+    delta = beta * (v - tl.sum(state * k[:, None], axis=0))  # [V]
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], axis=0)  # [V]
+    tl.debug_barrier()  # the whole tile was read before any lane writes it back
+    tl.store(s_ptrs, state, mask=s_ok)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, use_qk_l2norm: bool = True,
+    *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k `[B, Hk, Dk]`; v `[B, Hv, Dv]` (any strides with a unit last one); g, beta `[B, Hv]`;
+    state_pool `[num_slots, Hv, Dk, Dv]` float32, updated in place at `slots [B]` (a row with
+    `keep[b]` False starts from zeros). With `a_log` and `dt_bias` `[Hv]`, g and beta are the raw
+    projections `a` and `b`, and the gates g = -exp(A_log) * softplus(a + dt_bias), beta =
+    sigmoid(b) are computed in the kernel. Returns the output `[B, Hv, Dv]` in v's dtype."""
+    bsz, num_v_heads, head_v_dim = v.shape
+    num_k_heads, head_k_dim = k.shape[1], k.shape[2]
+    out = torch.empty((bsz, num_v_heads, head_v_dim), dtype=v.dtype, device=v.device)
+    if bsz == 0:
+        return out
+    raw = a_log is not None
+    block_v = min(32, triton.next_power_of_2(head_v_dim))
+    grid = (bsz, num_v_heads, triton.cdiv(head_v_dim, block_v))
+    _gdr_decode_kernel[grid](
+        q, k, v, g, beta, a_log if raw else g, dt_bias if raw else g, state_pool, slots, keep, out,
+        head_k_dim**-0.5, 1e-6,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
+        GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
+        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
+    )
+    return out
+
+
+# ---- causal conv1d, one token per request ---------------------------------------------------------
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, keep_ptr, out_ptr, channels,
+    stride_xb, stride_wc, stride_ss, stride_sc, stride_ob,
+    KERNEL: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+):
+    req = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_j = tl.arange(0, BLOCK_J)
+    c_ok = offs_c < channels
+    slot = tl.load(slots_ptr + req)
+    keep = tl.load(keep_ptr + req)
+    x = tl.load(x_ptr + req * stride_xb + offs_c, mask=c_ok, other=0.0)  # [C]
+    row = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
+    # seq = [state (K-1 inputs), x]; tap j reads seq[j].
+    from_state = c_ok[:, None] & (offs_j[None, :] < KERNEL - 1)
+    seq = tl.load(row + offs_j[None, :], mask=from_state, other=0.0)
+    seq = tl.where(keep != 0, seq, 0.0).to(tl.float32)
+    seq = tl.where(offs_j[None, :] == KERNEL - 1, x[:, None].to(tl.float32), seq)  # [C, J]
+    w = tl.load(w_ptr + offs_c[:, None] * stride_wc + offs_j[None, :],
+                mask=c_ok[:, None] & (offs_j[None, :] < KERNEL), other=0.0).to(tl.float32)
+    y = tl.sum(seq * w, axis=1)  # [C]
+    if SILU:
+        y = y / (1.0 + tl.exp(-y))
+    # New state: seq[1:K], read as shifted loads (registers cannot be shifted across lanes).
+    shifted = tl.load(row + offs_j[None, :] + 1, mask=c_ok[:, None] & (offs_j[None, :] + 1 < KERNEL - 1), other=0.0)
+    shifted = tl.where(keep != 0, shifted, 0.0)
+    shifted = tl.where(offs_j[None, :] + 1 == KERNEL - 1, x[:, None].to(shifted.dtype), shifted)
+    tl.debug_barrier()  # every lane has read the old state before any writes it
+    tl.store(row + offs_j[None, :], shifted, mask=c_ok[:, None] & (offs_j[None, :] < KERNEL - 1))
+    tl.store(out_ptr + req * stride_ob + offs_c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """x `[B, C]` (one token per request, rows may be strided); weight `[C, K]`; state_pool `[num_slots, C, K-1]`,
+    updated in place at `slots [B]` (`keep[b]` False: the request starts from zeros).
+    Returns `[B, C]` in x's dtype."""
+    bsz, channels = x.shape
+    kernel = weight.shape[1]
+    out = torch.empty((bsz, channels), dtype=x.dtype, device=x.device)
+    if bsz == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    block_c = 256
+    _conv_decode_kernel[(bsz, triton.cdiv(channels, block_c))](
+        x, weight, state_pool, slots, keep, out, channels,
+        x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
+        KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c, SILU=activation in ("silu", "swish"),
+    )
+    return out

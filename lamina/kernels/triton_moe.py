@@ -1,0 +1,331 @@
+"""Fused routed-expert MoE in Triton: the fast path of `lamina.kernels.moe.grouped_experts`.
+
+The (token, expert) pairs are sorted by expert on the device and each expert's pairs padded to a
+multiple of BLOCK_M rows (`align_pairs`), so every row block of the sorted list belongs to one
+expert. Two grouped GEMM kernels then read each routed expert's weights once per output tile:
+
+1. gate/up: `act[pair] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T)` (SiLU-and-mul fused);
+2. down: `out[pair] = weight[pair] * act[pair] @ down_e^T`, in float32,
+
+and the k pairs of a token are summed in float32 (one rounding, no atomics: deterministic). The
+number of row blocks is bounded by host ints (pairs + min(pairs, experts) * (BLOCK_M - 1)), blocks
+past the real ones exit at once, and nothing syncs: a decode step stays capturable in a CUDA graph.
+At batch 1 this is a GEMV over the 8 chosen experts' weights (the regime where `index_select` +
+`bmm` or `torch._grouped_mm` read far more than the weights); at batch 64 each routed expert's
+weights are still read once per tile column.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
+
+# Up to this many (token, expert) pairs the alignment runs as one Triton program (one launch);
+# beyond it (long prefill chunks) as a handful of torch ops, whose fixed cost no longer matters.
+ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
+
+
+def _max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+
+
+def align_pairs(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int):
+    """Sort the `P = T*k` pairs by local expert (stable: pair order inside an expert), padded per
+    expert to whole row blocks.
+
+    Returns:
+        sorted_pairs `[R]` int32: pair index per row (P on padding rows); block_expert
+        `[R / block_m]` int32: the local expert of each row block, -1 past the last real block.
+        R = P + min(P, E_local) * (block_m - 1), rounded up to block_m (host ints only).
+    """
+    num_pairs = topk_ids.numel()
+    if 0 < num_pairs <= ALIGN_IN_ONE_PROGRAM_MAX_PAIRS and num_local_experts <= 1024:
+        return _align_one_program(topk_ids, num_local_experts, expert_start, block_m)
+    return _align_torch(topk_ids, num_local_experts, expert_start, block_m)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, expert_start, num_experts, max_rows,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    # Pass 1: pairs per local expert.
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32) - expert_start
+        local = (offs < num_pairs) & (e >= 0) & (e < num_experts)
+        e = tl.where(local, e, -1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # Row blocks: expert = number of experts whose padded range ends at or before the block's start.
+    for b0 in range(0, max_rows // BLOCK_M, CHUNK):
+        blocks = b0 + lanes
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32) * (experts[None, :] < num_experts), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_rows // BLOCK_M)
+    for r0 in range(0, max_rows, CHUNK):
+        rows = r0 + lanes
+        tl.store(sorted_pairs_ptr + rows, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=rows < max_rows)
+    tl.debug_barrier()  # the padding fill lands before the pairs that overwrite it
+    # Pass 2: each pair goes to its expert's next free row, in pair order.
+    running = starts
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32) - expert_start
+        local = (offs < num_pairs) & (e >= 0) & (e < num_experts)
+        onehot = ((e[:, None] == experts[None, :]) & local[:, None]).to(tl.int32)  # [CHUNK, E]
+        before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
+        dest = tl.sum(onehot * (running[None, :] + before), axis=1)
+        tl.store(sorted_pairs_ptr + dest, offs.to(tl.int32), mask=local)
+        running += tl.sum(onehot, axis=0)
+
+
+def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int):
+    num_pairs = topk_ids.numel()
+    max_rows = _max_rows(num_pairs, num_local_experts, block_m)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_pairs, block_expert, num_pairs, expert_start, num_local_experts, max_rows,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_local_experts),
+        CHUNK=min(64, max(16, triton.next_power_of_2(num_pairs))), num_warps=4,
+    )
+    return sorted_pairs, block_expert
+
+
+def _align_torch(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int):
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    num_experts = num_local_experts
+    max_rows = _max_rows(num_pairs, num_experts, block_m)
+    local = topk_ids.reshape(-1).long() - expert_start  # [P]
+    key = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # [P]: E = not on this rank
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    padded_start = padded_end - padded  # [E]
+    order = torch.argsort(key, stable=True)  # [P]
+    sorted_key = key[order]  # [P]
+    start_in_sorted = torch.cumsum(counts, 0) - counts  # [E+1]
+    rank = torch.arange(num_pairs, device=device) - start_in_sorted[sorted_key]  # [P]
+    dest = torch.where(
+        sorted_key < num_experts, padded_start[sorted_key.clamp(max=num_experts - 1)] + rank, max_rows
+    )  # [P]: non-local pairs go to a spare row that is cut off
+    sorted_pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.index_copy_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, max_rows, block_m, device=device)  # [R / block_m]
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)  # [R / block_m]
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:max_rows], block_expert
+
+
+@triton.jit
+def _rows_of_block(pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_routed_blocks,
+                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of a row block: (token, slot in the [T, SLOTS] output, pair, valid). Routed blocks
+    hold sorted pairs; shared-expert blocks (expert -2) hold consecutive tokens."""
+    lanes = tl.arange(0, BLOCK_M)
+    is_shared = expert == -2
+    routed_rows = tl.where(expert >= 0, BLOCK_M, 0)  # shared blocks lie past the sorted pairs
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes, mask=lanes < routed_rows, other=0)
+    shared_tokens = (pid_m - num_routed_blocks) * BLOCK_M + lanes
+    tokens = tl.where(is_shared, shared_tokens, pairs // TOP_K)
+    row_ok = tl.where(is_shared, shared_tokens < num_tokens, pairs < num_pairs)
+    slots = tl.where(is_shared, tokens * SLOTS + TOP_K, tokens * SLOTS + pairs % TOP_K)
+    return tokens, slots, pairs, row_ok
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr,
+    num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_swn, stride_ap,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert == -1:
+        return
+    tokens, slots, pairs, row_ok = _rows_of_block(
+        pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_routed_blocks, TOP_K, SLOTS, BLOCK_M
+    )
+    is_shared = expert == -2
+    w_base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we)
+    stride_n = tl.where(is_shared, stride_swn, stride_wn)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        gate_w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)  # [K, N]
+        up_w = tl.load(w_base + (offs_n[None, :] + inter) * stride_n + k[:, None], mask=w_mask, other=0.0)
+        acc_gate += tl.dot(a, gate_w, input_precision=PRECISION)
+        acc_up += tl.dot(a, up_w, input_precision=PRECISION)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(act_ptr + slots[:, None] * stride_ap + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, shared_logit_ptr, out_ptr,
+    num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+    stride_ap, stride_we, stride_wn, stride_swn, stride_sl, stride_op,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert == -1:
+        return
+    tokens, slots, pairs, row_ok = _rows_of_block(
+        pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_routed_blocks, TOP_K, SLOTS, BLOCK_M
+    )
+    is_shared = expert == -2
+    w_base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we)
+    stride_n = tl.where(is_shared, stride_swn, stride_wn)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < inter
+        a = tl.load(act_ptr + slots[:, None] * stride_ap + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    if is_shared:  # the shared expert's gate: sigmoid of its logit, in float32
+        logit = tl.load(shared_logit_ptr + tokens * stride_sl, mask=row_ok, other=0.0).to(tl.float32)
+        weight = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        weight = tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + slots[:, None] * stride_op + offs_n[None, :], acc * weight[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_start: int = 0,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Same contract as `grouped_experts`: x `[T, H]`; w13 `[E_local, 2I, H]` (gate rows then up
+    rows); w2 `[E_local, H, I]`; topk_weights `[T, k]`; topk_ids `[T, k]` global ids (experts of
+    other ranks contribute nothing). Returns `[T, H]` in x's dtype.
+
+    `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])` adds the shared expert in the
+    same two launches: every token's extra row, weighted by sigmoid(gate_logit) (its intermediate
+    size must be the routed experts' I, and every routed expert must be local: no EP)."""
+    num_tokens, top_k = topk_ids.shape
+    num_local_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return x.new_zeros(num_tokens, hidden)
+    if shared is not None and shared[0].shape != (two_inter, hidden):
+        raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if x.dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
+        cfg = dict(DEFAULT_CONFIG_FP32)
+    else:
+        cfg = dict(DEFAULT_CONFIG_SMALL if num_pairs <= 64 else DEFAULT_CONFIG_LARGE)
+    cfg.update(config or {})
+    block_m = cfg["block_m"]
+    sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
+    num_routed_blocks = block_expert.shape[0]
+    slots = top_k + (shared is not None)
+    if shared is not None:
+        shared_blocks = torch.full((-(-num_tokens // block_m),), -2, dtype=torch.int32, device=x.device)
+        block_expert = torch.cat([block_expert, shared_blocks])
+        shared_w13, shared_w2, shared_logit = shared
+    else:
+        shared_w13, shared_w2, shared_logit = w13, w2, topk_weights  # unused
+    num_blocks = block_expert.shape[0]
+    act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg["up_n"]))](
+        x, w13, shared_w13, sorted_pairs, block_expert, act, num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
+        TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    # Every slot is written when all experts are local and the shared rows are in; else zeros first.
+    alloc = torch.empty if shared is not None else torch.zeros
+    out = alloc(num_tokens * slots, hidden, dtype=torch.float32, device=x.device)  # [T*slots, H]
+    pair_weights = topk_weights.reshape(-1)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg["down_n"]))](
+        act, w2, shared_w2, sorted_pairs, block_expert, pair_weights, shared_logit, out,
+        num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+        TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
+        PRECISION=precision, num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    return out.view(num_tokens, slots, hidden).sum(dim=1).to(x.dtype)  # [T, H]
+
+
+# Tile sizes: the GEMV regime (few pairs, e.g. batch 1: 8 pairs) wants many narrow tiles so every
+# SM streams weights; larger batches wider ones.
+# Chosen by benchmarks/tune_moe.py on an H200 (benchmarks/results/tune_moe_h200.json).
+DEFAULT_CONFIG_SMALL = dict(block_m=16, up_n=64, up_k=256, down_n=32, down_k=128, warps=4, stages=3)
+DEFAULT_CONFIG_LARGE = dict(block_m=16, up_n=32, up_k=256, down_n=64, down_k=128, warps=4, stages=3)
+DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, warps=4, stages=2)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    ok = experts < num_experts
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=ok, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    slots = tl.arange(0, TOP_K)
+    top_p = tl.zeros([TOP_K], tl.float32)
+    top_i = tl.zeros([TOP_K], tl.int32)
+    remaining = tl.where(ok, probs, -1.0)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax: highest first, ties to the lower expert id
+        best = tl.max(remaining, axis=0)
+        idx = tl.min(tl.where(remaining == best, experts, E_PAD), axis=0)
+        top_p = tl.where(slots == j, best, top_p)
+        top_i = tl.where(slots == j, idx, top_i)
+        remaining = tl.where(experts == idx, -1.0, remaining)
+    if RENORMALIZE:
+        top_p = top_p / tl.sum(top_p, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_p.to(weights_ptr.dtype.element_ty))
+    tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64))
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
+    """Softmax over experts (float32), the top-k, optionally renormalised, in one launch per
+    step: `SparseMoE.route`'s math. Ties between equal probabilities go to the lower expert id.
+    Returns (weights `[T, k]` out_dtype, ids `[T, k]` int64)."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=logits.device)
+    if num_tokens:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _route_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+        )
+    return weights, ids

@@ -1,0 +1,177 @@
+"""CUDA graphs of the one-token decode step (model forward and LM head), by padded batch size.
+
+A decode step of B requests runs as the graph captured for the smallest capture size Bc >= B.
+Its inputs live in one persistent device buffer of int64 fields (token ids, positions, KV slots,
+context lengths, state slots, whether the state carries over, block tables, token history), each
+field holding `max_batch` rows; a step writes its rows into a pinned host copy of that buffer
+and uploads it with one copy, then replays. Rows B..Bc-1 are padding: no KV write (slot -1),
+context length 1, a spare state slot that no request owns, fresh state.
+
+Capturable because the decode forward on the Triton kernel set (lamina.kernels.selection) reads
+metadata only from device tensors and host ints that are fixed per capture size (`num_tokens`,
+`num_reqs`, `max_query_len` = 1): the kernels loop to each request's `seq_len` on the device.
+Models whose decode still needs a reference kernel with shapes that follow the step (Qwen4-Exp's
+QSA indexer: its masks follow `max_seq_len`) are not captured and run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lamina.layers.metadata import ForwardMetadata
+
+_FIELDS = ("token_ids", "positions", "slot_mapping", "seq_lens", "state_slots", "keep")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """vLLM-style sizes: 1, 2, 4, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; and
+    `max_batch` itself."""
+    sizes = [1, 2, 4]
+    size = 8
+    while size < max_batch:
+        sizes.append(size)
+        size += 8 if size < 64 else 16 if size < 256 else 32
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def model_is_capturable(model) -> bool:
+    """Every kernel of the model's decode step is graph-safe (the Triton set, no QSA attention)."""
+    from lamina.layers.attention import GatedAttention
+
+    kernels = {m.kernels for m in model.modules() if hasattr(m, "kernels")}
+    plain_attention = all(type(m) is GatedAttention for m in model.modules() if isinstance(m, GatedAttention))
+    return kernels == {"triton"} and plain_attention
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model, *, device: torch.device, max_batch: int, block_size: int, max_blocks_per_seq: int,
+        spare_state_slot: int,
+    ):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks_per_seq
+        self.spare_state_slot = spare_state_slot
+        self.history_len = getattr(model, "token_history_len", 0)
+        # Flat layout: the per-request fields, then block tables [max_batch, max_blocks], then history.
+        self._field_size = max_batch
+        self._tables_at = len(_FIELDS) * max_batch
+        self._history_at = self._tables_at + max_batch * max_blocks_per_seq
+        total = self._history_at + max_batch * self.history_len
+        self.host = torch.empty(total, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.inputs = torch.empty(total, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def _field(self, buffer, name: str, rows: int):
+        start = _FIELDS.index(name) * self._field_size
+        return buffer[start : start + rows]
+
+    def _tables(self, buffer, rows: int):
+        return buffer[self._tables_at : self._tables_at + rows * self.max_blocks].reshape(rows, self.max_blocks)
+
+    def _history(self, buffer, rows: int):
+        return buffer[self._history_at : self._history_at + rows * self.history_len].reshape(rows, self.history_len)
+
+    def _fill_padding(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 of the host buffer become padding rows."""
+        host = self.host_np
+        for name, value in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1),
+                            ("state_slots", self.spare_state_slot), ("keep", 0)):
+            self._field(host, name, stop)[start:] = value
+        self._tables(host, stop)[start:] = 0
+        if self.history_len:
+            self._history(host, stop)[start:] = -1
+
+    def _meta(self, size: int) -> tuple[torch.Tensor, ForwardMetadata]:
+        """Views of the device buffer for capture size `size` (built inside the captured region, so
+        the `keep` -> bool conversion is part of the graph)."""
+        buf = self.inputs
+        meta = ForwardMetadata(
+            num_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
+            positions=self._field(buf, "positions", size), query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self._field(buf, "seq_lens", size), slot_mapping=self._field(buf, "slot_mapping", size),
+            block_tables=self._tables(buf, size), state_slots=self._field(buf, "state_slots", size),
+            has_initial_state=self._field(buf, "keep", size) != 0,
+            history_token_ids=self._history(buf, size) if self.history_len else None,
+            token_request_index=self.query_start_loc[:size],
+        )
+        return self._field(buf, "token_ids", size), meta
+
+    # ---- capture -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> None:
+        """Capture the largest size first so the smaller graphs reuse its memory pool. Off CUDA
+        (tests on the CPU) nothing is captured: `run` then executes the same static-buffer forward
+        eagerly, so the packing and padding are tested where there is no GPU."""
+        self._fill_padding(0, self.max_batch)
+        self.inputs.copy_(self.host)
+        if self.device.type != "cuda":
+            self.graphs = {size: (None, None) for size in sizes}
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for size in sorted(sizes, reverse=True):
+                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    self._forward(size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    logits = self._forward(size)
+                self.pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        token_ids, meta = self._meta(size)
+        hidden = self.model(token_ids, meta, None)
+        return self.model.compute_logits(hidden)  # [size, vocab] float32
+
+    # ---- replay ------------------------------------------------------------------------------
+    def size_for(self, num_reqs: int) -> int | None:
+        fitting = [s for s in self.graphs if s >= num_reqs]
+        return min(fitting) if fitting else None
+
+    def run(self, chunks) -> torch.Tensor:
+        """Logits `[B, vocab]` of a decode step whose chunks each hold one token."""
+        num_reqs = len(chunks)
+        size = self.size_for(num_reqs)
+        host = self.host_np
+        fields = {name: self._field(host, name, size) for name in _FIELDS}
+        tables = self._tables(host, size)
+        for row, chunk in enumerate(chunks):
+            position = chunk.start_position
+            table = chunk.block_table
+            fields["token_ids"][row] = chunk.token_ids[0]
+            fields["positions"][row] = position
+            fields["slot_mapping"][row] = table[position // self.block_size] * self.block_size + position % self.block_size
+            fields["seq_lens"][row] = position + 1
+            fields["state_slots"][row] = chunk.state_slot
+            fields["keep"][row] = position > 0
+            tables[row, : len(table)] = table
+            if self.history_len:
+                history = chunk.history_token_ids[-self.history_len :]
+                self._history(host, size)[row] = [-1] * (self.history_len - len(history)) + list(history)
+        self._fill_padding(num_reqs, size)
+        self.inputs.copy_(self.host, non_blocking=True)
+        graph, logits = self.graphs[size]
+        if graph is None:
+            logits = self._forward(size)
+        else:
+            graph.replay()
+        return logits[:num_reqs]
+
+
+def can_replay(graphs: DecodeGraphs | None, chunks) -> bool:
+    """A plain decode step that fits a captured size."""
+    return (
+        graphs is not None and bool(chunks) and graphs.size_for(len(chunks)) is not None
+        and all(c.num_tokens == 1 and c.sample for c in chunks)
+    )
+

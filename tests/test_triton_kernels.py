@@ -1,0 +1,291 @@
+"""lamina's own Triton kernels against their torch references.
+
+On a machine without CUDA (CI) they run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set
+here before the kernels are imported) at tiny shapes; on a GPU machine the same tests run the
+compiled kernels on CUDA, at those shapes and (marked gpu) at the Qwen3.5-35B-A3B widths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from lamina.kernels.causal_conv1d import causal_conv1d_varlen  # noqa: E402
+from lamina.kernels.gated_delta_rule import recurrent_gated_delta_rule_step  # noqa: E402
+from lamina.kernels.moe import grouped_experts  # noqa: E402
+from lamina.kernels.paged_attention import paged_attention  # noqa: E402
+from lamina.kernels.triton_decode import (  # noqa: E402
+    causal_conv1d_decode,
+    gated_delta_rule_decode,
+    paged_decode_attention,
+)
+from lamina.kernels.triton_moe import (  # noqa: E402
+    _align_one_program,
+    _align_torch,
+    align_pairs,
+    fused_moe,
+    route_softmax_topk,
+)
+from lamina.kernels.triton_norm import gated_rms_norm, rms_norm  # noqa: E402
+from lamina.kernels.triton_qk_prep import qk_norm_rope_cache  # noqa: E402
+from lamina.kernels.paged_attention import write_kv_cache  # noqa: E402
+from lamina.layers.rotary import RotaryEmbedding  # noqa: E402
+from lamina.layers.norm import GatedRMSNorm, RMSNorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _rand(*shape, seed, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(DEVICE, dtype)
+
+
+# ---- paged attention -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,page", [(4, 2, 16, 4), (8, 1, 32, 16), (2, 2, 24, 8)])
+def test_paged_decode_attention_matches_reference(hq, hkv, head_dim, page):
+    seq_lens = torch.tensor([1, 5, 37, 70], device=DEVICE)
+    bsz = seq_lens.shape[0]
+    num_blocks = 4 * -(-70 // page) + 3
+    k_cache = _rand(num_blocks, page, hkv, head_dim, seed=1)
+    v_cache = _rand(num_blocks, page, hkv, head_dim, seed=2)
+    perm = torch.randperm(num_blocks, generator=_gen(3)).to(DEVICE)
+    max_pages = -(-70 // page)
+    block_tables = perm[: bsz * max_pages].view(bsz, max_pages)  # distinct, shuffled blocks
+    q = _rand(bsz, hq, head_dim, seed=4)
+    ours = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5)
+    ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(bsz + 1, device=DEVICE), 1,
+                          int(seq_lens.max()), head_dim**-0.5)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_decode_attention_with_the_output_gate():
+    seq_lens = torch.tensor([3, 20], device=DEVICE)
+    k_cache, v_cache = _rand(8, 4, 2, 16, seed=1), _rand(8, 4, 2, 16, seed=2)
+    block_tables = torch.tensor([[0, 2, 4, 6, 7], [1, 3, 5, 7, 6]], device=DEVICE)
+    q, gate = _rand(2, 4, 16, seed=3), _rand(2, 4, 16, seed=4)
+    ungated = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+    ours = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, gate=gate)
+    torch.testing.assert_close(ours, ungated * torch.sigmoid(gate), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rotary_dim,zero_centred", [(16, True), (4, True), (8, False)])
+def test_qk_norm_rope_cache_matches_the_layer_ops(rotary_dim, zero_centred):
+    """q/k RMSNorm, partial rotary and the K/V cache write (slot -1 skipped) in one launch."""
+    tokens, heads, kv_heads, dim = 5, 4, 2, 16
+    qkv = _rand(tokens, heads * dim + 2 * kv_heads * dim, seed=1)
+    query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    query, key, value = query.view(tokens, heads, dim), key.view(tokens, kv_heads, dim), value.view(tokens, kv_heads, dim)
+    q_norm, k_norm = RMSNorm(dim, 1e-6, zero_centred=zero_centred), RMSNorm(dim, 1e-6, zero_centred=zero_centred)
+    for i, norm in enumerate((q_norm, k_norm)):
+        norm.weight.data.copy_(torch.randn(dim, generator=_gen(10 + i)) * 0.3)
+        norm.kernels = "reference"
+    rotary = RotaryEmbedding(dim, rotary_dim, 10000.0, 64)
+    positions = torch.tensor([0, 3, 7, 8, 30])
+    cos, sin = rotary.cos_sin(positions)
+    slots = torch.tensor([5, -1, 0, 12, 7], device=DEVICE)
+    caches = [_rand(4, 4, kv_heads, dim, seed=20 + i) for i in range(2)]
+    expected = [c.clone() for c in caches]
+    ref_q = rotary.apply(q_norm(query.cpu()), cos, sin)
+    ref_k = rotary.apply(k_norm(key.cpu()), cos, sin)
+    write_kv_cache(ref_k.to(DEVICE), value, expected[0], expected[1], slots)
+    ours = qk_norm_rope_cache(
+        query, key, value, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6, zero_centred,
+        cos.to(DEVICE), sin.to(DEVICE), slots, caches[0], caches[1],
+    )
+    torch.testing.assert_close(ours, ref_q.to(DEVICE), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1], expected[1])
+
+
+# ---- gated delta rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 32, 48)])
+def test_gated_delta_rule_decode_updates_the_pool_in_place(hk, hv, dk, dv):
+    bsz, num_slots = 3, 6
+    q, k = _rand(bsz, hk, dk, seed=1), _rand(bsz, hk, dk, seed=2)
+    v = _rand(bsz, hv, dv, seed=3)
+    g = -torch.rand(bsz, hv, generator=_gen(4)).to(DEVICE)
+    beta = torch.rand(bsz, hv, generator=_gen(5)).to(DEVICE)
+    pool = _rand(num_slots, hv, dk, dv, seed=6, scale=0.3)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    keep = torch.tensor([True, False, True], device=DEVICE)
+    state_in = torch.where(keep[:, None, None, None], pool[slots], 0.0)
+    ref_out, ref_state = recurrent_gated_delta_rule_step(q, k, v, g, beta, state_in)
+    expected_pool = pool.clone()
+    expected_pool[slots] = ref_state
+    fused_pool = pool.clone()
+    out = gated_delta_rule_decode(q, k, v, g, beta, pool, slots, keep)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, expected_pool, atol=1e-5, rtol=1e-5)  # other slots untouched
+    # The gate math fused: g and beta from the raw projections a, b as GatedDeltaNet computes them.
+    a, b = _rand(bsz, hv, seed=7), _rand(bsz, hv, seed=8)
+    a_log, dt_bias = _rand(hv, seed=9, scale=0.5), _rand(hv, seed=10, scale=0.5)
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    beta = torch.sigmoid(b)
+    ref_out, ref_state = recurrent_gated_delta_rule_step(q, k, v, g, beta, state_in)
+    out = gated_delta_rule_decode(q, k, v, a, b, fused_pool, slots, keep, a_log=a_log, dt_bias=dt_bias)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_pool[slots], ref_state, atol=1e-5, rtol=1e-5)
+
+
+# ---- causal conv1d ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels,kernel", [(40, 4), (300, 3)])
+def test_causal_conv1d_decode_updates_the_pool_in_place(channels, kernel):
+    bsz, num_slots = 3, 5
+    x = _rand(bsz, channels, seed=1)
+    weight = _rand(channels, kernel, seed=2)
+    pool = _rand(num_slots, channels, kernel - 1, seed=3)
+    slots = torch.tensor([1, 4, 0], device=DEVICE)
+    keep = torch.tensor([True, True, False], device=DEVICE)
+    state_in = torch.where(keep[:, None, None], pool[slots], 0.0)
+    ref_out, ref_state = causal_conv1d_varlen(x, weight, state_in, torch.arange(bsz + 1, device=DEVICE), 1)
+    expected_pool = pool.clone()
+    expected_pool[slots] = ref_state
+    out = causal_conv1d_decode(x, weight, pool, slots, keep)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, expected_pool)
+
+
+# ---- MoE ---------------------------------------------------------------------------------------
+
+
+def test_align_pairs_gives_each_block_one_expert():
+    topk_ids = torch.tensor([[3, 1], [1, 5], [7, 3], [0, 1]], device=DEVICE)  # expert 7, 0 off this rank
+    sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts=6, expert_start=1, block_m=4)
+    pairs = sorted_pairs.view(-1, 4).cpu()
+    experts = block_expert.cpu().tolist()
+    flat = topk_ids.reshape(-1).cpu()
+    seen = []
+    for block, expert in enumerate(experts):
+        real = [int(p) for p in pairs[block] if p < 8]
+        if expert < 0:
+            assert not real
+            continue
+        assert real and all(int(flat[p]) - 1 == expert for p in real)
+        seen += real
+    assert sorted(seen) == [0, 1, 2, 3, 5, 7]  # every local pair exactly once (4: expert 7, 6: expert 0)
+
+
+@pytest.mark.parametrize("num_pairs,num_local,expert_start", [(1, 8, 0), (8, 256, 0), (200, 6, 2), (130, 64, 30)])
+def test_one_program_alignment_equals_the_torch_one(num_pairs, num_local, expert_start):
+    ids = torch.randint(0, 2 * num_local, (num_pairs, 1), generator=_gen(num_pairs)).to(DEVICE)
+    for block_m in (4, 16):
+        ours = _align_one_program(ids, num_local, expert_start, block_m)
+        ref = _align_torch(ids, num_local, expert_start, block_m)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_kernel_matches_the_router(renormalize):
+    logits = _rand(7, 40, seed=5)
+    weights, ids = route_softmax_topk(logits, 4, renormalize, torch.float32)
+    probs = torch.softmax(logits, dim=-1)
+    ref_w, ref_i = probs.topk(4, dim=-1)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, ref_i)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+
+
+def test_norm_kernels_match_the_modules():
+    x, gate = _rand(5, 3, 48, seed=1), _rand(5, 3, 48, seed=2)
+    for zero_centred in (True, False):
+        ref = RMSNorm(48, 1e-6, zero_centred=zero_centred, device="cpu")
+        ref.weight.data.copy_(torch.randn(48, generator=_gen(3)))
+        ref.kernels = "reference"
+        weight = ref.weight.to(DEVICE)
+        torch.testing.assert_close(rms_norm(x, weight, 1e-6, zero_centred), ref(x.cpu()).to(DEVICE), atol=1e-5, rtol=1e-5)
+    for activation in ("silu", "sigmoid"):
+        ref = GatedRMSNorm(48, 1e-6, activation=activation, device="cpu")
+        ref.weight.data.copy_(torch.randn(48, generator=_gen(4)))
+        ref.kernels = "reference"
+        ours = gated_rms_norm(x, gate, ref.weight.to(DEVICE), 1e-6, activation)
+        torch.testing.assert_close(ours, ref(x.cpu(), gate.cpu()).to(DEVICE), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,expert_start,num_local", [(1, 0, 8), (5, 0, 8), (13, 3, 4), (0, 0, 8)])
+def test_fused_moe_matches_grouped_experts(num_tokens, expert_start, num_local):
+    hidden, inter, top_k, total_experts = 48, 24, 3, 8
+    x = _rand(num_tokens, hidden, seed=1)
+    w13 = _rand(num_local, 2 * inter, hidden, seed=2, scale=0.2)
+    w2 = _rand(num_local, hidden, inter, seed=3, scale=0.2)
+    logits = torch.randn(num_tokens, total_experts, generator=_gen(4)).to(DEVICE)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    ours = fused_moe(x, w13, w2, weights, ids, expert_start)
+    ref = grouped_experts(x, w13, w2, weights, ids, expert_start)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6, 21])
+def test_fused_moe_with_the_shared_expert(num_tokens):
+    """The shared expert's rows ride in the same launches: routed sum + sigmoid(logit) * shared."""
+    hidden, inter, top_k, experts = 48, 24, 2, 6
+    x = _rand(num_tokens, hidden, seed=1)
+    w13, w2 = _rand(experts, 2 * inter, hidden, seed=2, scale=0.2), _rand(experts, hidden, inter, seed=3, scale=0.2)
+    shared_w13, shared_w2 = _rand(2 * inter, hidden, seed=4, scale=0.2), _rand(hidden, inter, seed=5, scale=0.2)
+    logits = _rand(num_tokens, experts + 1, seed=6)
+    weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
+    ours = fused_moe(x, w13, w2, weights, ids, shared=(shared_w13, shared_w2, logits[:, experts]))
+    gate, up = torch.nn.functional.linear(x, shared_w13).chunk(2, dim=-1)
+    shared_out = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, shared_w2)
+    ref = grouped_experts(x, w13, w2, weights, ids) + torch.sigmoid(logits[:, experts:]) * shared_out
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_fused_moe_bf16_at_real_width(num_tokens):
+    """Qwen3.5-35B-A3B: 256 experts of 512 x 2048, top-8, bf16."""
+    hidden, inter, top_k, experts = 2048, 512, 8, 256
+    x = _rand(num_tokens, hidden, seed=1, dtype=torch.bfloat16)
+    w13 = _rand(experts, 2 * inter, hidden, seed=2, scale=0.02, dtype=torch.bfloat16)
+    w2 = _rand(experts, hidden, inter, seed=3, scale=0.02, dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(num_tokens, experts, device=DEVICE), -1).topk(top_k, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    ours = fused_moe(x, w13, w2, weights, ids).float()
+    ref = grouped_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# ---- the engine on the Triton kernels (and the decode graphs' static buffers) ------------------
+
+
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs):
+    from lamina import LLM, SamplingParams
+
+    monkeypatch.setenv("LAMINA_KERNELS", kernels)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs, **kwargs) as llm:
+        runner = llm.engine.executor.runner
+        if graphs and DEVICE == "cpu":
+            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True)
+        assert (runner.decode_graphs is not None) == graphs
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, monkeypatch):
+    """Greedy tokens and logprobs on the Triton kernel set (eager, or through the decode graphs'
+    static buffers with padded batch sizes: 3 requests run as 4) equal the reference kernels'."""
+    prompts = [[5, 17, 300], [9] * 11, list(range(40, 61))]
+    ref = _greedy(qwen3_5_moe_dir, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, max_num_seqs=5)
+    ours = _greedy(qwen3_5_moe_dir, prompts, graphs=graphs, kernels="triton", monkeypatch=monkeypatch, max_num_seqs=5)
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
