@@ -200,6 +200,7 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
