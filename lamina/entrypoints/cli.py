@@ -131,8 +131,24 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args, EngineArgs(model=args.model_path, **kwargs))
 
 
+class _LaminaParser(argparse.ArgumentParser):
+    """Unknown arguments of a subcommand are reported with that subcommand's usage, not the top level's."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            target.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
+    import lamina
+
+    parser = _LaminaParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
+    parser.add_argument("--version", action="version", version=f"lamina {lamina.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(gen)
@@ -158,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=_plan)
     add_serve_parser(sub)
+    parser.subcommands = dict(sub.choices)
     return parser
 
 
