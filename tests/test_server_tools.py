@@ -223,3 +223,17 @@ def test_qwen3_coder_calls(qwen3_next_dir, tmp_path_factory):
         assert finish == "tool_calls" and content == out.message.content
         assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", call.function.arguments)]
         assert order.count("arguments") >= 2
+
+
+def test_bad_tool_requests_are_400_and_the_server_stays_healthy(client):
+    for kwargs, match in (
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+        (dict(tools=[{"type": "function", "function": {"name": ""}}]), "non-empty string"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "is not valid"),
+        (dict(messages=MESSAGES + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]),
+         "not valid JSON"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=match):
+            _create(client, **kwargs)
+    assert _create(client, tools=TOOLS).choices[0].finish_reason == "tool_calls"
