@@ -43,7 +43,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel-moe", default="auto", choices=["auto", "on", "off"],
                    help="auto: on when expert parallel, TP > 1 and DP > 1")
     g.add_argument("--pp-layer-partition", default=None,
-                   help="layers per pipeline stage, e.g. 2,16,16,14 (env LAMINA_PP_LAYER_PARTITION; the flag wins)")
+                   help="layers per pipeline stage, e.g. 2,16,16,14 (env LAMINA_PP_LAYER_PARTITION or its alias "
+                        "VLLM_PP_LAYER_PARTITION; the flag wins)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--node-rank", type=int, default=0)
     g.add_argument("--master-addr", default="127.0.0.1")
