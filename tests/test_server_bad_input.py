@@ -140,7 +140,8 @@ CASES = [
                                                                                    "arguments": "[1]"}}]}]),
      400, "messages[1].tool_calls"),
     ("tool-calls-on-user-message", _chat(messages=[{"role": "user", "content": "hi", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages[0].tool_calls"),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages[0].tool_calls"),
     ("tool-call-id-not-string", _chat(messages=MSG + [{"role": "tool", "content": "r", "tool_call_id": 5}]), 400,
      "messages"),
 ]
@@ -184,7 +185,8 @@ def test_server_healthy_after_bad_input(http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}], "max_tokens": 2})
     assert r.status_code == 200  # a missing content is an empty one
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "tools": [TOOL], "tool_choice": "none"})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "tools": [TOOL],
+                                                "tool_choice": "none"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
     history = MSG + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
