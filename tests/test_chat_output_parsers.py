@@ -44,6 +44,7 @@ def _stream(make, text, cuts):
     updates = [(text[:c], False) for c in cuts] + [(text, True)]
     for prefix, final in updates:
         for delta in parser.deltas(prefix, final):
+            assert delta.get("reasoning") == delta.get("reasoning_content")
             for key in ("content", "reasoning_content"):
                 message[key] += delta.get(key, "")
             for call in delta.get("tool_calls", []):

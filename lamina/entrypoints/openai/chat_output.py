@@ -16,6 +16,11 @@ from lamina.entrypoints.openai.reasoning_parser import Qwen3ReasoningParser, Rea
 from lamina.entrypoints.openai.tool_parsers import ParsedCall, ToolParser
 
 
+# Reasoning goes out as `reasoning_content` (DeepSeek's name, what most clients read) and as `reasoning`
+# (what vLLM has answered since late 2025), with the same text.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -87,8 +92,9 @@ class ChatOutputParser:
         out: list[dict[str, Any]] = []
         split = self._split(text, final)
         reasoning = split.reasoning or ""
-        if len(reasoning) > self._sent_reasoning:
-            out.append({"reasoning_content": reasoning[self._sent_reasoning:]})
+        if len(reasoning) > self._sent_reasoning:  # under both names vLLM has used (see REASONING_FIELDS)
+            piece = reasoning[self._sent_reasoning:]
+            out.append(dict.fromkeys(REASONING_FIELDS, piece))
             self._sent_reasoning = len(reasoning)
         content = split.content
         if self.tools is not None and not self._plain:

@@ -102,8 +102,11 @@ def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_cho
 
 def prepare_tool_history(messages: list[dict[str, Any]]) -> None:
     """Assistant `tool_calls` as the chat templates read them: `function.arguments` as an object (clients
-    send the JSON string they received), checked so that a bad one is a 400, not a template error."""
+    send the JSON string they received), checked so that a bad one is a 400, not a template error; and a
+    message's `reasoning` (vLLM's newer name) as `reasoning_content`, the name Qwen templates read."""
     for i, message in enumerate(messages):
+        if message.get("reasoning") is not None and message.get("reasoning_content") is None:
+            message["reasoning_content"] = message["reasoning"]  # templates read reasoning_content
         calls = message.get("tool_calls")
         if not calls:
             continue

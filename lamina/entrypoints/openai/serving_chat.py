@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lamina.entrypoints.openai.chat_output import ChatOutputParser
+from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
 from lamina.entrypoints.openai.chat_tools import ChatOptions, output_parser, prepare_tool_history, resolve_tool_choice
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
@@ -144,7 +144,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         fields = parser.parse(completion.text)
         message.update(content=fields.content, tool_calls=fields.tool_calls)
         if parser.reasoning is not None:
-            message["reasoning_content"] = fields.reasoning_content
+            message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
         if fields.tool_calls:
             finish_reason = "tool_calls"
     return JSONResponse({
