@@ -173,6 +173,18 @@ def test_qwen3_coder_two_calls_multiline_and_no_parameters():
         ("search", {"q": "multi\nline"}), ("get_weather", {})]
 
 
+def test_qwen3_coder_without_the_tool_call_wrapper():
+    text = ("Sure.\n<function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n"
+            "<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>")
+    whole = _check_streams(lambda: _parser("qwen3_coder"), text)
+    assert whole["content"] == "Sure."
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole["tool_calls"]] == [
+        ("search", {"q": "x"}), ("get_weather", {"days": 2})]
+    mixed = CODER_TWO.replace("<tool_call>\n<function=get_weather>", "<function=get_weather>")
+    whole = _check_streams(lambda: _parser("qwen3_coder"), mixed)
+    assert [c["name"] for c in whole["tool_calls"]] == ["search", "get_weather"]
+
+
 def test_qwen3_coder_unparseable_is_plain_content():
     for text in ("<tool_call>\nno function here\n</tool_call>", "<tool_call><function=x><junk></function></tool_call>"):
         fields = _parser("qwen3_coder").parse(text)

@@ -5,7 +5,8 @@ The two formats Qwen chat templates teach their models:
     hermes       <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
     qwen3_coder  <tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>
 
-(newlines around the tags are allowed). `parse(text, final)` is a pure function of the text generated
+(newlines around the tags are allowed; for qwen3_coder, a bare `<function=...>...</function>` without the
+`<tool_call>` wrapper counts too). `parse(text, final)` is a pure function of the text generated
 so far: the content before the first `<tool_call>`, and each call's name and arguments as far as they
 are known. Every part only grows as text arrives (a tail that may still become a tag is held back), so a
 stream sends the growth of each part and ends with what the non-streaming answer holds:
@@ -61,23 +62,29 @@ class ToolParser:
             if isinstance(fn.get("name"), str):
                 self.schemas[fn["name"]] = fn.get("parameters") or {}
 
+    # (start tag, end tag, whether the tags belong to the body): where a call can begin and end
+    markers: tuple[tuple[str, str, bool], ...] = ((TOOL_CALL_START, TOOL_CALL_END, False),)
+
+    def _find_start(self, text: str, pos: int) -> tuple[int, str, str, bool]:
+        found = [(i, *m) for m in self.markers if (i := text.find(m[0], pos)) >= 0]
+        return min(found) if found else (-1, "", "", False)
+
     def parse(self, text: str, final: bool = True) -> ToolParse:
-        first = text.find(TOOL_CALL_START)
-        if first < 0:
+        pos, start, end_tag, inclusive = self._find_start(text, 0)
+        if pos < 0:
             if final:
                 return ToolParse(text)
-            # hold back a tail that may become "<tool_call>", and trailing whitespace (dropped if a call follows)
-            keep = len(text) - _partial_suffix(text, TOOL_CALL_START)
+            # hold back a tail that may become a start tag, and trailing whitespace (dropped if a call follows)
+            keep = len(text) - max(_partial_suffix(text, m[0]) for m in self.markers)
             return ToolParse(text[:keep].rstrip())
-        result = ToolParse(text[:first].rstrip())
-        pos = first
+        result = ToolParse(text[:pos].rstrip())
         while pos >= 0:
-            body_start = pos + len(TOOL_CALL_START)
-            end = text.find(TOOL_CALL_END, body_start)
+            body_start = pos if inclusive else pos + len(start)
+            end = text.find(end_tag, pos + len(start))
             closed = end >= 0
-            body = text[body_start:end] if closed else text[body_start:]
+            body = text[body_start:(end + len(end_tag) if inclusive else end) if closed else len(text)]
             if not closed and not final:
-                body = body[:len(body) - _partial_suffix(body, TOOL_CALL_END)]
+                body = body[:len(body) - _partial_suffix(body, end_tag)]
             try:
                 call = self.parse_body(body, complete=closed or final)
             except _Invalid:
@@ -87,7 +94,7 @@ class ToolParser:
                 result.calls.append(call)
             if not closed:
                 break
-            pos = text.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
+            pos, start, end_tag, inclusive = self._find_start(text, end + len(end_tag))
         return result
 
     def parse_body(self, body: str, complete: bool) -> ParsedCall | None:
@@ -145,6 +152,8 @@ class Qwen3CoderToolParser(ToolParser):
     Qwen3.5 templates)."""
 
     name = "qwen3_coder"
+    # the model sometimes leaves out the <tool_call> wrapper: a bare <function=...>...</function> is a call too
+    markers = ((TOOL_CALL_START, TOOL_CALL_END, False), ("<function=", "</function>", True))
 
     def parse_body(self, body: str, complete: bool) -> ParsedCall | None:
         head = _FUNCTION.match(body)
