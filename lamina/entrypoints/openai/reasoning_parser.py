@@ -46,11 +46,14 @@ class ReasoningSplit:
 def split_reasoning(text: str, *, opened_in_prompt: bool, final: bool = True) -> ReasoningSplit:
     """The (reasoning, content) split of `text`. With `final=False`, a tail that may still turn into a
     marker is left out of both, so each part only grows as more text arrives."""
-    stripped = text.lstrip()
     if not opened_in_prompt:
-        if stripped.startswith(THINK_START):
-            text = stripped[len(THINK_START):]
-        elif not final and THINK_START.startswith(stripped):
+        lead = 0  # leading whitespace, counted without copying the (possibly long) text on every update
+        while lead < len(text) and text[lead].isspace():
+            lead += 1
+        if text.startswith(THINK_START, lead):
+            text = text[lead + len(THINK_START):]
+        elif not final and THINK_START.startswith(text[lead:lead + len(THINK_START)]) \
+                and len(text) - lead < len(THINK_START):
             return ReasoningSplit(None, "")  # maybe the start of "<think>": wait
         else:
             return ReasoningSplit(None, text)
