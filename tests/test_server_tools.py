@@ -238,3 +238,18 @@ def test_bad_tool_requests_are_400_and_the_server_stays_healthy(client):
         with pytest.raises(openai.BadRequestError, match=match):
             _create(client, **kwargs)
     assert _create(client, tools=TOOLS).choices[0].finish_reason == "tool_calls"
+
+
+def test_offline_chat_renders_tools(hermes_ckpt):
+    from lamina import SamplingParams
+    from lamina.entrypoints.openai.chat_output import ChatOutputParser
+    from lamina.entrypoints.openai.reasoning_parser import make_reasoning_parser
+    from lamina.entrypoints.openai.tool_parsers import make_tool_parser
+
+    with LLM(str(hermes_ckpt), device="cpu", max_model_len=512, show_progress=False) as llm:
+        [with_tools] = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=40), tools=TOOLS, use_tqdm=False)
+        [plain] = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)  # the tools are in the prompt
+    fields = ChatOutputParser(make_reasoning_parser("qwen3", ""), make_tool_parser("hermes", TOOLS)).parse(
+        with_tools.outputs[0].text)  # the server's parsers work on offline output too
+    assert fields.reasoning_content == THOUGHT and json.loads(fields.tool_calls[0]["function"]["arguments"]) == ARGS
