@@ -41,6 +41,28 @@ def test_partition_flag_wins_over_env(monkeypatch):
     assert plan.stage_of_layer(1) == 0 and plan.stage_of_layer(2) == 1 and plan.stage_of_layer(47) == 3
 
 
+def test_vllm_partition_env_is_an_alias(monkeypatch, caplog):
+    _, cfg = real_qwen3_next()
+    monkeypatch.delenv("LAMINA_PP_LAYER_PARTITION", raising=False)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "11,12,12,13")
+    with caplog.at_level("INFO", logger="lamina.parallel.config"):
+        plan = build_plan(cfg, ParallelConfig(pipeline_parallel_size=4))
+    assert plan.stage_sizes == (11, 12, 12, 13) and plan.partition_source == "VLLM_PP_LAYER_PARTITION"
+    assert "read from VLLM_PP_LAYER_PARTITION" in caplog.text
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,2")
+    with pytest.raises(ParallelConfigError, match="VLLM_PP_LAYER_PARTITION = '1,2' sums to 3"):  # same checks
+        build_plan(cfg, ParallelConfig(pipeline_parallel_size=2))
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "10,10,10,18")
+    monkeypatch.setenv("LAMINA_PP_LAYER_PARTITION", "10, 10, 10, 18")  # the same value: fine
+    assert build_plan(cfg, ParallelConfig(pipeline_parallel_size=4)).partition_source == "LAMINA_PP_LAYER_PARTITION"
+    monkeypatch.setenv("LAMINA_PP_LAYER_PARTITION", "12,12,12,12")
+    with pytest.raises(ValueError, match="LAMINA_PP_LAYER_PARTITION = '12,12,12,12' and VLLM_PP_LAYER_PARTITION = "
+                                         "'10,10,10,18' disagree"):
+        build_plan(cfg, ParallelConfig(pipeline_parallel_size=4))
+    plan = build_plan(cfg, ParallelConfig(pipeline_parallel_size=4, pp_layer_partition="2,16,16,14"))
+    assert plan.partition_source == "--pp-layer-partition"  # the flag still wins
+
+
 @pytest.mark.parametrize("spec, match", [
     ("0,48", "at least one layer"), ("1,2", "sums to 3 but the model has 48"), ("a,47", "'a' is not an integer"),
     ("24,24,0", "has 3 entries but pipeline_parallel_size = 2"), ("-1,49", "at least one layer"),

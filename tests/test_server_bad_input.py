@@ -13,6 +13,7 @@ from tests.server_harness import MODEL_NAME, RunningServer
 
 MAX_MODEL_LEN = 64
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,44 @@ CASES = [
     ("chat-template-kwargs-reserved", _chat(chat_template_kwargs={"tokenize": False}), 400, "chat_template_kwargs"),
     ("response-format-json", _chat(response_format={"type": "json_schema"}), 400, "response_format"),
     ("tool-choice-required", _chat(tool_choice="required"), 400, "tool_choice"),
+    # tools and tool_choice (this server has no --tool-call-parser)
+    ("tools-not-a-list", _chat(tools="get_weather", tool_choice="none"), 400, "tools"),
+    ("tool-not-an-object", _chat(tools=[5], tool_choice="none"), 400, "tools"),
+    ("tool-bad-type", _chat(tools=[{"type": "retrieval"}], tool_choice="none"), 400, "tools"),
+    ("tool-without-function", _chat(tools=[{"type": "function"}], tool_choice="none"), 400, "tools"),
+    ("tool-without-name", _chat(tools=[{"type": "function", "function": {"description": "x"}}], tool_choice="none"),
+     400, "tools"),
+    ("tool-name-not-string", _chat(tools=[{"type": "function", "function": {"name": 5}}], tool_choice="none"), 400,
+     "tools"),
+    ("tool-parameters-not-object", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+                                         tool_choice="none"), 400, "tools"),
+    ("tools-auto-without-parser", _chat(tools=[TOOL]), 400, "tool_choice"),
+    ("tool-choice-auto-without-parser", _chat(tools=[TOOL], tool_choice="auto"), 400, "tool_choice"),
+    ("tool-choice-required-without-parser", _chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice"),
+    ("tool-choice-unknown-string", _chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
+    ("tool-choice-int", _chat(tools=[TOOL], tool_choice=5), 400, "tool_choice"),
+    ("tool-choice-named-unknown", _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     400, "tool_choice"),
+    ("tool-choice-named-malformed", _chat(tools=[TOOL], tool_choice={"type": "function"}), 400, "tool_choice"),
+    ("tool-choice-named-without-tools", _chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400,
+     "tool_choice"),
+    ("tool-calls-not-a-list", _chat(messages=MSG + [{"role": "assistant", "tool_calls": "x"}]), 400, "messages"),
+    ("tool-call-without-name", _chat(messages=MSG + [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]),
+     400, "messages[1].tool_calls"),
+    ("tool-call-arguments-not-json", _chat(messages=MSG + [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": "{not json"}}]}]),
+     400, "messages[1].tool_calls"),
+    ("tool-call-arguments-not-object", _chat(messages=MSG + [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f",
+                                                                                   "arguments": "[1]"}}]}]),
+     400, "messages[1].tool_calls"),
+    ("tool-calls-on-user-message", _chat(messages=[{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages[0].tool_calls"),
+    ("tool-call-id-not-string", _chat(messages=MSG + [{"role": "tool", "content": "r", "tool_call_id": 5}]), 400,
+     "messages"),
 ]
 
 
@@ -146,6 +185,15 @@ def test_server_healthy_after_bad_input(http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}], "max_tokens": 2})
     assert r.status_code == 200  # a missing content is an empty one
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "tools": [TOOL],
+                                                "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+    history = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2, "tools": [TOOL],
+                                                "tool_choice": "none"})
+    assert r.status_code == 200, r.text
 
 
 def test_schemathesis_fuzz_finds_no_5xx(server, http):

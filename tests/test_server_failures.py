@@ -225,3 +225,24 @@ def test_killed_rank_process_fails_requests_and_health(make_server):
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
     assert not any(p.is_alive() for p in engine.engine.executor.procs.procs.values())
+
+
+def test_non_streaming_disconnect_logs_no_unretrieved_gather(make_server, caplog):
+    """A client that hangs up on a non-streaming request used to leave `_GatheringFuture exception was never
+    retrieved ... CancelledError` in the log (asyncio reports it when the cancelled gather is collected)."""
+    import gc
+
+    server = make_server()
+    engine = server.async_engine
+    with caplog.at_level("ERROR", logger="asyncio"):
+        for path, body in (("/completions", _body()),
+                           ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                                                  "ignore_eos": True})):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.base_url}{path}", timeout=0.5, json=body)
+            _wait_for(lambda: engine.num_in_flight == 0, what="the abort")
+        time.sleep(0.3)
+        gc.collect()
+        time.sleep(0.2)
+    assert "never retrieved" not in caplog.text, caplog.text
+    assert httpx.get(f"{server.url}/health").status_code == 200

@@ -45,7 +45,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel-moe", default="auto", choices=["auto", "on", "off"],
                    help="auto: on when expert parallel, TP > 1 and DP > 1")
     g.add_argument("--pp-layer-partition", default=None,
-                   help="layers per pipeline stage, e.g. 2,16,16,14 (env LAMINA_PP_LAYER_PARTITION; the flag wins)")
+                   help="layers per pipeline stage, e.g. 2,16,16,14 (env LAMINA_PP_LAYER_PARTITION or its alias "
+                        "VLLM_PP_LAYER_PARTITION; the flag wins)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--node-rank", type=int, default=0)
     g.add_argument("--master-addr", default="127.0.0.1")
@@ -133,8 +134,24 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args, EngineArgs(model=args.model_path, **kwargs))
 
 
+class _LaminaParser(argparse.ArgumentParser):
+    """Unknown arguments of a subcommand are reported with that subcommand's usage, not the top level's."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            target.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
+    import lamina
+
+    parser = _LaminaParser(prog="lamina", description="Inference engine for the Qwen hybrid MoE models.")
+    parser.add_argument("--version", action="version", version=f"lamina {lamina.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(gen)
@@ -163,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lamina.entrypoints.bench import add_bench_parser
 
     add_bench_parser(sub)
+    parser.subcommands = dict(sub.choices)
     return parser
 
 

@@ -80,8 +80,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+        `tools` (OpenAI's function definitions) are passed to the template, as vLLM's LLM.chat does."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
@@ -91,7 +93,7 @@ class LLM:
             if not conversation:
                 raise ValueError("a conversation must have at least one message")
             ids = tokenizer.apply_chat_template(
-                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, **(chat_template_kwargs or {}),
             )
             if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 PARTITION_ENV = "LAMINA_PP_LAYER_PARTITION"
+VLLM_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"  # what deployment scripts written for vLLM set: an alias
+
+logger = logging.getLogger(__name__)
+_logged_sources: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,19 @@ class ParallelConfig:
         return self.world_size == 1
 
     def partition_spec(self) -> tuple[str | None, str]:
-        """The partition string in force and where it came from (the flag wins over the env)."""
+        """The partition string in force and where it came from (the flag wins over the env;
+        VLLM_PP_LAYER_PARTITION is an alias of LAMINA_PP_LAYER_PARTITION, and both set differently is an
+        error)."""
         if self.pp_layer_partition is not None:
             return self.pp_layer_partition, "--pp-layer-partition"
-        env = os.environ.get(PARTITION_ENV)
-        if env:
-            return env, PARTITION_ENV
+        ours, vllm = os.environ.get(PARTITION_ENV), os.environ.get(VLLM_PARTITION_ENV)
+        if ours and vllm and ours.replace(" ", "") != vllm.replace(" ", ""):
+            raise ValueError(f"{PARTITION_ENV} = {ours!r} and {VLLM_PARTITION_ENV} = {vllm!r} disagree; set one "
+                             "(or the same value in both)")
+        for name, value in ((PARTITION_ENV, ours), (VLLM_PARTITION_ENV, vllm)):
+            if value:
+                if (name, value) not in _logged_sources:  # once per process and value
+                    _logged_sources.add((name, value))
+                    logger.info("pipeline layer partition %r read from %s", value, name)
+                return value, name
         return None, "default"

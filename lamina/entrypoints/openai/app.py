@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 import lamina
 from lamina.engine.async_engine import AsyncEngine
 from lamina.engine.llm_engine import LLMEngine
+from lamina.entrypoints.openai.chat_tools import ChatOptions
 from lamina.entrypoints.openai.metrics import ServerMetrics
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
 from lamina.entrypoints.openai.serving import APIError, OpenAIServing
@@ -41,6 +42,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     retry_after_s: int = 1
     model_root: str | None = None
+    chat: ChatOptions | None = None  # tool-call and reasoning parsers, chat template override
 
 
 class ServerState:
@@ -52,6 +54,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.async_engine, config.served_model_names[0])
         self.serving = OpenAIServing(self.async_engine, config.served_model_names, self.metrics,
                                      retry_after_s=config.retry_after_s)
+        self.serving.chat_options = config.chat or ChatOptions()
 
     async def drain(self, timeout_s: float | None = None, give_up=lambda: False) -> None:
         """Refuse new requests, give in-flight ones `timeout_s` to finish (or until `give_up()`), then end

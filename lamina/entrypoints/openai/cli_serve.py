@@ -15,6 +15,10 @@ import sys
 
 import uvicorn
 
+from lamina.entrypoints.openai.serve_flags import (
+    add_chat_args, add_compat_args, check_compat_args, repair_served_model_name,
+)
+
 API_KEY_ENV = "LAMINA_API_KEY"
 
 
@@ -44,6 +48,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="on SIGTERM, how long in-flight requests may run before they are aborted (default: 30)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    add_chat_args(p)
+    add_compat_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -86,8 +92,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from lamina import LLM
     from lamina.entrypoints.cli import engine_kwargs
     from lamina.entrypoints.openai.app import ServerConfig, build_app
+    from lamina.entrypoints.openai.chat_tools import ChatOptions, load_chat_template
     from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, is_untrained_default
 
+    repair_served_model_name(args)
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
@@ -96,6 +104,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model_arg = args.model_tag or args.model
+    check_compat_args(args, model_arg)
+    chat = ChatOptions(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template))
     if getattr(args, "node_rank", 0) > 0:  # a secondary node of a multi-node layout: its ranks only, no HTTP
         from lamina.config import EngineArgs
         from lamina.engine.mp_executor import run_headless_node
@@ -116,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             served_model_names=names, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
             max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, model_root=model,
+            chat=chat,
         )
         app = build_app(llm.engine, config)
         uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,

@@ -200,6 +200,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with --reasoning-parser
+    reasoning: str | None = None  # the same text, under vLLM's newer name
 
 
 class ChatChoice(BaseModel):

@@ -65,6 +65,11 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
                  *, retry_after_s: int = 1):
@@ -238,6 +243,9 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             if not gathered.done():
+                # a cancelled gather ends with CancelledError set as its exception (not as a cancelled
+                # state); retrieve it when it lands, or asyncio logs "exception was never retrieved"
+                gathered.add_done_callback(_retrieve)
                 gathered.cancel()
             self.abort_unfinished(streams)
 

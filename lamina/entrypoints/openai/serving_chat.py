@@ -9,6 +9,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
+from lamina.entrypoints.openai.chat_tools import ChatOptions, output_parser, prepare_tool_history, resolve_tool_choice
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
 from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
@@ -47,8 +49,6 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
                        param="response_format")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
@@ -56,13 +56,20 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(bad))}", param="chat_template_kwargs")
 
 
+def chat_options(serving: OpenAIServing) -> ChatOptions:
+    return getattr(serving, "chat_options", None) or ChatOptions()
+
+
 def _apply_template(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
     tokenizer = serving.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    template = chat_options(serving).chat_template
+    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+        raise APIError(400, "this model has no chat template (start the server with --chat-template); use "
+                       "/v1/completions", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=req.tools, tokenize=True, add_generation_prompt=req.add_generation_prompt,
+            messages, tools=req.tools, chat_template=template, tokenize=True,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
         )
     except APIError:
@@ -92,8 +99,13 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     model = serving.resolve_model(req.model)
     serving.check_unsupported(req)
     _check_chat_options(req)
+    options = chat_options(serving)
+    choice, function = resolve_tool_choice(options, req.tools, req.tool_choice)
     messages = _messages(req)
+    prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
+    prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
+    parser = output_parser(options, req.tools, choice, function, prompt_tail)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_completion_tokens")
@@ -110,7 +122,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival),
+            _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
+                    parser),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -125,12 +138,20 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0, num_logprobs),
                     "refusal": None}
     serving.record(ENDPOINT, arrival, [output])
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text, "refusal": None, "tool_calls": []}
+    finish_reason = completion.finish_reason
+    if parser.active:
+        fields = parser.parse(completion.text)
+        message.update(content=fields.content, tool_calls=fields.tool_calls)
+        if parser.reasoning is not None:
+            message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
+        if fields.tool_calls:
+            finish_reason = "tool_calls"
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": completion.text, "refusal": None,
-                                    "tool_calls": []},
-            "logprobs": logprobs, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            "index": 0, "message": message,
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": completion.stop_reason,
         }],
         "usage": serving.usage(len(output.prompt_token_ids), len(completion.token_ids)),
         "system_fingerprint": None,
@@ -138,7 +159,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
-                  num_logprobs: int | None, include_usage: bool, arrival: float):
+                  num_logprobs: int | None, include_usage: bool, arrival: float, parser: ChatOutputParser):
     holdback = serving.holdback(params)
     sent_chars = sent_tokens = 0
 
@@ -158,7 +179,10 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
             async for _, output in updates:
                 completion = output.outputs[0]
                 safe = len(completion.text) if output.finished else len(completion.text) - holdback
-                delta = completion.text[sent_chars:safe] if safe > sent_chars else ""
+                if parser.active:  # reasoning / tool calls: the parsers' deltas of the text so far
+                    deltas = parser.deltas(completion.text[:max(safe, sent_chars)], output.finished)
+                else:
+                    deltas = [{"content": completion.text[sent_chars:safe]}] if safe > sent_chars else []
                 sent_chars = max(sent_chars, safe)
                 logprobs = None
                 if num_logprobs is not None:
@@ -166,13 +190,15 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                                                 num_logprobs)
                     sent_tokens += len(entries)
                     logprobs = {"content": entries, "refusal": None} if entries else None
-                if not delta and not output.finished and logprobs is None:
+                if not deltas and not output.finished and logprobs is None:
                     continue
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {},
+                for delta in deltas[:-1]:
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+                choice: dict[str, Any] = {"index": 0, "delta": deltas[-1] if deltas else {},
                                           "logprobs": logprobs, "finish_reason": None}
                 if output.finished:
                     final = output
-                    choice["finish_reason"] = completion.finish_reason
+                    choice["finish_reason"] = "tool_calls" if parser.called_tools else completion.finish_reason
                     choice["stop_reason"] = completion.stop_reason
                 yield chunk([choice])
         if include_usage and final is not None:

@@ -1,0 +1,155 @@
+"""What the server's chat options (`--tool-call-parser`, `--enable-auto-tool-choice`,
+`--reasoning-parser`, `--chat-template`) mean for one chat request: checking `tools` and `tool_choice`,
+preparing tool-call history for the chat template, and the parser of the answer.
+
+`tool_choice` as vLLM reads it: absent means `auto` when `tools` are given (else `none`); `auto` needs
+`--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function need a parser.
+vLLM constrains decoding for `required` / named choices with structured output; lamina does not yet: it
+parses the answer as for `auto` (a named choice keeps only calls of that function), and an answer
+without a call comes back as plain content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lamina.entrypoints.openai.chat_output import ChatOutputParser
+from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS, make_reasoning_parser
+from lamina.entrypoints.openai.serving import APIError
+from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; valid: "
+                             f"{', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(TOOL_PARSERS)})")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not known; valid: "
+                             f"{', '.join(REASONING_PARSERS)}")
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> list[str]:
+    names = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.get("type", "function") != "function":
+            raise APIError(400, f"{where}.type {tool.get('type')!r} is not supported (only 'function')", param="tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise APIError(400, f"{where}.function must be an object with a 'name', got {fn!r}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"{where}.function.name must be a non-empty string, got {name!r}", param="tools")
+        if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], dict):
+            raise APIError(400, f"{where}.function.parameters must be a JSON Schema object, got "
+                           f"{type(fn['parameters']).__name__}", param="tools")
+        if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
+            raise APIError(400, f"{where}.function.description must be a string", param="tools")
+        names.append(name)
+    return names
+
+
+def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_choice: Any) -> tuple[str, str | None]:
+    """('none' | 'auto' | 'required' | 'named', function name) for a request; a 400 if it cannot be served."""
+    names = _check_tools(tools) if tools else []
+    if tool_choice is None:
+        choice = "auto" if tools else "none"
+        if choice == "auto" and not options.enable_auto_tool_choice:
+            raise APIError(400, "this request has tools, so tool_choice defaults to 'auto', which needs the "
+                           "server started with --enable-auto-tool-choice --tool-call-parser NAME; send "
+                           "tool_choice 'none' to render the tools without parsing calls", param="tool_choice")
+        return choice, None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise APIError(400, f"tool_choice {tool_choice!r} is not valid: 'none', 'auto', 'required' or "
+                           "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        if tool_choice == "none" or (tool_choice == "auto" and not tools):
+            return "none", None
+        if tool_choice == "auto" and not options.enable_auto_tool_choice:
+            raise APIError(400, "tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
+                           "--tool-call-parser NAME", param="tool_choice")
+        if tool_choice == "required":
+            if not tools:
+                raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            if options.tool_call_parser is None:
+                raise APIError(400, "tool_choice 'required' needs the server started with --tool-call-parser NAME",
+                               param="tool_choice")
+        return tool_choice, None
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "a named tool_choice must be {'type': 'function', 'function': {'name': NAME}}, got "
+                       f"{json.dumps(tool_choice)[:200]}", param="tool_choice")
+    if name not in names:
+        raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
+                       f"({', '.join(map(repr, names)) or 'none given'})", param="tool_choice")
+    if options.tool_call_parser is None:
+        raise APIError(400, "a named tool_choice needs the server started with --tool-call-parser NAME",
+                       param="tool_choice")
+    return "named", name
+
+
+def prepare_tool_history(messages: list[dict[str, Any]]) -> None:
+    """Assistant `tool_calls` as the chat templates read them: `function.arguments` as an object (clients
+    send the JSON string they received), checked so that a bad one is a 400, not a template error; and a
+    message's `reasoning` (vLLM's newer name) as `reasoning_content`, the name Qwen templates read."""
+    for i, message in enumerate(messages):
+        if message.get("reasoning") is not None and message.get("reasoning_content") is None:
+            message["reasoning_content"] = message["reasoning"]  # templates read reasoning_content
+        calls = message.get("tool_calls")
+        if not calls:
+            continue
+        where = f"messages[{i}].tool_calls"
+        if message.get("role") != "assistant":
+            raise APIError(400, f"{where}: only assistant messages carry tool_calls", param=where)
+        for j, call in enumerate(calls):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"{where}[{j}] needs function.name (a string)", param=where)
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise APIError(400, f"{where}[{j}].function.arguments is not valid JSON ({e.msg}): "
+                                   f"{args[:80]!r}", param=where) from None
+            if not isinstance(args, dict):
+                raise APIError(400, f"{where}[{j}].function.arguments must be a JSON object", param=where)
+            call["function"] = {**fn, "arguments": args}
+
+
+def output_parser(options: ChatOptions, tools: list[dict] | None, choice: str, function: str | None,
+                  prompt_tail: str) -> ChatOutputParser:
+    tool_parser = None
+    if choice != "none" and options.tool_call_parser is not None:
+        tool_parser = make_tool_parser(options.tool_call_parser, tools)
+    reasoning = make_reasoning_parser(options.reasoning_parser, prompt_tail)
+    return ChatOutputParser(reasoning, tool_parser, function if choice == "named" else None)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template FILE|STRING`: a file's text if the path exists, else the string itself."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a template string too long to be a path
+        pass
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template string")
+    return value

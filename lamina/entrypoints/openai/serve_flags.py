@@ -1,0 +1,104 @@
+"""`lamina serve` flags that launch lines written for vLLM carry: the chat parsers and template, and the
+flags for features lamina does not have (accepted when they ask for what lamina does, refused with a
+message naming the flag otherwise), plus the `--served-model-name NAME... MODEL` repair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+TRACKED = "not supported yet; tracked in issue 13 / docs/SERVING.md"
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                "half": "float16", "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("chat: tool calls, reasoning, template (vLLM's flags)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls when a request's tool_choice is 'auto' (needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the tool-call format the model writes: hermes (<tool_call>{json}</tool_call>) or "
+                        "qwen3_coder (<tool_call><function=...><parameter=...>)")
+    g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="qwen3: answer <think>...</think> as reasoning_content")
+    g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
+                   help="a Jinja chat template (a file path, or the template itself) instead of the tokenizer's")
+
+
+def add_compat_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("vLLM compatibility (accepted; see docs/SERVING.md)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching is not implemented: --no-enable-prefix-caching is accepted, "
+                        "--enable-prefix-caching refused")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="only 'none': lamina runs the checkpoint's unquantized weights")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="only 'auto' or the model's dtype: the KV cache is kept in the model dtype")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted, no effect: lamina runs its own model code and reads configs with transformers")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted, no effect: lamina does not log request contents")
+
+
+def _config_dtype(model: str | None) -> str | None:
+    if model is None:
+        return None
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(cfg.get(key), str):
+                return cfg[key]
+    return None
+
+
+def model_dtype_name(args: argparse.Namespace, model: str | None) -> str:
+    """The dtype the engine will run `model` in (as lamina.config.resolve_dtype decides)."""
+    from lamina.config import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device), _config_dtype(model))
+    return str(dtype).removeprefix("torch.")
+
+
+def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
+    """Refuse (ValueError, exit 2) what lamina cannot do, naming the flag and what is supported."""
+    if args.enable_prefix_caching:
+        raise ValueError(f"--enable-prefix-caching: prefix caching is {TRACKED}. Leave the flag out or pass "
+                         "--no-enable-prefix-caching (every prompt is computed in full)")
+    if args.quantization is not None and args.quantization.lower() != "none":
+        raise ValueError(f"--quantization {args.quantization}: quantization is {TRACKED}. Supported: none "
+                         "(the checkpoint's bfloat16/float16/float32 weights, in --dtype)")
+    kv = args.kv_cache_dtype
+    if kv != "auto":
+        want = _DTYPE_NAMES.get(kv.lower())
+        have = model_dtype_name(args, model)
+        if want != have:
+            raise ValueError(f"--kv-cache-dtype {kv}: a KV-cache dtype other than the model's is {TRACKED}. "
+                             f"Supported: auto or {have} (this model's dtype here)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(TOOL_PARSERS))})")
+
+
+def repair_served_model_name(args: argparse.Namespace) -> None:
+    """`--served-model-name foo /path/to/model` (MODEL after the flag): argparse takes the path as a second
+    name. Without another MODEL, a last name that is an existing path is the MODEL."""
+    names = args.served_model_name
+    if args.model_tag or args.model or not names or len(names) < 2:
+        return
+    last = names[-1]
+    if os.path.exists(os.path.expanduser(last)):
+        args.served_model_name = names[:-1]
+        args.model_tag = last
+        print(f"[lamina] MODEL {last!r} was given after --served-model-name: serving it as "
+              f"{', '.join(map(repr, names[:-1]))}", file=sys.stderr)
+    elif any(c in last for c in "/\\") and last.startswith((".", "/", "~")):
+        raise ValueError(f"--served-model-name {' '.join(names)}: {last!r} looks like a MODEL path but does not "
+                         "exist; put MODEL before --served-model-name (lamina serve MODEL --served-model-name NAME)")

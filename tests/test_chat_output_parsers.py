@@ -1,0 +1,216 @@
+"""The reasoning and tool-call parsers (lamina.entrypoints.openai.{reasoning_parser,tool_parsers,chat_output}):
+whole answers, and streams cut at every split point, whose concatenated deltas must equal the whole
+answer's message."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lamina.entrypoints.openai.chat_output import ChatOutputParser
+from lamina.entrypoints.openai.reasoning_parser import make_reasoning_parser, prompt_opens_think, split_reasoning
+from lamina.entrypoints.openai.tool_parsers import make_tool_parser
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "zip": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}}}}},
+]
+
+HERMES_ONE = ('Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, '
+              '"nested": {"a": [1, {"b": "}"}]}}}\n</tool_call>')
+HERMES_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "search", "arguments": {"q": "caf\\u00e9 \\"x\\""}}\n</tool_call>')
+CODER_ONE = ("I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+             "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n"
+             "</parameter>\n<parameter=zip>\n02139\n</parameter>\n</function>\n</tool_call>")
+CODER_TWO = ("<tool_call>\n<function=search>\n<parameter=q>\nmulti\nline\n</parameter>\n</function>\n</tool_call>\n"
+             "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")
+
+
+def _parser(tool_parser=None, reasoning=None, prompt_tail="", only=None):
+    return ChatOutputParser(make_reasoning_parser(reasoning, prompt_tail),
+                            make_tool_parser(tool_parser, TOOLS) if tool_parser else None, only)
+
+
+def _stream(make, text, cuts):
+    """Feed text cut at `cuts` (cumulative), then the final text; rebuild the message from the deltas."""
+    parser = make()
+    message = {"content": "", "reasoning_content": "", "tool_calls": []}
+    updates = [(text[:c], False) for c in cuts] + [(text, True)]
+    for prefix, final in updates:
+        for delta in parser.deltas(prefix, final):
+            assert delta.get("reasoning") == delta.get("reasoning_content")
+            for key in ("content", "reasoning_content"):
+                message[key] += delta.get(key, "")
+            for call in delta.get("tool_calls", []):
+                if "id" in call:
+                    assert call["index"] == len(message["tool_calls"]) and call["function"]["arguments"] == ""
+                    message["tool_calls"].append({"name": call["function"]["name"], "arguments": ""})
+                else:
+                    assert "name" not in call["function"]
+                    message["tool_calls"][call["index"]]["arguments"] += call["function"]["arguments"]
+    return message, parser.called_tools
+
+
+def _whole(make, text):
+    fields = make().parse(text)
+    return {"content": fields.content or "", "reasoning_content": fields.reasoning_content or "",
+            "tool_calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                           for c in fields.tool_calls]}
+
+
+def _check_streams(make, text):
+    whole = _whole(make, text)
+    for cut in range(len(text) + 1):  # every single split point
+        got, called = _stream(make, text, [cut])
+        assert got == whole, (cut, text[:cut])
+        assert called == bool(whole["tool_calls"])
+    got, _ = _stream(make, text, range(len(text) + 1))  # one character at a time
+    assert got == whole
+    rng = random.Random(0)
+    for _ in range(20):
+        got, _ = _stream(make, text, sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6)))))
+        assert got == whole
+    return whole
+
+
+# ---- reasoning ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, opened, reasoning, content", [
+    ("<think>\nplan\n</think>\n\nanswer", False, "\nplan\n", "\n\nanswer"),
+    ("  <think>plan</think>answer", False, "plan", "answer"),
+    ("plan</think>answer", True, "plan", "answer"),
+    ("plan, cut off by max_tokens", True, "plan, cut off by max_tokens", ""),
+    ("<think>cut off", False, "cut off", ""),
+    ("just an answer", False, None, "just an answer"),
+    ("an answer mentioning </think> late", False, None, "an answer mentioning </think> late"),
+    ("", False, None, ""),
+    ("", True, "", ""),
+])
+def test_reasoning_split(text, opened, reasoning, content):
+    split = split_reasoning(text, opened_in_prompt=opened)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    whole = _check_streams(lambda: ChatOutputParser(make_reasoning_parser("qwen3", "<think>\n" if opened else "")),
+                           text)
+    assert whole == {"content": content, "reasoning_content": reasoning or "", "tool_calls": []}
+
+
+def test_prompt_opens_think():
+    assert prompt_opens_think("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_think("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="valid: qwen3"):
+        make_reasoning_parser("deepseek_r1", "")
+
+
+def test_message_without_think_keeps_content_and_no_reasoning_field():
+    fields = _parser(reasoning="qwen3").parse("hello")
+    assert fields.content == "hello" and fields.reasoning_content is None
+    fields = _parser(reasoning="qwen3", prompt_tail="<think>\n").parse("only thoughts</think>")
+    assert fields.content is None and fields.reasoning_content == "only thoughts"
+
+
+# ---- tool calls ----------------------------------------------------------------------------------
+def test_hermes_one_call_with_content():
+    whole = _check_streams(lambda: _parser("hermes"), HERMES_ONE)
+    assert whole["content"] == "Let me look."
+    [call] = whole["tool_calls"]
+    assert call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris", "days": 3, "nested": {"a": [1, {"b": "}"}]}}
+
+
+def test_hermes_two_calls_and_escapes():
+    whole = _check_streams(lambda: _parser("hermes"), HERMES_TWO)
+    assert whole["content"] == ""
+    assert [c["name"] for c in whole["tool_calls"]] == ["get_weather", "search"]
+    assert json.loads(whole["tool_calls"][1]["arguments"]) == {"q": 'café "x"'}
+
+
+def test_hermes_other_key_order_and_string_arguments():
+    text = '<tool_call>{"arguments": {"q": "x"}, "name": "search"}</tool_call>'
+    whole = _check_streams(lambda: _parser("hermes"), text)
+    assert whole["tool_calls"] == [{"name": "search", "arguments": '{"q": "x"}'}]
+    text = '<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>'
+    whole = _check_streams(lambda: _parser("hermes"), text)
+    assert json.loads(whole["tool_calls"][0]["arguments"]) == {"q": "x"}
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>not json</tool_call>",
+    '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call> trailing is fine <tool_call>{bad',
+    "plain text with a <tool_call mention",
+])
+def test_hermes_unparseable_is_plain_content(text):
+    fields = _parser("hermes").parse(text)
+    assert fields.tool_calls == [] and fields.content == text
+
+
+def test_unparseable_stream_without_a_name_sent_is_plain_content():
+    for text in ("<tool_call>not json</tool_call> and more", "<tool_call>{\"arguments\": {}}</tool_call>"):
+        assert _check_streams(lambda: _parser("hermes"), text) == {"content": text, "reasoning_content": "",
+                                                                  "tool_calls": []}
+
+
+def test_qwen3_coder_types_by_schema():
+    whole = _check_streams(lambda: _parser("qwen3_coder"), CODER_ONE)
+    assert whole["content"] == "I'll check."
+    [call] = whole["tool_calls"]
+    assert call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "San Francisco", "days": 3, "metric": True, "hours": [1, 2],
+                                             "zip": "02139"}
+
+
+def test_qwen3_coder_two_calls_multiline_and_no_parameters():
+    whole = _check_streams(lambda: _parser("qwen3_coder"), CODER_TWO)
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole["tool_calls"]] == [
+        ("search", {"q": "multi\nline"}), ("get_weather", {})]
+
+
+def test_qwen3_coder_without_the_tool_call_wrapper():
+    text = ("Sure.\n<function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n"
+            "<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>")
+    whole = _check_streams(lambda: _parser("qwen3_coder"), text)
+    assert whole["content"] == "Sure."
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole["tool_calls"]] == [
+        ("search", {"q": "x"}), ("get_weather", {"days": 2})]
+    mixed = CODER_TWO.replace("<tool_call>\n<function=get_weather>", "<function=get_weather>")
+    whole = _check_streams(lambda: _parser("qwen3_coder"), mixed)
+    assert [c["name"] for c in whole["tool_calls"]] == ["search", "get_weather"]
+
+
+def test_qwen3_coder_unparseable_is_plain_content():
+    for text in ("<tool_call>\nno function here\n</tool_call>", "<tool_call><function=x><junk></function></tool_call>"):
+        fields = _parser("qwen3_coder").parse(text)
+        assert fields.tool_calls == [] and fields.content == text
+
+
+def test_reasoning_then_tool_call_streams_both():
+    text = "<think>\nI should call it.\n</think>\n\n" + HERMES_ONE
+    whole = _check_streams(lambda: _parser("hermes", "qwen3"), text)
+    assert whole["reasoning_content"] == "\nI should call it.\n"
+    assert whole["content"] == "\n\nLet me look." and whole["tool_calls"][0]["name"] == "get_weather"
+    fields = _parser("hermes", "qwen3", prompt_tail="<think>\n").parse(
+        'thinking</think>\n\n<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    assert fields.content is None and fields.reasoning_content == "thinking" and len(fields.tool_calls) == 1
+
+
+def test_named_choice_keeps_only_that_function():
+    whole = _check_streams(lambda: _parser("hermes", only="search"), HERMES_TWO)
+    assert [c["name"] for c in whole["tool_calls"]] == ["search"]
+    whole = _check_streams(lambda: _parser("hermes", only="search"), HERMES_ONE)
+    assert whole == {"content": HERMES_ONE, "reasoning_content": "", "tool_calls": []}  # not called: plain text
+
+
+def test_tool_call_ids_are_unique():
+    fields = _parser("hermes").parse(HERMES_TWO)
+    ids = [c["id"] for c in fields.tool_calls]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    with pytest.raises(ValueError, match="valid: hermes, qwen3_coder"):
+        make_tool_parser("mistral", None)
