@@ -39,6 +39,8 @@ VLLM_SERIES = {
     "vllm:request_decode_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
 }
 BUCKETS = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
@@ -133,5 +135,40 @@ def test_preemptions_and_vllm_names_under_a_tiny_cache(server):
     parts = (_value(after, "vllm:time_to_first_token_seconds", "_sum", **LABELS)
              + _value(after, "vllm:request_decode_time_seconds", "_sum", **LABELS))
     assert parts == pytest.approx(e2e, rel=1e-6, abs=1e-6)  # ttft + decode = e2e, request by request
+    assert _value(after, "vllm:request_generation_tokens", "_sum", **LABELS) == NUM_REQUESTS * MAX_TOKENS
+    assert _value(after, "vllm:request_max_num_generation_tokens", "_sum", **LABELS) == NUM_REQUESTS * MAX_TOKENS
+    assert _value(after, "vllm:request_params_n", "_sum", **LABELS) == NUM_REQUESTS
     assert _value(after, "vllm:num_requests_running", **LABELS) == 0
     assert _value(after, "vllm:kv_cache_usage_perc", **LABELS) == 0
+
+
+def test_spec_decode_series_only_with_speculative_decoding():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lamina.entrypoints.openai.metrics_vllm import VllmMetrics
+    from lamina.engine.async_engine import EngineStats
+    from lamina.outputs import SpecDecodeMetrics
+
+    def scrape(spec) -> dict:
+        llm = SimpleNamespace(max_model_len=64, num_preemptions=3, num_prompt_tokens_processed=5,
+                              num_generation_tokens_processed=7, spec_decode_metrics=spec)
+        registry = CollectorRegistry()
+        VllmMetrics(registry, SimpleNamespace(engine=llm, stats=EngineStats(1, 2, 0.5)), "m")
+        return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+    plain = scrape(None)
+    assert not [name for name in plain if name.startswith("vllm:spec_decode")]
+    assert _value(plain, "vllm:num_preemptions", "_total", model_name="m", engine="0") == 3
+    assert _value(plain, "vllm:num_requests_running", model_name="m", engine="0") == 2
+    spec = SpecDecodeMetrics()
+    spec.record(3, 2)
+    spec.record(2, 0)
+    families = scrape(spec)
+    assert _value(families, "vllm:spec_decode_num_drafts", "_total") == 2
+    assert _value(families, "vllm:spec_decode_num_draft_tokens", "_total") == 5
+    assert _value(families, "vllm:spec_decode_num_accepted_tokens", "_total") == 2
+    per_pos = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+               if s.name.endswith("_total")}
+    assert per_pos == {"0": 1, "1": 1, "2": 0}

@@ -58,27 +58,28 @@ class _EngineCollector(Collector):
     def collect(self):
         stats = self.engine.stats
         llm = self.engine.engine
-        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.",
                           stats.num_running)
-        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        yield self._gauge("vllm:num_requests_waiting", "Requests queued for the running batch.",
                           stats.num_waiting)
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.cache_usage)
-        yield self._gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
-                          "vllm:kv_cache_usage_perc (vLLM's name before 0.9).", stats.cache_usage)
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+        yield self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).",
+                          stats.cache_usage)
+        yield self._gauge("vllm:gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all); the name "
+                          "before vllm:kv_cache_usage_perc.", stats.cache_usage)
+        yield self._counter("vllm:num_preemptions", "Requests preempted since start.",
                             getattr(llm, "num_preemptions", 0))
-        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+        yield self._counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first token.",
                             getattr(llm, "num_prompt_tokens_processed", 0))
-        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
+        yield self._counter("vllm:generation_tokens", "Tokens generated.",
                             getattr(llm, "num_generation_tokens_processed", 0))
         spec = getattr(llm, "spec_decode_metrics", None)
         if spec is not None:  # as vLLM: only with speculative decoding
-            yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_steps)
-            yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
-            yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            yield self._counter("vllm:spec_decode_num_drafts", "Verification steps with drafts.", spec.num_steps)
+            yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+            yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                 spec.num_accepted_tokens)
             per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", labels=LABELS + ("position",))
+                                          "Draft tokens accepted, by draft position.", labels=LABELS + ("position",))
             for position, accepted in enumerate(spec.accepted_per_position):
                 per_pos.add_metric(self.labels + [str(position)], accepted)
             yield per_pos
@@ -93,29 +94,34 @@ class VllmMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(model_name, ENGINE)
 
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Server arrival to first token, seconds.",
                               TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds. "
-                              "DEPRECATED: use vllm:inter_token_latency_seconds.", ITL_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Gap between steps that gave a request tokens, seconds.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Same as vllm:inter_token_latency_seconds "
+                              "(the older name).", ITL_BUCKETS)
         self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                      "Per request: decode time over its generated tokens after "
+                                      "the first, seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Server arrival to last token, seconds.",
                              REQUEST_LATENCY_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+                               "Engine arrival to first scheduling, seconds.", REQUEST_LATENCY_BUCKETS)
         self.inference = histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+                                   "First scheduling to last token, seconds.", REQUEST_LATENCY_BUCKETS)
         self.prefill = histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+                                 "First scheduling to first token, seconds.", REQUEST_LATENCY_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prompt_len = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                "First token to last token, seconds.", REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
                                     buckets_1_2_5(max_model_len))
-        self.generation_len = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+        self.generation_len = histogram("vllm:request_generation_tokens", "Generated tokens per finished request.",
                                         buckets_1_2_5(max_model_len))
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+        self.max_generation_len = histogram("vllm:request_max_num_generation_tokens",
+                                            "Tokens of a finished request's longest completion.",
+                                            buckets_1_2_5(max_model_len))
+        self.params_n = histogram("vllm:request_params_n", "Completions per finished request.", (1, 2, 5, 10, 20))
+        success = Counter("vllm:request_success", "Finished requests by finish reason.",
                           LABELS + ("finished_reason",), registry=r)
         self.success = {reason: success.labels(model_name, ENGINE, reason) for reason in FINISH_REASONS}
 
@@ -130,6 +136,8 @@ class VllmMetrics:
         self.success[reason].inc()
         self.prompt_len.observe(len(output.prompt_token_ids))
         self.generation_len.observe(num_out)
+        self.max_generation_len.observe(max(len(c.token_ids) for c in output.outputs))
+        self.params_n.observe(len(output.outputs))
         m = output.metrics
         if m is None or m.first_token_time is None or m.finished_time is None:
             return

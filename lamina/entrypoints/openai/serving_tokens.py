@@ -135,6 +135,7 @@ def tokenizer_info(serving: OpenAIServing) -> dict:
     info = {str(k): _jsonable(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = _jsonable(getattr(tokenizer, name, None))
-    info["chat_template"] = _jsonable(getattr(serving, "chat_template", None) or getattr(tokenizer, "chat_template", None))
+    template = getattr(serving, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    info["chat_template"] = _jsonable(template)
     info["tokenizer_class"] = type(tokenizer).__name__
     return info
