@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -21,10 +22,17 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float
+    """A request's timeline (`time.monotonic()` seconds), for metrics."""
+
+    arrival_time: float  # the engine took the request
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # it first entered the running batch
+    queue_time: float = 0.0  # time spent waiting for the running batch: the first wait and each after a preemption
+    last_token_time: float | None = None
+    # gaps between consecutive steps that gave it tokens (one per step, as vLLM's inter-token latency)
+    inter_token_latencies: array = field(default_factory=lambda: array("d"))
 
 
 @dataclass

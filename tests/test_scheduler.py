@@ -506,6 +506,7 @@ def test_preemption_of_most_recent_request_and_recompute():
     assert [c.request_id for c in plan.chunks] == ["a"]
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert sim.sched.num_preemptions == 1
+    assert sim.sched.num_preemption_recompute_tokens == 2, "b's 2 computed tokens are to be computed again"
     assert not sim.cache.has("b")
     assert list(sim.sched.waiting) == [b]
     assert b.all_token_ids == b_tokens_before, "preemption keeps the generated tokens"

@@ -144,6 +144,30 @@ CASES = [
      "messages[0].tool_calls"),
     ("tool-call-id-not-string", _chat(messages=MSG + [{"role": "tool", "content": "r", "tool_call_id": 5}]), 400,
      "messages"),
+    # vLLM's tokenizer routes
+    ("tokenize-neither-prompt-nor-messages", ("/tokenize", {}), 400, "prompt"),
+    ("tokenize-prompt-and-messages", ("/tokenize", {"prompt": "x", "messages": MSG}), 400, "messages"),
+    ("tokenize-prompt-wrong-type", ("/tokenize", {"prompt": 5}), 400, "prompt"),
+    ("tokenize-prompt-token-ids", ("/tokenize", {"prompt": [1, 2]}), 400, "prompt"),
+    ("tokenize-empty-messages", ("/tokenize", {"messages": []}), 400, "messages"),
+    ("tokenize-message-bad-role", ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "messages"),
+    ("tokenize-add-special-tokens-string", ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}), 400,
+     "add_special_tokens"),
+    ("tokenize-continue-with-generation-prompt", ("/tokenize", {"messages": MSG, "continue_final_message": True}),
+     400, "continue_final_message"),
+    ("tokenize-reserved-template-kwargs", ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"tokenize": 1}}),
+     400, "chat_template_kwargs"),
+    ("tokenize-unknown-model", ("/tokenize", {"prompt": "x", "model": "gpt-17"}), 404, "model"),
+    ("detokenize-missing-tokens", ("/detokenize", {}), 400, "tokens"),
+    ("detokenize-tokens-not-a-list", ("/detokenize", {"tokens": "abc"}), 400, "tokens"),
+    ("detokenize-string-token", ("/detokenize", {"tokens": ["1"]}), 400, "tokens"),
+    ("detokenize-negative-token", ("/detokenize", {"tokens": [5, -1]}), 400, "tokens"),
+    ("detokenize-token-out-of-vocab", ("/detokenize", {"tokens": [5, 100000]}), 400, "tokens"),
+    ("detokenize-huge-token", ("/detokenize", {"tokens": [10**30]}), 400, "tokens"),
+    ("detokenize-unknown-model", ("/detokenize", {"tokens": [1], "model": "gpt-17"}), 404, "model"),
+    # routes lamina does not serve: a 404 that says why
+    ("responses-not-served", ("/v1/responses", {"model": MODEL_NAME, "input": "hi"}), 404, None),
+    ("embeddings-not-served", ("/v1/embeddings", {"model": MODEL_NAME, "input": "hi"}), 404, None),
 ]
 
 

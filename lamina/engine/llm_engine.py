@@ -50,6 +50,7 @@ class _RequestState:
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.spec = SpecDecodeMetrics()
+        self.waiting_since: float | None = self.metrics.arrival_time  # None while in the running batch
 
 
 class LLMEngine:
@@ -128,6 +129,10 @@ class LLMEngine:
             self.spec_decode_metrics = SpecDecodeMetrics()
         self._pending_commits: list[dict[str, int]] = [{} for _ in range(self.num_replicas)]
         self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
+        # Token counters for metrics (as vLLM's): prompt tokens of requests that got their first token,
+        # and every generated token.
+        self.num_prompt_tokens_processed = 0
+        self.num_generation_tokens_processed = 0
 
     # ---- set-up helpers ------------------------------------------------------------------
     def describe_only(self, args: EngineArgs):
@@ -350,12 +355,22 @@ class LLMEngine:
     def cache_usage(self) -> float:
         return sum(c.usage() for c in self.caches) / len(self.caches)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.schedulers)
+
+    @property
+    def num_preemption_recompute_tokens(self) -> int:
+        """Computed tokens whose cache preemptions dropped (to be computed again)."""
+        return sum(s.num_preemption_recompute_tokens for s in self.schedulers)
+
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a new token."""
         started = time.perf_counter()
         num_drafts = self._decide_num_draft_tokens()
         plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
+        self._note_waits(plans, time.monotonic())
         if all(p.is_empty for p in plans):
             if any(p.finished_request_ids for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state
@@ -384,6 +399,23 @@ class LLMEngine:
                 self.spec_policy.observe_step_time(batch, num_drafts, time.perf_counter() - started)
         return outputs
 
+    def _note_waits(self, plans, now: float) -> None:
+        """Request timing for metrics: a preempted request starts waiting again; a scheduled one stops
+        waiting (its wait adds to its queue time), and the first time is its first scheduling."""
+        for plan in plans:
+            for request_id in plan.preempted_request_ids:
+                state = self._states.get(request_id)
+                if state is not None:
+                    state.waiting_since = now
+            for chunk in plan.chunks:
+                state = self._states.get(chunk.request_id)
+                if state is None or state.waiting_since is None:
+                    continue
+                state.metrics.queue_time += now - state.waiting_since
+                state.waiting_since = None
+                if state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+
     def _decide_num_draft_tokens(self) -> int:
         """Drafts to propose this step (0 without speculative decoding)."""
         if self.spec_policy is None:
@@ -407,9 +439,14 @@ class LLMEngine:
             request = state.request
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+                self.num_prompt_tokens_processed += request.num_prompt_tokens
+            elif state.metrics.last_token_time is not None:
+                state.metrics.inter_token_latencies.append(now - state.metrics.last_token_time)
+            state.metrics.last_token_time = now
             # Speculative decoding emits the accepted drafts, then the target's own token.
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
+                self.num_generation_tokens_processed += 1
                 if state.logprobs is not None and logprobs is not None:
                     state.logprobs.append(logprobs)
                     state.cumulative_logprob += logprobs.get(token, 0.0)

@@ -48,6 +48,7 @@ class Scheduler:
         self._step_id = 0
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
+        self.num_preemption_recompute_tokens = 0  # computed tokens whose cache preemption dropped
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -82,6 +83,7 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.cache.free(request.request_id)
+        self.num_preemption_recompute_tokens += request.num_computed_tokens
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []

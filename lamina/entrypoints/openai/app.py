@@ -25,12 +25,24 @@ from lamina.entrypoints.openai.protocol import ChatCompletionRequest, Completion
 from lamina.entrypoints.openai.serving import APIError, OpenAIServing
 from lamina.entrypoints.openai.serving_chat import create_chat_completion
 from lamina.entrypoints.openai.serving_completions import create_completion
+from lamina.entrypoints.openai.serving_tokens import (
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, create_detokenize, create_tokenize,
+    tokenizer_info,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+# OpenAI routes lamina does not serve, and why (docs/SERVING.md says more)
+_NOT_SERVED = {
+    "/v1/responses": "lamina does not serve the Responses API: it keeps no conversations or responses on the "
+                     "server (previous_response_id, store, background) and runs no built-in tools; use "
+                     "/v1/chat/completions",
+    "/v1/embeddings": "lamina serves generation models only: the Qwen hybrid MoE checkpoints have no embedding "
+                      "(pooling) head; use an embedding model with a server made for it",
+}
 
 
 @dataclass
@@ -241,5 +253,26 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state.serving, body, request)
+
+    # vLLM's tokenizer routes (at the root, as vLLM's: lm-evaluation-harness looks for them there)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        return await create_tokenize(state.serving, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        return await create_detokenize(state.serving, body)
+
+    @app.get("/tokenizer_info", responses=_ERROR_RESPONSES)
+    async def get_tokenizer_info():
+        return tokenizer_info(state.serving)
+
+    def not_served(reason: str):
+        async def refuse():
+            raise APIError(404, reason, code="not_supported")
+        return refuse
+
+    for path, reason in _NOT_SERVED.items():
+        app.add_api_route(path, not_served(reason), methods=["POST"], include_in_schema=False)
 
     return app
