@@ -11,7 +11,8 @@ Capturable because the decode forward on the Triton kernel set (lamina.kernels.s
 metadata only from device tensors and host ints that are fixed per capture size (`num_tokens`,
 `num_reqs`, `max_query_len` = 1): the kernels loop to each request's `seq_len` on the device.
 Models whose decode still needs a reference kernel with shapes that follow the step (Qwen4-Exp's
-QSA indexer: its masks follow `max_seq_len`) are not captured and run eagerly.
+QSA indexer: its masks follow `max_seq_len`) or host work (its PLE table may live in host memory)
+are not captured and run eagerly. The buffers keep a token-history field for when they are.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 def model_is_capturable(model) -> bool:
-    """Every kernel of the model's decode step is graph-safe (the Triton set, no QSA attention)."""
+    """Every kernel of the model's decode step is graph-safe: the Triton set, plain gated attention
+    (not QSA), and no token-history layers (Qwen4-Exp's PLE may gather its table on the host)."""
     from lamina.layers.attention import GatedAttention
 
     kernels = {m.kernels for m in model.modules() if hasattr(m, "kernels")}
     plain_attention = all(type(m) is GatedAttention for m in model.modules() if isinstance(m, GatedAttention))
-    return kernels == {"triton"} and plain_attention
+    return kernels == {"triton"} and plain_attention and getattr(model, "token_history_len", 0) == 0
 
 
 class DecodeGraphs:
