@@ -143,6 +143,15 @@ def _rows_of_block(pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_r
 
 
 @triton.jit
+def _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn):
+    """The weight matrix a row block multiplies with (its expert's, or the shared expert's for
+    expert -2) and that matrix's row stride."""
+    is_shared = expert == -2
+    w_base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we)
+    return w_base, tl.where(is_shared, stride_swn, stride_wn)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
@@ -158,9 +167,7 @@ def _gate_up_kernel(
     tokens, slots, pairs, row_ok = _rows_of_block(
         pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_routed_blocks, TOP_K, SLOTS, BLOCK_M
     )
-    is_shared = expert == -2
-    w_base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we)
-    stride_n = tl.where(is_shared, stride_swn, stride_wn)
+    w_base, stride_n = _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -196,9 +203,7 @@ def _down_kernel(
     tokens, slots, pairs, row_ok = _rows_of_block(
         pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_routed_blocks, TOP_K, SLOTS, BLOCK_M
     )
-    is_shared = expert == -2
-    w_base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we)
-    stride_n = tl.where(is_shared, stride_swn, stride_wn)
+    w_base, stride_n = _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -209,7 +214,7 @@ def _down_kernel(
         a = tl.load(act_ptr + slots[:, None] * stride_ap + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
-    if is_shared:  # the shared expert's gate: sigmoid of its logit, in float32
+    if expert == -2:  # the shared expert's gate: sigmoid of its logit, in float32
         logit = tl.load(shared_logit_ptr + tokens * stride_sl, mask=row_ok, other=0.0).to(tl.float32)
         weight = 1.0 / (1.0 + tl.exp(-logit))
     else:
