@@ -25,7 +25,8 @@ __all__ = ["RequestGroup", "plan_groups", "build_groups", "enabled", "check_grou
 
 
 def enabled() -> bool:
-    """`LAMINA_REQUEST_GROUPS=0` turns splitting off (to measure what it saves)."""
+    """`LAMINA_REQUEST_GROUPS=0` turns splitting off (to measure what it saves). Read by the model
+    runner when it is built (`ForwardMetadata.allow_groups`), never inside a forward."""
     return os.environ.get("LAMINA_REQUEST_GROUPS", "1") != "0"
 
 # A group may pad to at most PAD_FACTOR x its real size plus SLACK (in query tokens for the

@@ -41,6 +41,9 @@ class ForwardMetadata:
     query_lens_host: tuple[int, ...] | None = None
     seq_lens_host: tuple[int, ...] | None = None
     capture_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # Whether the padded kernels may split this step into request groups (the runner reads
+    # LAMINA_REQUEST_GROUPS once, when it is built; nothing in the forward reads the environment).
+    allow_groups: bool = True
     _groups: dict = field(default_factory=dict, repr=False)
 
     def request_groups(self, by_context: bool = False):
@@ -52,7 +55,7 @@ class ForwardMetadata:
 
         groups = None
         capture_known = by_context or self.state_capture is None or self.capture_host is not None
-        if rg.enabled() and capture_known and self.query_lens_host is not None and self.seq_lens_host is not None:
+        if self.allow_groups and capture_known and self.query_lens_host is not None and self.seq_lens_host is not None:
             plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
             if plan is not None:
                 groups = rg.build_groups(

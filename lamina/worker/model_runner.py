@@ -17,6 +17,7 @@ import torch
 
 from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
 from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import can_replay
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
+        self.request_groups = request_groups_enabled()
         self.spec = None
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
@@ -148,6 +150,7 @@ class ModelRunner:
             state_capture=self.spec.capture_for(plan) if self.spec is not None else None,
             query_lens_host=tuple(int(n) for n in lens),
             seq_lens_host=tuple(int(n) for n in seq_lens),
+            allow_groups=self.request_groups,
         )
         if meta.state_capture is not None:
             meta.capture_host = self.spec.capture_host

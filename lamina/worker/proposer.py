@@ -110,6 +110,7 @@ class MTPProposer:
             dp_num_tokens=plan.dp_num_samples,
             query_lens_host=(1,) * num,
             seq_lens_host=tuple(min(m + step, c) + 1 for m, c in zip(max_pos, capacity)),
+            allow_groups=meta.allow_groups,
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
