@@ -6,9 +6,12 @@ running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 
 1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
    float32, top-N and the sampled token's logprob/rank are reported from these;
-2. ``min_tokens`` bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids``
-   are set to ``-inf`` while the request has generated fewer than
-   ``min_tokens`` tokens;
+2. bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` while the
+   request has generated fewer than ``min_tokens`` tokens, and the bad words
+   whose other tokens the output ends with, are set to ``-inf``;
+   then the per-request adjustments of :mod:`lamina.engine.logits_processors`
+   (``allowed_token_ids``, ``logit_bias``, presence / frequency / repetition
+   penalties);
 3. greedy rows take the argmax of the (banned) logits;
 4. other rows: divide by temperature, top-k mask, top-p mask, min-p mask, then
    draw a token with the exponential race ``argmax(p / E)`` with
@@ -27,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from lamina.engine.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.sampling_params import SamplingParams
 
 __all__ = [
@@ -82,6 +86,7 @@ class SamplingBatch:
     max_num_logprobs: int | None  # max over rows, None when no row asked
     generators: list[torch.Generator | None] = field(default_factory=list)
     seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a generator
+    adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +105,8 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None] | None,
         device: torch.device | str,
         vocab_size: int,
+        output_token_ids: Sequence[Sequence[int] | None] | None = None,
+        prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
@@ -115,6 +122,10 @@ class SamplingBatch:
             vocab_size: Number of valid token ids (normally the logits' last
                 dimension). Disabled top-k rows get ``top_k = vocab_size``;
                 banned ids ``>= vocab_size`` are ignored.
+            output_token_ids: Per row, the tokens generated so far (read by rows
+                with penalties or bad words; ``None`` elsewhere).
+            prompt_token_ids: Per row, the prompt (read by rows with a
+                repetition penalty; ``None`` elsewhere).
         """
         bsz = len(params_list)
         if len(output_lens) != bsz:
@@ -144,10 +155,17 @@ class SamplingBatch:
             num_logprobs.append(None if p.logprobs is None else int(p.logprobs))
             if gen is not None and not is_greedy:
                 seeded_rows.append(row)
+            banned = set()
             if out_len < p.min_tokens:
-                banned = set(p.stop_token_ids)
+                banned.update(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(int(t) for t in eos_token_ids)
+            if p.bad_words_token_ids:
+                outputs = output_token_ids[row] if output_token_ids is not None else None
+                if outputs is None:
+                    raise ValueError(f"row {row} has bad words but no output token ids were given")
+                banned.update(bad_word_bans(p.bad_words_token_ids, outputs))
+            if banned:
                 for tok in sorted(banned):
                     if 0 <= tok < vocab_size:
                         ban_rows.append(row)
@@ -159,6 +177,8 @@ class SamplingBatch:
 
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        adjustments = LogitAdjustments.build(params_list, output_token_ids, prompt_token_ids, device, vocab_size)
 
         return cls(
             temperature=to_dev(temps, torch.float32),
@@ -178,6 +198,7 @@ class SamplingBatch:
             max_num_logprobs=max(requested) if requested else None,
             generators=list(generators),
             seeded_rows=seeded_rows,
+            adjustments=None if adjustments.empty else adjustments,
         )
 
 
@@ -324,8 +345,7 @@ class Sampler:
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(work, dim=-1)  # [B, V]
 
-        if batch.has_bans:
-            work[batch.ban_rows, batch.ban_cols] = float("-inf")
+        apply_bans_and_adjustments(work, batch)
 
         if batch.all_greedy:
             token_ids = work.argmax(dim=-1)  # [B]
@@ -380,6 +400,15 @@ class Sampler:
             top_token_ids=top_ids,
             top_logprobs=top_lp,
         )
+
+
+def apply_bans_and_adjustments(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set banned (row, token) pairs to -inf, then apply the rows' logit adjustments (in place)."""
+    if batch.has_bans:
+        work[batch.ban_rows, batch.ban_cols] = float("-inf")
+    if batch.adjustments is not None:
+        batch.adjustments.apply(work)
+    return work
 
 
 def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

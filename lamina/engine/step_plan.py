@@ -30,6 +30,13 @@ class ScheduledChunk:
     # MTP drafter reads at the chunk's last position.
     num_draft_tokens: int = 0
     next_token_id: int | None = None
+    # Sampling that reads the request's history (only set for requests that need it, on chunks that
+    # sample): the tokens generated so far (penalties, bad words) and the prompt (repetition penalty).
+    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    # Prompt logprobs: the prompt's length (positions p < num_prompt_tokens - 1 of this chunk score the
+    # prompt token at p + 1); 0 when the request did not ask for them.
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
