@@ -56,3 +56,15 @@ def test_prompt_positions_of_chunks():
     assert plp.prompt_positions(chunk(3, [4, 5, 6], None, 6)) == (2, [5, 6])  # last prompt position predicts output
     assert plp.prompt_positions(chunk(6, [9], None, 6)) == (0, [])  # a decode step
     assert plp.prompt_positions(chunk(0, [1], None, 1)) == (0, [])  # a one-token prompt
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_prompt_logprobs_under_parallel_layouts(qwen3_next_dir, hf_logprobs, layout):
+    """Rank processes on gloo: the last stage's TP ranks score the same pieces (compute_logits is a
+    collective there), and the reporting rank returns them; chunked prefill too."""
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False,
+             max_num_batched_tokens=6, debug_layouts=True, **layout) as llm:
+        [out] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=2,
+                                                                          prompt_logprobs=2))
+    check(out, hf_logprobs, 2)
