@@ -26,6 +26,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from lamina.structured_output import StructuredOutputsParams
+
 __all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS", "MAX_LOGIT_BIAS"]
 
 # Temperatures below this are treated as greedy decoding (same cut-off as
@@ -66,6 +68,10 @@ class SamplingParams:
         bad_words: Words that are never generated: the engine tokenizes each
             (with and without a leading space) and bans a sequence's last token
             whenever the output ends with the rest of it.
+        structured_outputs: A :class:`~lamina.structured_output.StructuredOutputsParams`
+            (or a dict of its fields: ``json``, ``json_object``, ``regex``,
+            ``choice``, ``grammar``): the output must match it; enforced
+            during sampling.
         prompt_logprobs: If not ``None``, return for every prompt token after
             the first its logprob plus the ``prompt_logprobs`` most likely
             tokens' logprobs at that position.
@@ -119,6 +125,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # Set by the engine from `bad_words` and its tokenizer: the token sequences to ban.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -211,6 +218,7 @@ class SamplingParams:
             self.bad_words = words or None
         if self.best_of is None:
             self.best_of = self.n
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     def _validate(self) -> None:
         """Raise ValueError for any out-of-range field."""

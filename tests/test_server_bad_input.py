@@ -126,7 +126,25 @@ CASES = [
     ("chat-top-logprobs-without-logprobs", _chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat-template-kwargs-wrong-type", _chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
     ("chat-template-kwargs-reserved", _chat(chat_template_kwargs={"tokenize": False}), 400, "chat_template_kwargs"),
-    ("response-format-json", _chat(response_format={"type": "json_schema"}), 400, "response_format"),
+    ("response-format-json-schema-without-schema", _chat(response_format={"type": "json_schema"}), 400,
+     "response_format"),
+    ("response-format-unknown-type", _chat(response_format={"type": "yaml"}), 400, "response_format"),
+    ("response-format-schema-not-an-object", _cmpl(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "not a schema"}}), 400, "response_format"),
+    ("response-format-bad-schema", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format"),
+    ("structured-outputs-two-kinds", _cmpl(structured_outputs={"regex": "a", "choice": ["b"]}), 400,
+     "structured_outputs"),
+    ("structured-outputs-none", _cmpl(structured_outputs={}), 400, "structured_outputs"),
+    ("structured-outputs-unknown-key", _cmpl(structured_outputs={"yaml": "x"}), 400, "structured_outputs"),
+    ("structured-outputs-bad-regex", _cmpl(structured_outputs={"regex": "(unclosed"}), 400, "structured_outputs"),
+    ("structured-outputs-not-an-object", _cmpl(structured_outputs="json"), 400, "structured_outputs"),
+    ("structured-outputs-choice-empty-string", _chat(structured_outputs={"choice": [""]}), 400, "structured_outputs"),
+    ("guided-json-invalid-json-text", _cmpl(guided_json="{oops"), 400, "guided_json"),
+    ("guided-choice-empty", _cmpl(guided_choice=[]), 400, "guided_choice"),
+    ("guided-grammar-bad", _cmpl(guided_grammar="root ::= ("), 400, "guided_grammar"),
+    ("two-output-constraints", _chat(response_format={"type": "json_object"}, guided_regex="a+"), 400,
+     "guided_regex"),
     ("tool-choice-required", _chat(tool_choice="required"), 400, "tool_choice"),
 ]
 

@@ -15,6 +15,7 @@ from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative, num_mtp_layers
@@ -160,6 +161,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.mtp_prefix = None
         if self.spec_config is not None:
             self.mtp_prefix = check_speculative(self.spec_config, hf_config, model_cls, self.model_path, args.load_format)
@@ -308,7 +310,7 @@ class LLMEngine:
 
     # Sampling options the speculative (MTP) verification path does not apply yet.
     _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "allowed_token_ids", "bad_words", "prompt_logprobs")
+                     "allowed_token_ids", "bad_words", "prompt_logprobs", "structured_outputs")
 
     def _check_token_options(self, params: SamplingParams, vocab: int) -> None:
         """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized;
@@ -323,6 +325,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer, and this model has none")
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # a bad schema / regex fails here
         if self.spec_config is not None:
             defaults = SamplingParams()
             used = [name for name in self._NOT_WITH_MTP if getattr(params, name) != getattr(defaults, name)]
@@ -382,6 +386,8 @@ class LLMEngine:
             if self.tokenizer is not None else None
         )
         self._states[request_id] = _RequestState(request, detok)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)
         # Data parallel: the replica with the fewest unfinished requests takes it.
         replica = min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
         self._replica_of[request_id] = replica
@@ -396,6 +402,7 @@ class LLMEngine:
             return
         state = self._states.pop(request_id, None)
         replica = self._replica_of.pop(request_id, 0)
+        self.structured.remove(request_id)
         if state is not None and not state.request.status.finished:
             self.schedulers[replica].finish(state.request, RequestStatus.FINISHED_ABORTED)
 
@@ -423,6 +430,7 @@ class LLMEngine:
             if any(p.finished_request_ids for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state
             return []
+        self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)
         self.step_token_counts.append(counts)
         for replica, p in enumerate(plans):
@@ -446,6 +454,13 @@ class LLMEngine:
                 batch = max(len(p.chunks) for p in plans)  # the requests that decoded
                 self.spec_policy.observe_step_time(batch, num_drafts, time.perf_counter() - started)
         return outputs
+
+    def _fill_token_bitmasks(self, plans) -> None:
+        """Structured output: the grammar's allowed next tokens for every sampling chunk that has one."""
+        for plan in plans:
+            for chunk in plan.chunks:
+                if chunk.sample and self.structured.has(chunk.request_id):
+                    chunk.token_bitmask = self.structured.bitmask(chunk.request_id)
 
     def _decide_num_draft_tokens(self) -> int:
         """Drafts to propose this step (0 without speculative decoding)."""
@@ -478,6 +493,8 @@ class LLMEngine:
             # Speculative decoding emits the accepted drafts, then the target's own token.
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
+                if not self.structured.accept(request.request_id, token):
+                    logger.warning("request %s: token %d is outside its grammar", request.request_id, token)
                 if state.logprobs is not None and logprobs is not None:
                     state.logprobs.append(logprobs)
                     state.cumulative_logprob += logprobs.get(token, 0.0)
@@ -504,6 +521,7 @@ class LLMEngine:
             if request.status.finished:
                 del self._states[request.request_id]
                 self._replica_of.pop(request.request_id, None)
+                self.structured.remove(request.request_id)
         return outputs
 
     def _forget_parent(self, parent_id: str) -> None:

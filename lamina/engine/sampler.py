@@ -87,6 +87,8 @@ class SamplingBatch:
     generators: list[torch.Generator | None] = field(default_factory=list)
     seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a generator
     adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
+    bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
+    bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
 
     @property
     def batch_size(self) -> int:
@@ -107,6 +109,7 @@ class SamplingBatch:
         vocab_size: int,
         output_token_ids: Sequence[Sequence[int] | None] | None = None,
         prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
+        token_bitmasks: Sequence | None = None,
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
@@ -126,6 +129,8 @@ class SamplingBatch:
                 with penalties or bad words; ``None`` elsewhere).
             prompt_token_ids: Per row, the prompt (read by rows with a
                 repetition penalty; ``None`` elsewhere).
+            token_bitmasks: Per row, the structured-output mask of allowed
+                tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
         """
         bsz = len(params_list)
         if len(output_lens) != bsz:
@@ -179,6 +184,14 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         adjustments = LogitAdjustments.build(params_list, output_token_ids, prompt_token_ids, device, vocab_size)
+        bitmask_rows = bitmask = None
+        masked = [(r, m) for r, m in enumerate(token_bitmasks or []) if m is not None]
+        if masked:
+            import numpy as np
+
+            bitmask_rows = to_dev([r for r, _ in masked], torch.int64)
+            bitmask = torch.from_numpy(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked])).to(
+                device, non_blocking=True)
 
         return cls(
             temperature=to_dev(temps, torch.float32),
@@ -199,6 +212,8 @@ class SamplingBatch:
             generators=list(generators),
             seeded_rows=seeded_rows,
             adjustments=None if adjustments.empty else adjustments,
+            bitmask_rows=bitmask_rows,
+            bitmask=bitmask,
         )
 
 
@@ -408,6 +423,25 @@ def apply_bans_and_adjustments(work: torch.Tensor, batch: SamplingBatch) -> torc
         work[batch.ban_rows, batch.ban_cols] = float("-inf")
     if batch.adjustments is not None:
         batch.adjustments.apply(work)
+    if batch.bitmask is not None:
+        apply_token_bitmask(work, batch.bitmask_rows, batch.bitmask)
+    return work
+
+
+def apply_token_bitmask(work: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens whose bit is clear to -inf, for the given rows (in place).
+
+    Args:
+        work: ``[B, V]`` float logits.
+        rows: ``[R]`` int64 row indices.
+        bitmask: ``[R, W]`` int32, ``W >= ceil(V / 32)``; bit ``t % 32`` of word ``t // 32`` set
+            means token ``t`` is allowed.
+    """
+    num_rows, words = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(num_rows, words * 32)[:, : work.shape[1]].bool()  # [R, V]
+    work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
     return work
 
 

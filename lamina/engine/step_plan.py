@@ -7,6 +7,7 @@ own input tensors from it; the token ids, positions and block tables are all her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lamina.sampling_params import SamplingParams
 
@@ -37,6 +38,9 @@ class ScheduledChunk:
     # Prompt logprobs: the prompt's length (positions p < num_prompt_tokens - 1 of this chunk score the
     # prompt token at p + 1); 0 when the request did not ask for them.
     num_prompt_tokens: int = 0
+    # Structured output: the tokens the request's grammar allows next, one bit per vocabulary id
+    # (a numpy int32 array of ceil(vocab / 32) words, filled by the engine); None: no constraint.
+    token_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -217,6 +217,7 @@ class ModelRunner:
             self.vocab_size,
             output_token_ids=[c.output_token_ids for c in chunks],
             prompt_token_ids=[c.prompt_token_ids for c in chunks],
+            token_bitmasks=[c.token_bitmask for c in chunks],
         )
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()

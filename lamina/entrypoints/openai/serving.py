@@ -21,6 +21,7 @@ from lamina.entrypoints.openai.protocol import MAX_STOP_STRINGS
 from lamina.entrypoints.openai.token_text import logprob_token_text, token_bytes
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
+from lamina.structured_output import StructuredOutputsParams
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -162,8 +163,10 @@ class OpenAIServing:
         if req.stream and best_of is not None and best_of != (req.n or 1):
             raise APIError(400, f"best_of = {best_of} with n = {req.n or 1} cannot be streamed: the best "
                            "candidates are known only at the end (use best_of = n, or stream = false)", param="best_of")
+        structured = self.structured_outputs(req)
         try:
             return SamplingParams(
+                structured_outputs=structured,
                 n=req.n or 1, best_of=best_of,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -183,6 +186,36 @@ class OpenAIServing:
             message = str(e)
             param = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
             raise APIError(400, message, param=param) from e
+
+    def structured_outputs(self, req) -> StructuredOutputsParams | None:
+        """The request's output constraint from response_format, structured_outputs or guided_*
+        (at most one of them), compiled once here so that a bad schema is a 400 naming its field."""
+        given: list[tuple[str, dict]] = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format type 'json_schema' needs json_schema.schema", param="response_format")
+            given.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if req.structured_outputs is not None:
+            given.append(("structured_outputs", dict(req.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(req, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, f"give one output constraint, not {' and '.join(name for name, _ in given)}",
+                           param=given[1][0])
+        param, fields = given[0]
+        try:
+            spec = StructuredOutputsParams.coerce(fields)
+            self.engine.structured.compile(spec)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=param) from e
+        return spec
 
     # ---- running requests ----------------------------------------------------------------
     @staticmethod

@@ -44,9 +44,6 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
-                       param="response_format")
     if req.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
     if req.top_logprobs and not req.logprobs:
