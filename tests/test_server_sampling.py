@@ -134,3 +134,19 @@ def client_token(client, token_id: int) -> str:
     """The text the server writes for a token (one-token echo of it)."""
     out = client.completions.create(model=MODEL_NAME, prompt=[token_id], max_tokens=0, echo=True, logprobs=0)
     return out.choices[0].logprobs.tokens[0]
+
+
+def test_echo_logprobs_with_n_two(client, hf_logprobs):
+    seq = CONTEXT + CONTINUATION
+    out = client.completions.create(model=MODEL_NAME, prompt=seq, max_tokens=2, echo=True, logprobs=1, n=2,
+                                    temperature=1.0, seed=3)
+    streamed: dict[int, list] = {}
+    for event in client.completions.create(model=MODEL_NAME, prompt=seq, max_tokens=2, echo=True, logprobs=1, n=2,
+                                           temperature=1.0, seed=3, stream=True):
+        for choice in event.choices:
+            streamed.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs if choice.logprobs else [])
+    for choice in out.choices:
+        lp = choice.logprobs.token_logprobs
+        assert len(lp) == len(seq) + 2 and lp[0] is None
+        assert lp[5] == pytest.approx(hf_logprobs[4, seq[5]].item(), abs=1e-4)
+        assert streamed[choice.index][0] is None and streamed[choice.index][1:] == pytest.approx(lp[1:], abs=1e-6)

@@ -59,31 +59,28 @@ class ParentRequest:
         finished = len(self.latest) == len(self.child_ids) and all(o.finished for o in self.latest.values())
         if self.ranked and not finished:
             return None
-        children = [self.latest[c] for c in self.child_ids if c in self.latest]
-        completions = [o.outputs[0] for o in children]
+        # (child index, completion) of every child heard from so far, in child order
+        indexed = [(i, self.latest[c].outputs[0]) for i, c in enumerate(self.child_ids) if c in self.latest]
         if self.ranked:
-            def score(c: CompletionOutput) -> float:
-                value = c.cumulative_logprob
+            def score(item: tuple[int, CompletionOutput]) -> float:
+                value = item[1].cumulative_logprob
                 return -math.inf if value is None or math.isnan(value) else value
 
-            completions = sorted(completions, key=score, reverse=True)[: self.params.n]
-        outputs = []
-        for index, c in enumerate(completions):
-            keep_logprobs = self.params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=index if self.ranked else self.child_ids.index(self._owner(children, c)),
-                text=c.text, token_ids=c.token_ids,
+            best = sorted(indexed, key=score, reverse=True)[: self.params.n]
+            indexed = [(rank, c) for rank, (_, c) in enumerate(best)]
+        keep_logprobs = self.params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=index, text=c.text, token_ids=c.token_ids,
                 cumulative_logprob=c.cumulative_logprob if keep_logprobs or self.ranked else None,
                 logprobs=c.logprobs if keep_logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            ))
-        first = self.latest.get(self.child_ids[0]) or children[0]
+            )
+            for index, c in indexed
+        ]
+        first = self.latest.get(self.child_ids[0]) or child
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outputs, finished=finished, metrics=first.metrics, prompt_logprobs=first.prompt_logprobs,
             spec_decode=first.spec_decode,
         )
-
-    @staticmethod
-    def _owner(children: list[RequestOutput], completion: CompletionOutput) -> str:
-        return next(o.request_id for o in children if o.outputs[0] is completion)

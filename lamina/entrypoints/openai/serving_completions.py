@@ -204,8 +204,8 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
             async for i, output in updates:
                 for completion in output.outputs:
                     choice = choices[i][completion.index]
-                    if choice.done:
-                        continue
+                    if choice.done or (choice.echo_logprobs and not choice.echoed and output.prompt_logprobs is None):
+                        continue  # (the prompt's logprobs come with the first child's first token)
                     finished = completion.finish_reason is not None
                     text, logprobs = choice.update(completion, finished)
                     if not choice.echoed:  # echo with logprobs: the prompt's logprobs are known now
