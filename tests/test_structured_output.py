@@ -173,3 +173,15 @@ def test_serve_other_constraints(served, qwen3_next_dir):
     choices = post("completions", prompt="x", n=2, guided_json=SCHEMA, max_tokens=150)
     for c in choices:
         validate(json.loads(c["text"]))
+
+
+def test_grammar_masks_reach_the_sampling_rank_under_tp2(qwen3_next_dir):
+    """The bitmask travels in the plan to rank processes (gloo); the reporting rank applies it."""
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False,
+             tensor_parallel_size=2) as llm:
+        outs = llm.generate(["a", "b"], [
+            SamplingParams(temperature=1.0, seed=2, max_tokens=12, structured_outputs={"regex": r"[pq]{3}\d"}),
+            SamplingParams(temperature=1.0, seed=3, max_tokens=12, logit_bias={7: 5.0}, presence_penalty=1.0),
+        ])
+    assert re.fullmatch(r"[pq]{3}\d", outs[0].outputs[0].text)
+    assert len(outs[1].outputs[0].token_ids) >= 1
