@@ -19,6 +19,7 @@ contains one (a mask computed once from the vocabulary).
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -159,9 +160,11 @@ class StructuredOutputManager:
                 compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the grammar library raises, the request's grammar is at fault
             kind = key[0]
-            raise ValueError(f"structured_outputs {kind} could not be compiled: {str(e).strip().splitlines()[0]}") from None
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first_line)  # drop "[time] file.cc:123:"
+            raise ValueError(f"structured_outputs {kind} could not be compiled: {reason}") from None
         self._compiled[key] = compiled
         if len(self._compiled) > self.CACHE_SIZE:
             self._compiled.popitem(last=False)
