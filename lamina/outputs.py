@@ -96,3 +96,6 @@ class RequestOutput:
     error: str | None = None
     extra: dict = field(default_factory=dict)
     spec_decode: SpecDecodeMetrics | None = None  # set when speculative decoding is on
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per position
+    # {token id: logprob} with the prompt's token and the top-k (filled as prefill chunks run).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -15,6 +15,8 @@ Normalisation performed at construction time:
   (see :attr:`SamplingParams.top_k_enabled`).
 * ``max_tokens=None`` means "generate until the context is full"; the engine
   resolves it against ``max_model_len`` (the value stays ``None`` here).
+* ``best_of=None`` becomes ``n``; ``logit_bias`` keys become ints (JSON sends
+  strings); ``bad_words`` and ``allowed_token_ids`` become lists.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS"]
+from lamina.structured_output import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS", "MAX_LOGIT_BIAS"]
 
 # Temperatures below this are treated as greedy decoding (same cut-off as
 # vLLM): dividing logits by such a small number only risks overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# OpenAI's range for one logit_bias entry.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -46,7 +52,29 @@ class SamplingParams:
     """Sampling options of one request (vLLM-compatible names and defaults).
 
     Attributes:
-        n: Number of completions per prompt. Only ``1`` is supported.
+        n: Number of completions returned per prompt (``>= 1``).
+        best_of: Number of candidate completions generated (``>= n``; default
+            ``n``); the ``n`` with the highest cumulative logprob are returned.
+        presence_penalty: Subtracted from the logit of every token that already
+            occurs in the output; in ``[-2, 2]``.
+        frequency_penalty: Subtracted from a token's logit once per occurrence
+            in the output; in ``[-2, 2]``.
+        repetition_penalty: Tokens that occur in the prompt or the output have
+            positive logits divided by it and negative ones multiplied by it;
+            ``> 0``, ``1`` disables it.
+        logit_bias: ``{token id: bias}`` added to the logits before sampling;
+            each bias in ``[-100, 100]``.
+        allowed_token_ids: If given, only these token ids can be sampled.
+        bad_words: Words that are never generated: the engine tokenizes each
+            (with and without a leading space) and bans a sequence's last token
+            whenever the output ends with the rest of it.
+        structured_outputs: A :class:`~lamina.structured_output.StructuredOutputsParams`
+            (or a dict of its fields: ``json``, ``json_object``, ``regex``,
+            ``choice``, ``grammar``): the output must match it; enforced
+            during sampling.
+        prompt_logprobs: If not ``None``, return for every prompt token after
+            the first its logprob plus the ``prompt_logprobs`` most likely
+            tokens' logprobs at that position.
         temperature: Softmax temperature, ``>= 0``. Values below
             ``GREEDY_TEMPERATURE_EPS`` (in particular ``0``) select greedy
             (argmax) decoding.
@@ -75,6 +103,10 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -89,6 +121,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    # Set by the engine from `bad_words` and its tokenizer: the token sequences to ban.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -134,10 +173,68 @@ class SamplingParams:
                     )
             self.stop_token_ids = [int(t) for t in ids]
 
+        self._normalise_token_options()
+
+    def _normalise_token_options(self) -> None:
+        """Type-check and normalise ``logit_bias``, ``allowed_token_ids`` and ``bad_words``."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    tok = int(key) if isinstance(key, str) else key
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids (ints), got {key!r}") from None
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+                if not _is_real(value) or math.isnan(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                        f"got {value!r} for token {key!r}"
+                    )
+                bias[int(tok)] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            try:
+                ids = list(self.allowed_token_ids)
+            except TypeError:
+                raise ValueError(f"allowed_token_ids must be a list of ints, got {self.allowed_token_ids!r}") from None
+            if not ids:
+                raise ValueError("allowed_token_ids is empty: give at least one token id (or None for all)")
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"allowed_token_ids must contain token ids >= 0, got {t!r}")
+            self.allowed_token_ids = [int(t) for t in ids]
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            try:
+                words = list(words)
+            except TypeError:
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}") from None
+            for w in words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must contain non-empty strings, got {w!r}")
+            self.bad_words = words or None
+        if self.best_of is None:
+            self.best_of = self.n
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+
     def _validate(self) -> None:
         """Raise ValueError for any out-of-range field."""
-        if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n={self.n!r} is not supported: only n=1 is supported")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            raise ValueError(f"best_of must be an int >= n = {self.n}, got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or math.isnan(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or math.isnan(rp) or math.isinf(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {rp!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an int >= 0 or None, got {self.prompt_logprobs!r}")
 
         if not _is_real(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(
@@ -192,6 +289,16 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         """True when top-k filtering is active (``top_k`` > 0)."""
         return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the presence / frequency / repetition penalties is active."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """True when the sampler reads this request's generated tokens (penalties, bad words)."""
+        return self.has_penalties or bool(self.bad_words)
 
     @property
     def max_stop_len(self) -> int:

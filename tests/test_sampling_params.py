@@ -61,8 +61,21 @@ def test_clone_is_independent():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"n": 2}, "n=2"),
-        ({"n": 0}, "n=0"),
+        ({"n": 0}, "got 0"),
+        ({"n": 2, "best_of": 1}, "best_of must be an int >= n = 2, got 1"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": math.inf}, "inf"),
+        ({"logit_bias": {5: 101}}, "[-100, 100], got 101 for token 5"),
+        ({"logit_bias": {"x": 1}}, "'x'"),
+        ({"logit_bias": {-1: 1}}, "-1"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+        ({"allowed_token_ids": []}, "allowed_token_ids is empty"),
+        ({"allowed_token_ids": [1, -2]}, "-2"),
+        ({"bad_words": ["ok", ""]}, "''"),
+        ({"bad_words": [3]}, "3"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be an int >= 0 or None, got -1"),
         ({"temperature": -0.5}, "-0.5"),
         ({"temperature": math.nan}, "nan"),
         ({"top_p": 0.0}, "(0, 1]"),
@@ -94,8 +107,8 @@ def test_validation_messages_name_field_and_range():
         SamplingParams(top_p=2)
     with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
         SamplingParams(min_p=2.0)
-    with pytest.raises(ValueError, match=r"only n=1 is supported"):
-        SamplingParams(n=3)
+    with pytest.raises(ValueError, match=r"n must be an int >= 1, got 0"):
+        SamplingParams(n=0)
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(in \[0, 10\]\)"):
         SamplingParams(min_tokens=11, max_tokens=10)
 
@@ -103,3 +116,14 @@ def test_validation_messages_name_field_and_range():
 def test_valid_edge_values():
     SamplingParams(top_p=1.0, min_p=1.0, top_k=-1, temperature=0.0, logprobs=0, min_tokens=16)
     SamplingParams(seed=-5, max_tokens=1)
+
+
+def test_parity_fields_normalised():
+    p = SamplingParams(n=2, logit_bias={"7": 1.5, 3: -100}, allowed_token_ids=(4, 5), bad_words="foo")
+    assert p.best_of == 2
+    assert p.logit_bias == {7: 1.5, 3: -100.0}
+    assert p.allowed_token_ids == [4, 5]
+    assert p.bad_words == ["foo"]
+    assert not p.has_penalties and p.needs_output_tokens
+    assert SamplingParams(repetition_penalty=1.2).has_penalties
+    assert SamplingParams(n=2, best_of=5).best_of == 5

@@ -14,6 +14,8 @@ from lamina.config import EngineArgs, resolve_device, resolve_dtype
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
+from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative, num_mtp_layers
@@ -48,6 +50,9 @@ class _RequestState:
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = [] if request.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        if request.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.spec = SpecDecodeMetrics()
         self.waiting_since: float | None = self.metrics.arrival_time  # None while in the running batch
@@ -110,6 +115,8 @@ class LLMEngine:
         self.scheduler, self.cache = self.schedulers[0], self.caches[0]
         self.step_token_counts: collections.deque[tuple[int, ...]] = collections.deque(maxlen=4096)
         self._states: dict[str, _RequestState] = {}
+        self._parents: dict[str, ParentRequest] = {}  # n / best_of > 1: parent id -> its children
+        self._parent_of: dict[str, str] = {}  # child id -> parent id
         self._replica_of: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
@@ -162,6 +169,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.mtp_prefix = None
         if self.spec_config is not None:
             self.mtp_prefix = check_speculative(self.spec_config, hf_config, model_cls, self.model_path, args.load_format)
@@ -304,8 +312,51 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
                 f"max_model_len = {self.max_model_len}"
             )
+        self._check_token_options(params, vocab)
         room = self.max_model_len - len(prompt_token_ids)
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    # Sampling options the speculative (MTP) verification path does not apply yet.
+    _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                     "allowed_token_ids", "bad_words", "prompt_logprobs", "structured_outputs")
+
+    def _check_token_options(self, params: SamplingParams, vocab: int) -> None:
+        """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized;
+        options that speculative decoding cannot honour refused when it is on."""
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
+        bad_allowed = [t for t in (params.allowed_token_ids or []) if t >= vocab]
+        if bad_allowed:
+            raise ValueError(f"allowed_token_ids {bad_allowed[:5]} are outside the vocabulary [0, {vocab})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this model has none")
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # a bad schema / regex fails here
+        if self.spec_config is not None:
+            defaults = SamplingParams()
+            used = [name for name in self._NOT_WITH_MTP if getattr(params, name) != getattr(defaults, name)]
+            if used:
+                raise ValueError(
+                    f"{', '.join(used)} cannot be combined with speculative decoding (MTP) yet: the verification "
+                    "path applies temperature, top-k, top-p, min-p and min_tokens only; start the engine without "
+                    "speculative_config to use them"
+                )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, as written without a leading space and, when that tokenizes
+        differently in its first token but to as many tokens, with one (vLLM's rule)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if plain:
+                sequences.append(list(plain))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                sequences.append(list(spaced))
+        return sequences
 
     def add_request(
         self,
@@ -317,8 +368,22 @@ class LLMEngine:
         text, token_ids = self.prepare_prompt(prompt)
         max_tokens = self.validate_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
-        if request_id in self._states:
+        if request_id in self._states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.best_of > 1:
+            child_ids = [child_request_id(request_id, i) for i in range(params.best_of)]
+            if any(c in self._states for c in child_ids):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._parents[request_id] = ParentRequest(request_id, params, child_ids)
+            for i, child_id in enumerate(child_ids):
+                self._parent_of[child_id] = request_id
+                self._add_sequence(child_id, text, token_ids, child_params(params, i), max_tokens)
+            return request_id
+        self._add_sequence(request_id, text, token_ids, params, max_tokens)
+        return request_id
+
+    def _add_sequence(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                      max_tokens: int) -> None:
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_index=next(self._arrivals), max_tokens=max_tokens, prompt=text,
@@ -329,15 +394,23 @@ class LLMEngine:
             if self.tokenizer is not None else None
         )
         self._states[request_id] = _RequestState(request, detok)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)
         # Data parallel: the replica with the fewest unfinished requests takes it.
         replica = min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
         self._replica_of[request_id] = replica
         self.schedulers[replica].add(request)
-        return request_id
 
     def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for child_id in parent.child_ids:
+                self._parent_of.pop(child_id, None)
+                self.abort_request(child_id)
+            return
         state = self._states.pop(request_id, None)
         replica = self._replica_of.pop(request_id, 0)
+        self.structured.remove(request_id)
         if state is not None and not state.request.status.finished:
             self.schedulers[replica].finish(state.request, RequestStatus.FINISHED_ABORTED)
 
@@ -375,6 +448,7 @@ class LLMEngine:
             if any(p.finished_request_ids for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state
             return []
+        self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)
         self.step_token_counts.append(counts)
         for replica, p in enumerate(plans):
@@ -416,6 +490,13 @@ class LLMEngine:
                 if state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
 
+    def _fill_token_bitmasks(self, plans) -> None:
+        """Structured output: the grammar's allowed next tokens for every sampling chunk that has one."""
+        for plan in plans:
+            for chunk in plan.chunks:
+                if chunk.sample and self.structured.has(chunk.request_id):
+                    chunk.token_bitmask = self.structured.bitmask(chunk.request_id)
+
     def _decide_num_draft_tokens(self) -> int:
         """Drafts to propose this step (0 without speculative decoding)."""
         if self.spec_policy is None:
@@ -437,6 +518,11 @@ class LLMEngine:
             if result is None or state is None:
                 continue
             request = state.request
+            if result.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                start = result.prompt_logprobs_start
+                state.prompt_logprobs[start:start + len(result.prompt_logprobs)] = result.prompt_logprobs
+            if result.token_id is None:
+                continue  # a prompt chunk that only scored prompt logprobs
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 self.num_prompt_tokens_processed += request.num_prompt_tokens
@@ -447,6 +533,8 @@ class LLMEngine:
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
                 self.num_generation_tokens_processed += 1
+                if not self.structured.accept(request.request_id, token):
+                    logger.warning("request %s: token %d is outside its grammar", request.request_id, token)
                 if state.logprobs is not None and logprobs is not None:
                     state.logprobs.append(logprobs)
                     state.cumulative_logprob += logprobs.get(token, 0.0)
@@ -462,11 +550,24 @@ class LLMEngine:
                 state.metrics.num_preemptions = request.num_preemptions
                 if state.detokenizer is not None and not isinstance(request.stop_reason, str):
                     state.text += state.detokenizer.flush()  # text held back for an unfinished character
-            outputs.append(self._make_output(state))
+            output = self._make_output(state)
+            parent_id = self._parent_of.get(request.request_id)
+            if parent_id is not None:
+                output = self._parents[parent_id].update(output)
+                if output is not None and output.finished:
+                    self._forget_parent(parent_id)
+            if output is not None:
+                outputs.append(output)
             if request.status.finished:
                 del self._states[request.request_id]
                 self._replica_of.pop(request.request_id, None)
+                self.structured.remove(request.request_id)
         return outputs
+
+    def _forget_parent(self, parent_id: str) -> None:
+        parent = self._parents.pop(parent_id)
+        for child_id in parent.child_ids:
+            self._parent_of.pop(child_id, None)
 
     def _after_verification(self, state: _RequestState, chunk, result, replica: int, verifications) -> None:
         """Count the step's acceptance; keep the next drafts and the rollback for the next plan."""
@@ -527,6 +628,7 @@ class LLMEngine:
             finished=request.status.finished,
             metrics=state.metrics,
             spec_decode=state.spec if self.spec_config is not None else None,
+            prompt_logprobs=state.prompt_logprobs,  # complete before the first token is reported
         )
 
     def shutdown(self) -> None:
@@ -534,3 +636,5 @@ class LLMEngine:
             self.executor.shutdown()
             self.executor = None
         self._states.clear()
+        self._parents.clear()
+        self._parent_of.clear()

@@ -6,9 +6,12 @@ running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 
 1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
    float32, top-N and the sampled token's logprob/rank are reported from these;
-2. ``min_tokens`` bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids``
-   are set to ``-inf`` while the request has generated fewer than
-   ``min_tokens`` tokens;
+2. bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` while the
+   request has generated fewer than ``min_tokens`` tokens, and the bad words
+   whose other tokens the output ends with, are set to ``-inf``;
+   then the per-request adjustments of :mod:`lamina.engine.logits_processors`
+   (``allowed_token_ids``, ``logit_bias``, presence / frequency / repetition
+   penalties);
 3. greedy rows take the argmax of the (banned) logits;
 4. other rows: divide by temperature, top-k mask, top-p mask, min-p mask, then
    draw a token with the exponential race ``argmax(p / E)`` with
@@ -27,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from lamina.engine.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.sampling_params import SamplingParams
 
 __all__ = [
@@ -82,6 +86,9 @@ class SamplingBatch:
     max_num_logprobs: int | None  # max over rows, None when no row asked
     generators: list[torch.Generator | None] = field(default_factory=list)
     seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a generator
+    adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
+    bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
+    bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +107,9 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None] | None,
         device: torch.device | str,
         vocab_size: int,
+        output_token_ids: Sequence[Sequence[int] | None] | None = None,
+        prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
+        token_bitmasks: Sequence | None = None,
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
@@ -115,6 +125,12 @@ class SamplingBatch:
             vocab_size: Number of valid token ids (normally the logits' last
                 dimension). Disabled top-k rows get ``top_k = vocab_size``;
                 banned ids ``>= vocab_size`` are ignored.
+            output_token_ids: Per row, the tokens generated so far (read by rows
+                with penalties or bad words; ``None`` elsewhere).
+            prompt_token_ids: Per row, the prompt (read by rows with a
+                repetition penalty; ``None`` elsewhere).
+            token_bitmasks: Per row, the structured-output mask of allowed
+                tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
         """
         bsz = len(params_list)
         if len(output_lens) != bsz:
@@ -144,10 +160,17 @@ class SamplingBatch:
             num_logprobs.append(None if p.logprobs is None else int(p.logprobs))
             if gen is not None and not is_greedy:
                 seeded_rows.append(row)
+            banned = set()
             if out_len < p.min_tokens:
-                banned = set(p.stop_token_ids)
+                banned.update(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(int(t) for t in eos_token_ids)
+            if p.bad_words_token_ids:
+                outputs = output_token_ids[row] if output_token_ids is not None else None
+                if outputs is None:
+                    raise ValueError(f"row {row} has bad words but no output token ids were given")
+                banned.update(bad_word_bans(p.bad_words_token_ids, outputs))
+            if banned:
                 for tok in sorted(banned):
                     if 0 <= tok < vocab_size:
                         ban_rows.append(row)
@@ -159,6 +182,16 @@ class SamplingBatch:
 
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        adjustments = LogitAdjustments.build(params_list, output_token_ids, prompt_token_ids, device, vocab_size)
+        bitmask_rows = bitmask = None
+        masked = [(r, m) for r, m in enumerate(token_bitmasks or []) if m is not None]
+        if masked:
+            import numpy as np
+
+            bitmask_rows = to_dev([r for r, _ in masked], torch.int64)
+            bitmask = torch.from_numpy(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked])).to(
+                device, non_blocking=True)
 
         return cls(
             temperature=to_dev(temps, torch.float32),
@@ -178,6 +211,9 @@ class SamplingBatch:
             max_num_logprobs=max(requested) if requested else None,
             generators=list(generators),
             seeded_rows=seeded_rows,
+            adjustments=None if adjustments.empty else adjustments,
+            bitmask_rows=bitmask_rows,
+            bitmask=bitmask,
         )
 
 
@@ -324,8 +360,7 @@ class Sampler:
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(work, dim=-1)  # [B, V]
 
-        if batch.has_bans:
-            work[batch.ban_rows, batch.ban_cols] = float("-inf")
+        apply_bans_and_adjustments(work, batch)
 
         if batch.all_greedy:
             token_ids = work.argmax(dim=-1)  # [B]
@@ -380,6 +415,34 @@ class Sampler:
             top_token_ids=top_ids,
             top_logprobs=top_lp,
         )
+
+
+def apply_bans_and_adjustments(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set banned (row, token) pairs to -inf, then apply the rows' logit adjustments (in place)."""
+    if batch.has_bans:
+        work[batch.ban_rows, batch.ban_cols] = float("-inf")
+    if batch.adjustments is not None:
+        batch.adjustments.apply(work)
+    if batch.bitmask is not None:
+        apply_token_bitmask(work, batch.bitmask_rows, batch.bitmask)
+    return work
+
+
+def apply_token_bitmask(work: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens whose bit is clear to -inf, for the given rows (in place).
+
+    Args:
+        work: ``[B, V]`` float logits.
+        rows: ``[R]`` int64 row indices.
+        bitmask: ``[R, W]`` int32, ``W >= ceil(V / 32)``; bit ``t % 32`` of word ``t // 32`` set
+            means token ``t`` is allowed.
+    """
+    num_rows, words = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(num_rows, words * 32)[:, : work.shape[1]].bool()  # [R, V]
+    work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
+    return work
 
 
 def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

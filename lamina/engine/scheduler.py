@@ -95,18 +95,23 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
+        params = request.sampling_params
+        sample = end == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end] + list(drafts),
             start_position=start,
             block_table=list(self.cache.block_table(request.request_id)),
             state_slot=self.cache.state_slot(request.request_id),
-            sample=end == request.num_tokens,
-            sampling_params=request.sampling_params,
+            sample=sample,
+            sampling_params=params,
             num_output_tokens=len(request.output_token_ids),
             history_token_ids=request.all_token_ids[max(0, start - self.config.token_history_len) : start],
             num_draft_tokens=len(drafts),
             next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
+            output_token_ids=list(request.output_token_ids) if sample and params.needs_output_tokens else None,
+            prompt_token_ids=request.prompt_token_ids if sample and params.repetition_penalty != 1.0 else None,
+            num_prompt_tokens=request.num_prompt_tokens if params.prompt_logprobs is not None else 0,
         )
 
     @staticmethod

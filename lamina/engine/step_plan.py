@@ -7,6 +7,7 @@ own input tensors from it; the token ids, positions and block tables are all her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lamina.sampling_params import SamplingParams
 
@@ -30,6 +31,16 @@ class ScheduledChunk:
     # MTP drafter reads at the chunk's last position.
     num_draft_tokens: int = 0
     next_token_id: int | None = None
+    # Sampling that reads the request's history (only set for requests that need it, on chunks that
+    # sample): the tokens generated so far (penalties, bad words) and the prompt (repetition penalty).
+    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    # Prompt logprobs: the prompt's length (positions p < num_prompt_tokens - 1 of this chunk score the
+    # prompt token at p + 1); 0 when the request did not ask for them.
+    num_prompt_tokens: int = 0
+    # Structured output: the tokens the request's grammar allows next, one bit per vocabulary id
+    # (a numpy int32 array of ceil(vocab / 32) words, filled by the engine); None: no constraint.
+    token_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

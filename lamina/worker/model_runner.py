@@ -20,11 +20,12 @@ from lamina.engine.step_plan import ScheduledChunk, StepPlan
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import can_replay
+from lamina.worker.prompt_logprobs import score_prompt_chunks
 
 
 @dataclass
 class SampledToken:
-    token_id: int
+    token_id: int | None  # None: no token this step (prompt logprobs only)
     logprobs: dict[int, float] | None = None
     # Speculative decoding: draft tokens accepted this step (emitted before `token_id`) and their
     # logprobs, how many drafts were checked, and the drafts proposed for the next step.
@@ -32,11 +33,15 @@ class SampledToken:
     accepted_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_draft_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs scored in this step: entries for prompt positions prompt_logprobs_start, ...
+    # (`token_id` is None for a chunk that scored prompt tokens without sampling).
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs_start: int = 0
 
     @property
     def token_ids(self) -> list[int]:
         """Every token this step emitted, in order."""
-        return [*self.accepted_token_ids, self.token_id]
+        return [] if self.token_id is None else [*self.accepted_token_ids, self.token_id]
 
 
 class ModelRunner:
@@ -185,13 +190,22 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
         """Last stage: logits of the sampling rows (a TP collective: every TP rank calls it), then
-        sample on the rank that reports results."""
+        sample on the rank that reports results. Chunks of requests that asked for prompt logprobs
+        also score their prompt positions (lamina.worker.prompt_logprobs)."""
+        scored = {}
+        if any(c.num_prompt_tokens for c in plan.chunks):
+            scored = score_prompt_chunks(self.model, hidden, plan.chunks)
         chunks = [c for c in plan.chunks if c.sample]
-        if not chunks:
-            return {}
-        rows = torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
-        return self.sample(logits, chunks) if sample else {}
+        results = {}
+        if chunks:
+            rows = torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
+            results = self.sample(logits, chunks) if sample else {}
+        if sample:
+            for request_id, (start, entries) in scored.items():
+                result = results.setdefault(request_id, SampledToken(None))
+                result.prompt_logprobs, result.prompt_logprobs_start = entries, start
+        return results
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
@@ -231,6 +245,9 @@ class ModelRunner:
             [self._generator(c) for c in chunks],
             self.device,
             self.vocab_size,
+            output_token_ids=[c.output_token_ids for c in chunks],
+            prompt_token_ids=[c.prompt_token_ids for c in chunks],
+            token_bitmasks=[c.token_bitmask for c in chunks],
         )
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()

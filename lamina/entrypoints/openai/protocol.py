@@ -16,6 +16,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 64
 MAX_BATCH_PROMPTS = 1024
+MAX_N = 64  # n and best_of: completions per prompt
+MAX_LOGIT_BIAS_ENTRIES = 4096
+MAX_BAD_WORDS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -54,16 +58,16 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI names, then vLLM's extras)."""
 
     model: str | None = None
-    n: _int(ge=1, le=1) | None = 1
+    n: _int(ge=1, le=MAX_N) | None = 1
     temperature: _float(ge=0.0) | None = None
     top_p: _float(gt=0.0, le=1.0) | None = None
     seed: Int | None = None
     stop: str | list[str] | None = Field(default=None)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: _float(ge=-2.0, le=2.0) | None = None
+    frequency_penalty: _float(ge=-2.0, le=2.0) | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
     # vLLM extras
     top_k: _int(ge=-1) | None = None
@@ -74,16 +78,39 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    repetition_penalty: float | None = None
+    repetition_penalty: _float(gt=0.0) | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = None
+    prompt_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: _int(ge=1) | None = 16
+    max_tokens: _int(ge=0) | None = 16  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool | None = False
-    best_of: Int | None = None
+    best_of: _int(ge=1, le=MAX_N) | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -119,10 +146,6 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1) | None = None
@@ -131,7 +154,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

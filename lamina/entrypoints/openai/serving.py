@@ -18,8 +18,10 @@ from lamina.engine.async_engine import (
 )
 from lamina.entrypoints.openai.metrics import ServerMetrics
 from lamina.entrypoints.openai.protocol import MAX_STOP_STRINGS
+from lamina.entrypoints.openai.token_text import logprob_token_text, token_bytes
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
+from lamina.structured_output import StructuredOutputsParams
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -30,7 +32,8 @@ ERROR_TYPES = {
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop",
-    "logprobs", "n",
+    "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "allowed_token_ids", "bad_words", "best_of", "n",
 )
 
 
@@ -102,13 +105,23 @@ class OpenAIServing:
         return name
 
     def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs; a token that is not whole UTF-8 (part of a character) is written
+        as its bytes, `bytes:\\xe4\\xbd` (see lamina.entrypoints.openai.token_text)."""
         text = self._token_text_cache.get(token_id)
         if text is None:
-            tok = self.tokenizer
-            text = tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
+            text = logprob_token_text(self.tokenizer, token_id)
             if len(self._token_text_cache) < 1 << 20:
                 self._token_text_cache[token_id] = text
         return text
+
+    def token_byte_list(self, token_id: int) -> list[int]:
+        """A token's UTF-8 bytes for chat logprobs (the raw bytes of a partial character)."""
+        text = self.token_text(token_id)
+        if text.startswith("bytes:") and self.tokenizer is not None:
+            raw = token_bytes(self.tokenizer, token_id)
+            if raw is not None:
+                return list(raw)
+        return list(text.encode())
 
     async def run_blocking(self, fn: Callable, *args, param: str | None = None):
         """Run CPU work (tokenizing, chat templates) off the event loop; bad input becomes a 400."""
@@ -121,18 +134,9 @@ class OpenAIServing:
 
     # ---- request checks ------------------------------------------------------------------
     def check_unsupported(self, req) -> None:
-        if req.n not in (None, 1):
-            raise APIError(400, f"n = {req.n} is not supported: lamina returns one choice per prompt (n = 1)",
-                           param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(req, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(400, f"{name} = {value} is not supported (only 0)", param=name)
-        if req.repetition_penalty not in (None, 1, 1.0):
-            raise APIError(400, f"repetition_penalty = {req.repetition_penalty} is not supported (only 1)",
-                           param="repetition_penalty")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not returned by this server; on /v1/completions send echo = true "
+                           "with logprobs = k to get the prompt's logprobs", param="prompt_logprobs")
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
                            param="stop")
@@ -155,12 +159,24 @@ class OpenAIServing:
         try:
             self.engine.validate_request(token_ids, params)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param=param) from e
+            message = str(e)
+            named = next((f for f in ("logit_bias", "allowed_token_ids", "bad_words") if message.startswith(f)), None)
+            raise APIError(400, message, param=named or param) from e
 
-    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
+                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.stream and best_of is not None and best_of != (req.n or 1):
+            raise APIError(400, f"best_of = {best_of} with n = {req.n or 1} cannot be streamed: the best "
+                           "candidates are known only at the end (use best_of = n, or stream = false)", param="best_of")
+        structured = self.structured_outputs(req)
         try:
             return SamplingParams(
-                n=1,
+                structured_outputs=structured,
+                n=req.n or 1, best_of=best_of,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                prompt_logprobs=prompt_logprobs,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=0 if req.top_k is None else req.top_k,
@@ -175,6 +191,36 @@ class OpenAIServing:
             message = str(e)
             param = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
             raise APIError(400, message, param=param) from e
+
+    def structured_outputs(self, req) -> StructuredOutputsParams | None:
+        """The request's output constraint from response_format, structured_outputs or guided_*
+        (at most one of them), compiled once here so that a bad schema is a 400 naming its field."""
+        given: list[tuple[str, dict]] = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format type 'json_schema' needs json_schema.schema", param="response_format")
+            given.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if req.structured_outputs is not None:
+            given.append(("structured_outputs", dict(req.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(req, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, f"give one output constraint, not {' and '.join(name for name, _ in given)}",
+                           param=given[1][0])
+        param, fields = given[0]
+        try:
+            spec = StructuredOutputsParams.coerce(fields)
+            self.engine.structured.compile(spec)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=param) from e
+        return spec
 
     # ---- running requests ----------------------------------------------------------------
     @staticmethod

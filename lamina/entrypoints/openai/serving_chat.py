@@ -46,9 +46,6 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
-                       param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
@@ -87,8 +84,8 @@ def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, sta
     for token_id, entry in zip(token_ids[start:], (entries or [])[start:]):
         text = serving.token_text(token_id)
         content.append({
-            "token": text, "logprob": finite(entry.get(token_id)), "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := serving.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}
+            "token": text, "logprob": finite(entry.get(token_id)), "bytes": serving.token_byte_list(token_id),
+            "top_logprobs": [{"token": serving.token_text(tid), "logprob": lp, "bytes": serving.token_byte_list(tid)}
                              for tid, lp in serving.top(entry, num)],
         })
     return content
@@ -113,7 +110,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                        else (req.max_tokens, "max_tokens"))
     max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, best_of=getattr(req, "best_of", None))
     serving.validate_prompt(token_ids, params, "messages")
     request_id = serving.new_id("chatcmpl")
     [stream] = serving.submit([(request_id, token_ids, params, None)])
@@ -123,7 +120,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
-                    parser),
+                    [output_parser(options, req.tools, choice, function, prompt_tail) for _ in range(params.n)]),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -132,36 +129,40 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     except ClientDisconnected:
         serving.metrics.count(ENDPOINT, "aborted")
         return Response(status_code=400)
-    completion = output.outputs[0]
-    logprobs = None
-    if num_logprobs is not None:
-        logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0, num_logprobs),
-                    "refusal": None}
+    choices = []
+    for completion in output.outputs:  # n choices, each parsed on its own (reasoning, tool calls)
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0,
+                                                     num_logprobs), "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text, "refusal": None, "tool_calls": []}
+        finish_reason = completion.finish_reason
+        if parser.active:
+            fields = parser.parse(completion.text)
+            message.update(content=fields.content, tool_calls=fields.tool_calls)
+            if parser.reasoning is not None:
+                message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
+            if fields.tool_calls:
+                finish_reason = "tool_calls"
+        choices.append({
+            "index": completion.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": completion.stop_reason,
+        })
     serving.record(ENDPOINT, arrival, [output])
-    message: dict[str, Any] = {"role": "assistant", "content": completion.text, "refusal": None, "tool_calls": []}
-    finish_reason = completion.finish_reason
-    if parser.active:
-        fields = parser.parse(completion.text)
-        message.update(content=fields.content, tool_calls=fields.tool_calls)
-        if parser.reasoning is not None:
-            message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
-        if fields.tool_calls:
-            finish_reason = "tool_calls"
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0, "message": message,
-            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": completion.stop_reason,
-        }],
-        "usage": serving.usage(len(output.prompt_token_ids), len(completion.token_ids)),
+        "choices": choices,
+        "usage": serving.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
         "system_fingerprint": None,
     })
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
-                  num_logprobs: int | None, include_usage: bool, arrival: float, parser: ChatOutputParser):
+                  num_logprobs: int | None, include_usage: bool, arrival: float, parsers: list[ChatOutputParser]):
+    """`parsers`: one output parser per choice (streamed parsing keeps state)."""
     holdback = serving.holdback(params)
-    sent_chars = sent_tokens = 0
+    n = params.n
+    sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
 
     def chunk(choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -172,37 +173,45 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
 
     outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
     try:
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        for index in range(n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
         final = None
         async with aclosing(serving.merged([stream], raw)) as updates:
             async for _, output in updates:
-                completion = output.outputs[0]
-                safe = len(completion.text) if output.finished else len(completion.text) - holdback
-                if parser.active:  # reasoning / tool calls: the parsers' deltas of the text so far
-                    deltas = parser.deltas(completion.text[:max(safe, sent_chars)], output.finished)
-                else:
-                    deltas = [{"content": completion.text[sent_chars:safe]}] if safe > sent_chars else []
-                sent_chars = max(sent_chars, safe)
-                logprobs = None
-                if num_logprobs is not None:
-                    entries = _logprobs_entries(serving, completion.token_ids, completion.logprobs, sent_tokens,
-                                                num_logprobs)
-                    sent_tokens += len(entries)
-                    logprobs = {"content": entries, "refusal": None} if entries else None
-                if not deltas and not output.finished and logprobs is None:
-                    continue
-                for delta in deltas[:-1]:
-                    yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-                choice: dict[str, Any] = {"index": 0, "delta": deltas[-1] if deltas else {},
-                                          "logprobs": logprobs, "finish_reason": None}
                 if output.finished:
                     final = output
-                    choice["finish_reason"] = "tool_calls" if parser.called_tools else completion.finish_reason
-                    choice["stop_reason"] = completion.stop_reason
-                yield chunk([choice])
+                for completion in output.outputs:
+                    j = completion.index
+                    if done[j]:
+                        continue
+                    finished = completion.finish_reason is not None
+                    safe = len(completion.text) if finished else len(completion.text) - holdback
+                    chooser = parsers[j]
+                    if chooser.active:  # reasoning / tool calls: the parser's deltas of the text so far
+                        deltas = chooser.deltas(completion.text[:max(safe, sent_chars[j])], finished)
+                    else:
+                        deltas = [{"content": completion.text[sent_chars[j]:safe]}] if safe > sent_chars[j] else []
+                    sent_chars[j] = max(sent_chars[j], safe)
+                    logprobs = None
+                    if num_logprobs is not None:
+                        entries = _logprobs_entries(serving, completion.token_ids, completion.logprobs, sent_tokens[j],
+                                                    num_logprobs)
+                        sent_tokens[j] += len(entries)
+                        logprobs = {"content": entries, "refusal": None} if entries else None
+                    if not deltas and not finished and logprobs is None:
+                        continue
+                    for delta in deltas[:-1]:
+                        yield chunk([{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    choice: dict[str, Any] = {"index": j, "delta": deltas[-1] if deltas else {},
+                                              "logprobs": logprobs, "finish_reason": None}
+                    if finished:
+                        done[j] = True
+                        choice["finish_reason"] = "tool_calls" if chooser.called_tools else completion.finish_reason
+                        choice["stop_reason"] = completion.stop_reason
+                    yield chunk([choice])
         if include_usage and final is not None:
-            yield chunk([], serving.usage(len(final.prompt_token_ids), len(final.outputs[0].token_ids)))
+            yield chunk([], serving.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)))
         outcome = "success"
         if final is not None:
             serving.record_finished(arrival, [final])

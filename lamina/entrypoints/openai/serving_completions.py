@@ -1,4 +1,7 @@
-"""`POST /v1/completions`: one choice per prompt (a string, token ids, or a list of either)."""
+"""`POST /v1/completions`: `n` choices per prompt (a string, token ids, or a list of either); choice
+`i * n + j` is completion j of prompt i. `echo` with `logprobs` returns the prompt's logprobs first
+(the first prompt token's logprob is null), also with `max_tokens = 0` (the prompt alone), which is
+what lm-evaluation-harness's loglikelihood requests send."""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def _prompts(prompt) -> list[str | list[int]]:
 
 class _LogprobsBuilder:
     """OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs, text_offset), built
-    incrementally so a stream can send each token's entry once."""
+    incrementally so a stream can send each token's entry once. An entry of None (the first prompt
+    token under echo) gives a null logprob and null top_logprobs, as vLLM answers."""
 
     def __init__(self, serving: OpenAIServing, num: int, offset: int = 0):
         self.serving = serving
@@ -41,51 +45,106 @@ class _LogprobsBuilder:
         self.offset = offset
         self.done = 0
 
-    def take(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict[str, Any]:
+    def take(self, token_ids: list[int], entries: list[dict[int, float] | None] | None) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         entries = entries or []
         end = min(len(token_ids), len(entries))
         for token_id, entry in zip(token_ids[self.done:end], entries[self.done:end]):
             text = self.serving.token_text(token_id)
             out["tokens"].append(text)
-            out["token_logprobs"].append(finite(entry.get(token_id)))
-            top: dict[str, float] = {}
-            for t, lp in self.serving.top(entry, self.num):
-                top.setdefault(self.serving.token_text(t), lp)  # distinct ids may share a text: keep the likelier
-            out["top_logprobs"].append(top)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(finite(entry.get(token_id)))
+                top: dict[str, float] = {}
+                for t, lp in self.serving.top(entry, self.num):
+                    top.setdefault(self.serving.token_text(t), lp)  # distinct ids may share a text: keep the likelier
+                out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         self.done = max(self.done, end)
         return out
 
 
+def _merge_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {key: a[key] + b[key] for key in a}
+
+
+class _Choice:
+    """One choice of the answer: completion `completion_index` of prompt `prompt_index`, with what a
+    stream has sent of it so far."""
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, index: int, echo_text: str,
+                 prompt_ids: list[int], holdback: int, generate: bool):
+        self.index = index
+        self.echo_text = echo_text
+        self.prompt_ids = prompt_ids
+        self.holdback = holdback
+        self.generate = generate  # False for echo with max_tokens = 0: the generated token is dropped
+        self.builder = _LogprobsBuilder(serving, req.logprobs) if req.logprobs is not None else None
+        self.echo_logprobs = req.echo and req.logprobs is not None
+        self.sent_chars = 0
+        self.echoed = False
+        self.done = False
+
+    def prompt_logprobs(self, output: RequestOutput) -> dict[str, Any] | None:
+        """The prompt's logprobs under echo (first token None), once."""
+        if not self.echo_logprobs or self.builder is None:
+            return None
+        entries = output.prompt_logprobs or [None] * len(self.prompt_ids)
+        prompt = _LogprobsBuilder(self.builder.serving, self.builder.num)
+        out = prompt.take(self.prompt_ids, entries)
+        self.builder.offset = prompt.offset
+        return out
+
+    def update(self, completion, finished: bool) -> tuple[str, dict[str, Any] | None]:
+        """(new text, new logprobs) of this choice since the last call."""
+        if not self.generate:
+            return "", None
+        safe = len(completion.text) if finished else len(completion.text) - self.holdback
+        delta = completion.text[self.sent_chars:safe] if safe > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, safe)
+        logprobs = self.builder.take(completion.token_ids, completion.logprobs) if self.builder else None
+        return delta, logprobs
+
+
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     model = serving.resolve_model(req.model)
     serving.check_unsupported(req)
-    if req.best_of not in (None, 1):
-        raise APIError(400, f"best_of = {req.best_of} is not supported (only 1)", param="best_of")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (it needs prompt logprobs)", param="echo")
+    echo_only = req.max_tokens == 0
+    if echo_only and not req.echo:
+        raise APIError(400, "max_tokens = 0 needs echo = true (the prompt alone is the answer)", param="max_tokens")
+    n = req.n or 1
     prompts = _prompts(req.prompt)
+    if len(prompts) * max(n, req.best_of or 1) > MAX_BATCH_PROMPTS:
+        raise APIError(400, f"{len(prompts)} prompts x {max(n, req.best_of or 1)} completions is more than "
+                       f"{MAX_BATCH_PROMPTS} sequences in one request", param="n")
     prepared = await serving.run_blocking(lambda: [serving.engine.prepare_prompt(p) for p in prompts], param="prompt")
     items = []
     request_id = serving.new_id("cmpl")
     for i, (text, token_ids) in enumerate(prepared):
-        max_tokens = serving.resolve_max_tokens(len(token_ids), req.max_tokens, prompt_param="prompt")
-        params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        max_tokens = serving.resolve_max_tokens(len(token_ids), 1 if echo_only else req.max_tokens,
+                                                prompt_param="prompt")
+        params = serving.sampling_params(
+            req, max_tokens=max_tokens, logprobs=req.logprobs, best_of=req.best_of,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        )
         serving.validate_prompt(token_ids, params, "prompt")
         items.append((f"{request_id}-{i}", token_ids, params, text))
     echo_texts = [_echo_text(serving, text, ids) if req.echo else "" for text, ids in prepared]
+    choices = [[_Choice(serving, req, i * n + j, echo_texts[i], prepared[i][1], serving.holdback(items[i][2]),
+                        not echo_only) for j in range(n)] for i in range(len(prepared))]
     streams = serving.submit(items)
     created = int(time.time())
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(serving, streams, items, raw, request_id, created, model, req, echo_texts, include_usage, arrival),
+            _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -94,22 +153,24 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     except ClientDisconnected:
         serving.metrics.count(ENDPOINT, "aborted")
         return Response(status_code=400)
-    choices = []
+    body_choices = []
     prompt_tokens = completion_tokens = 0
     for i, output in enumerate(outputs):
-        completion = output.outputs[0]
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = _LogprobsBuilder(serving, req.logprobs).take(completion.token_ids, completion.logprobs)
-        choices.append({
-            "index": i, "text": echo_texts[i] + completion.text, "logprobs": logprobs,
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-        })
+        for choice, completion in zip(choices[i], output.outputs):
+            echo_logprobs = choice.prompt_logprobs(output)
+            text, logprobs = choice.update(completion, True)
+            if echo_logprobs is not None:
+                logprobs = _merge_logprobs(echo_logprobs, logprobs) if logprobs is not None else echo_logprobs
+            body_choices.append({
+                "index": choice.index, "text": choice.echo_text + text, "logprobs": logprobs,
+                "finish_reason": "length" if echo_only else completion.finish_reason,
+                "stop_reason": None if echo_only else completion.stop_reason,
+            })
+            completion_tokens += 0 if echo_only else len(completion.token_ids)
         prompt_tokens += len(output.prompt_token_ids)
-        completion_tokens += len(completion.token_ids)
     serving.record(ENDPOINT, arrival, outputs)
     return JSONResponse({
-        "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+        "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": body_choices,
         "usage": serving.usage(prompt_tokens, completion_tokens), "system_fingerprint": None,
     })
 
@@ -120,45 +181,53 @@ def _echo_text(serving: OpenAIServing, text: str | None, token_ids: list[int]) -
     return serving.tokenizer.decode(token_ids) if serving.tokenizer is not None else ""
 
 
-async def _stream(serving: OpenAIServing, streams, items, raw: Request, request_id: str, created: int, model: str,
-                  req: CompletionRequest, echo_texts: list[str], include_usage: bool, arrival: float):
-    n = len(streams)
-    sent_chars = [0] * n
-    holdback = [serving.holdback(params) for _, _, params, _ in items]
-    builders = [_LogprobsBuilder(serving, req.logprobs, len(echo_texts[i])) if req.logprobs is not None else None
-                for i in range(n)]
-    finals: list[RequestOutput | None] = [None] * n
+async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]], raw: Request, request_id: str,
+                  created: int, model: str, include_usage: bool, arrival: float, echo_only: bool):
+    finals: list[RequestOutput | None] = [None] * len(streams)
 
-    def chunk(choices: list[dict], usage=None) -> str:
+    def chunk(body_choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "system_fingerprint": None}
+                "choices": body_choices, "system_fingerprint": None}
         if include_usage:
             body["usage"] = usage
         return sse(body)
 
     outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
     try:
-        for i, echo in enumerate(echo_texts):
-            if echo:
-                yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+        for row in choices:
+            for choice in row:
+                if choice.echo_text and not choice.echo_logprobs:
+                    choice.echoed = True
+                    yield chunk([{"index": choice.index, "text": choice.echo_text, "logprobs": None,
+                                  "finish_reason": None}])
         async with aclosing(serving.merged(streams, raw)) as updates:
             async for i, output in updates:
-                completion = output.outputs[0]
-                safe = len(completion.text) if output.finished else len(completion.text) - holdback[i]
-                delta = completion.text[sent_chars[i]:safe] if safe > sent_chars[i] else ""
-                sent_chars[i] = max(sent_chars[i], safe)
-                logprobs = builders[i].take(completion.token_ids, completion.logprobs) if builders[i] else None
-                if not delta and not output.finished and not (logprobs and logprobs["tokens"]):
-                    continue
-                choice = {"index": i, "text": delta, "logprobs": logprobs,
-                          "finish_reason": completion.finish_reason if output.finished else None}
+                for completion in output.outputs:
+                    choice = choices[i][completion.index]
+                    if choice.done or (choice.echo_logprobs and not choice.echoed and output.prompt_logprobs is None):
+                        continue  # (the prompt's logprobs come with the first child's first token)
+                    finished = completion.finish_reason is not None
+                    text, logprobs = choice.update(completion, finished)
+                    if not choice.echoed:  # echo with logprobs: the prompt's logprobs are known now
+                        choice.echoed = True
+                        echo_logprobs = choice.prompt_logprobs(output)
+                        text = choice.echo_text + text
+                        if echo_logprobs is not None:
+                            logprobs = _merge_logprobs(echo_logprobs, logprobs) if logprobs else echo_logprobs
+                    if not text and not finished and not (logprobs and logprobs["tokens"]):
+                        continue
+                    body = {"index": choice.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": None}
+                    if finished:
+                        choice.done = True
+                        body["finish_reason"] = "length" if echo_only else completion.finish_reason
+                        body["stop_reason"] = None if echo_only else completion.stop_reason
+                    yield chunk([body])
                 if output.finished:
-                    choice["stop_reason"] = completion.stop_reason
                     finals[i] = output
-                yield chunk([choice])
         if include_usage:
             prompt_tokens = sum(len(o.prompt_token_ids) for o in finals if o)
-            completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals if o)
+            completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals if o for c in o.outputs)
             yield chunk([], serving.usage(prompt_tokens, completion_tokens))
         outcome = "success"
         serving.record_finished(arrival, [o for o in finals if o])

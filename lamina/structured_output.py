@@ -1,0 +1,206 @@
+"""Structured output: what a request asks for (`StructuredOutputsParams`, vLLM's names) and the
+grammar state that enforces it (`StructuredOutputManager`, on xgrammar).
+
+The grammar lives with the engine, beside the scheduler, not on the ranks: before each step the
+engine fills, for every sampling request with a grammar, a token bitmask (one bit per vocabulary
+id, `[ceil(V/32)]` int32) of the tokens the grammar allows next, and the plan carries it to the
+rank that samples, where the sampler applies all rows' masks in one batched op. After the step the
+engine advances each request's matcher with the token it got. A preempted request keeps its matcher
+(its generated tokens are kept), so nothing rolls back; speculative decoding (which would need
+rollback of rejected drafts) is refused with a grammar.
+
+JSON is compiled without free whitespace (compact `", "` / `": "` separators), so a weak model cannot
+fill its budget with blanks; a finished grammar allows only the model's EOS tokens. xgrammar's JSON
+strings admit raw control characters (bytes below 0x20 other than newline), which strict JSON parsers
+reject; since compact JSON has no place for any such byte, JSON masks also clear every token that
+contains one (a mask computed once from the vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["StructuredOutputsParams", "StructuredOutputManager", "bitmask_words"]
+
+MAX_CHOICES = 1024
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of: `json` (a JSON schema, as a dict or a JSON string), `json_object` (any JSON
+    object), `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got "
+                + (", ".join(given) if given else "none")
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+            if not isinstance(self.json, dict):
+                raise ValueError(f"structured_outputs json must be a JSON schema object, got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs regex must be a string, got {self.regex!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"structured_outputs grammar must be a string, got {self.grammar!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs choice must be a list of non-empty strings, got {self.choice!r}")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs choice has {len(self.choice)} entries; at most {MAX_CHOICES}")
+            self.choice = list(self.choice)
+
+    @classmethod
+    def coerce(cls, value: Any) -> StructuredOutputsParams | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {unknown}; valid: json, json_object, regex, "
+                                 "choice, grammar")
+            return cls(**value)
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+
+    def key(self) -> tuple[str, str]:
+        """A hashable description (the compiled-grammar cache key)."""
+        if self.json is not None:
+            return ("json", json.dumps(self.json, sort_keys=True))
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice))
+        return ("grammar", self.grammar)
+
+
+class StructuredOutputManager:
+    """Compiled grammars (cached by request description) and one matcher per running request."""
+
+    CACHE_SIZE = 256
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._matchers: dict[str, tuple[Any, bool]] = {}  # request id -> (matcher, is JSON)
+        self._json_safe: np.ndarray | None = None  # [W] int32: tokens without control bytes
+
+    @property
+    def words(self) -> int:
+        return bitmask_words(self.vocab_size)
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.eos_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._json_safe = self._control_free_mask(info.decoded_vocab)
+        return self._compiler
+
+    def _control_free_mask(self, decoded_vocab: list[bytes]) -> np.ndarray:
+        """Bit t set when token t's bytes contain no control byte (< 0x20); special tokens (EOS)
+        decode to their names and stay allowed."""
+        bits = np.zeros(self.words * 32, dtype=bool)
+        control = bytes(range(32))
+        for token_id, raw in enumerate(decoded_vocab[: self.vocab_size]):
+            bits[token_id] = not any(b in control for b in raw)
+        for token_id in self.eos_token_ids:
+            if token_id < self.vocab_size:
+                bits[token_id] = True
+        weights = np.left_shift(np.uint64(1), np.arange(32, dtype=np.uint64))  # bit j of a word: 2**j
+        words = (bits.reshape(-1, 32).astype(np.uint64) * weights).sum(axis=1)  # [W]
+        return words.astype(np.uint32).view(np.int32)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of `spec` (cached); a ValueError naming the problem if it does not compile."""
+        key = spec.key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        compiler = self._get_compiler()
+        try:
+            if spec.json is not None:
+                compiled = compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
+            elif spec.json_object:
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif spec.regex is not None:
+                compiled = compiler.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except Exception as e:  # noqa: BLE001 - whatever the grammar library raises, the request's grammar is at fault
+            kind = key[0]
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first_line)  # drop "[time] file.cc:123:"
+            raise ValueError(f"structured_outputs {kind} could not be compiled: {reason}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    # ---- per request ----------------------------------------------------------------------
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        is_json = spec.json is not None or bool(spec.json_object)
+        self._matchers[request_id] = (xgr.GrammarMatcher(self.compile(spec)), is_json)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def bitmask(self, request_id: str) -> np.ndarray | None:
+        """[ceil(V/32)] int32: bit t set when token t may come next; None when the grammar has ended."""
+        import torch
+        import xgrammar as xgr
+
+        matcher, is_json = self._matchers[request_id]
+        if matcher.is_terminated():
+            return None
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32 (torch, CPU)
+        matcher.fill_next_token_bitmask(mask, 0)
+        assert mask.dtype == torch.int32
+        words = mask[0].numpy().copy()
+        if is_json:
+            words &= self._json_safe
+        return words
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        matcher = self._matchers.get(request_id, (None, False))[0]
+        if matcher is None or matcher.is_terminated():
+            return True
+        return bool(matcher.accept_token(int(token_id)))
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)

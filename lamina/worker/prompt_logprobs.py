@@ -1,0 +1,85 @@
+"""Prompt logprobs: score every prompt position of the chunks whose request asked for them.
+
+A chunk covering positions [start, end) of a request with a P-token prompt scores positions
+p < P - 1: the hidden state at p predicts the prompt token at p + 1, which is the chunk's next
+token id (or the chunk's `next_token_id` for its last position). With chunked prefill every chunk
+scores its own positions in its step, so the whole prompt is covered once prefill ends.
+
+Logits are computed in pieces of at most `PROMPT_LOGPROBS_ROWS` positions, so a long prompt never
+materialises a [T, vocab] float32 tensor: each piece is [rows, vocab], reduced on the device to the
+target's logprob and the top-k before the next piece. Under tensor parallelism `compute_logits` is
+a collective; every rank of the last stage runs the same pieces (the plan decides them).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lamina.engine.step_plan import ScheduledChunk
+
+__all__ = ["PROMPT_LOGPROBS_ROWS", "prompt_positions", "score_prompt_chunks"]
+
+PROMPT_LOGPROBS_ROWS = 256
+
+
+def prompt_positions(chunk: ScheduledChunk) -> tuple[int, list[int]]:
+    """(number of positions to score from the chunk's start, their target token ids)."""
+    if not chunk.num_prompt_tokens:
+        return 0, []
+    count = max(0, min(chunk.end_position, chunk.num_prompt_tokens - 1) - chunk.start_position)
+    following = list(chunk.token_ids[1:]) + ([chunk.next_token_id] if chunk.next_token_id is not None else [])
+    return count, following[:count]
+
+
+@torch.inference_mode()
+def score_prompt_chunks(
+    model, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk], max_rows: int = PROMPT_LOGPROBS_ROWS,
+) -> dict[str, tuple[int, list[dict[int, float]]]]:
+    """{request id: (first scored prompt position + 1, [{target: logprob, top-k...}, ...])} for the
+    chunks with prompt logprobs; `hidden` is the last stage's [T, H] output of the step."""
+    rows: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[str, int, int, int]] = []  # (request id, first target position, count, k)
+    offset = 0
+    for chunk in chunks:
+        count, following = prompt_positions(chunk)
+        if count:
+            if len(following) != count:
+                raise ValueError(f"chunk of request {chunk.request_id} lacks the prompt token after its last position")
+            rows.extend(range(offset, offset + count))
+            targets.extend(following)
+            owners.append((chunk.request_id, chunk.start_position + 1, count, int(chunk.sampling_params.prompt_logprobs)))
+        offset += chunk.num_tokens
+    if not rows:
+        return {}
+    max_k = max(k for *_, k in owners)
+    device = hidden.device
+    row_t = torch.as_tensor(rows, dtype=torch.long, device=device)
+    target_t = torch.as_tensor(targets, dtype=torch.long, device=device)
+    target_lp, top_lp, top_ids = [], [], []
+    for begin in range(0, len(rows), max_rows):
+        piece = slice(begin, begin + max_rows)
+        logprobs = torch.log_softmax(model.compute_logits(hidden.index_select(0, row_t[piece])).float(), dim=-1)
+        target_lp.append(logprobs.gather(1, target_t[piece].unsqueeze(1)).squeeze(1))  # [rows]
+        if max_k:
+            values, ids = logprobs.topk(max_k, dim=-1)  # [rows, k]
+            top_lp.append(values)
+            top_ids.append(ids)
+        del logprobs
+    target_list = torch.cat(target_lp).tolist()
+    top_lp_list = torch.cat(top_lp).tolist() if max_k else [[] for _ in rows]
+    top_ids_list = torch.cat(top_ids).tolist() if max_k else [[] for _ in rows]
+    results = {}
+    index = 0
+    for request_id, start, count, k in owners:
+        entries = []
+        for j in range(index, index + count):
+            entry = {targets[j]: target_list[j]}
+            for tok, lp in zip(top_ids_list[j][:k], top_lp_list[j][:k]):
+                entry.setdefault(tok, lp)
+            entries.append(entry)
+        results[request_id] = (start, entries)
+        index += count
+    return results
