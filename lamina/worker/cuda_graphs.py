@@ -171,9 +171,10 @@ class DecodeGraphs:
 
 
 def can_replay(graphs: DecodeGraphs | None, chunks) -> bool:
-    """A plain decode step that fits a captured size."""
+    """A plain decode step that fits a captured size: one sampled token per request, and no
+    prompt positions to score (prompt logprobs need the hidden states, which the graph keeps)."""
     return (
         graphs is not None and bool(chunks) and graphs.size_for(len(chunks)) is not None
-        and all(c.num_tokens == 1 and c.sample for c in chunks)
+        and all(c.num_tokens == 1 and c.sample and not c.num_prompt_tokens for c in chunks)
     )
 
