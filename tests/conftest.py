@@ -1,8 +1,16 @@
 import os
 
-import pytest
+import torch
 
-from tests import tiny_checkpoints as tc
+# lamina's Triton kernels run under Triton's CPU interpreter where there is no GPU. Triton reads
+# this when it is first imported (other packages import it too, e.g. xgrammar), so it is set here,
+# before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests import tiny_checkpoints as tc  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,8 +48,6 @@ def qwen3_next_fused_dir(tmp_path_factory, qwen3_next_dir):
 
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests need CUDA: skipped where there is none (CI)."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # tests/conftest.py sets it before anything imports Triton
+    assert os.environ.get("TRITON_INTERPRET") == "1", "Triton's interpreter must be on before Triton is imported"
 
 triton = pytest.importorskip("triton")
 

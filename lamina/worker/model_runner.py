@@ -55,6 +55,7 @@ class ModelRunner:
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
+        self.spare_state_bytes = 0
         self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
@@ -83,9 +84,14 @@ class ModelRunner:
         self.block_size = block_size
         for module in self.paged_cache_modules():
             self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.model.dtype, self.device)
+        # One spare slot past the requests' (padding rows of captured decode graphs write there);
+        # `state_bytes` counts the requests' slots, `spare_state_bytes` the spare.
         self.spare_state_slot = num_state_slots
         for module in self.model.state_modules():
-            self.state_bytes += module.bind_state(num_state_slots + 1, self.model.dtype, self.device)
+            total = module.bind_state(num_state_slots + 1, self.model.dtype, self.device)
+            per_slot = total // (num_state_slots + 1)
+            self.state_bytes += per_slot * num_state_slots
+            self.spare_state_bytes += per_slot
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> bool:
         """Capture CUDA graphs of the one-token decode step for padded batch sizes up to
