@@ -174,8 +174,9 @@ def _engine_kwargs(args) -> dict:
 
 def run_latency(args, model_path: str) -> list[dict]:
     from lamina import LLM, SamplingParams
+    from lamina.config import resolve_device
 
-    device = torch.device("cuda") if torch.cuda.is_available() and args.device in ("auto", "cuda") else torch.device(args.device if args.device != "auto" else "cpu")
+    device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     records = []
     rng = random.Random(0)
@@ -235,11 +236,12 @@ def run_latency(args, model_path: str) -> list[dict]:
 
 def run_throughput(args, model_path: str) -> list[dict]:
     from lamina import LLM, SamplingParams
+    from lamina.config import resolve_device
 
     rng = random.Random(0)
     kwargs = _engine_kwargs(args)
     kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16
-    device = torch.device("cuda") if torch.cuda.is_available() and args.device in ("auto", "cuda") else torch.device("cpu")
+    device = resolve_device(args.device)
     with LLM(model_path, **kwargs) as llm:
         vocab = llm.engine.model_config.vocab_size
         prompts = [{"prompt_token_ids": [rng.randrange(0, min(vocab, 200_000)) for _ in range(args.input_len)]}

@@ -1,0 +1,32 @@
+"""`lamina bench latency | throughput` on the CPU with a tiny checkpoint: the records and the table
+(the roofline fields need a GPU: they are measured on the device machine, docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import json
+
+from lamina.entrypoints.cli import main
+
+COMMON = ["--device", "cpu", "--dtype", "float32", "--input-len", "6", "--output-len", "4"]
+
+
+def test_bench_latency_writes_a_record_per_batch_size(qwen3_next_dir, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(qwen3_next_dir), *COMMON, "--batch-size", "1", "2",
+                 "--output-json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["batch_size"] for r in records] == [1, 2]
+    for r in records:
+        assert r["kind"] == "latency" and r["gpu"] == "cpu" and r["dtype"] == "float32"
+        assert r["decode_steps"] == 3 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
+        assert abs(r["output_tok_per_s"] - r["batch_size"] / (r["tpot_ms"] / 1e3)) < 1e-6
+    assert "| batch_size |" in capsys.readouterr().out
+
+
+def test_bench_throughput(qwen3_next_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(qwen3_next_dir), *COMMON, "--num-prompts", "3",
+                 "--output-json", str(out)]) == 0
+    [record] = json.loads(out.read_text())
+    assert record["kind"] == "throughput" and record["num_prompts"] == 3
+    assert record["total_tok_per_s"] > record["output_tok_per_s"] > 0
