@@ -30,3 +30,12 @@ def test_bench_throughput(qwen3_next_dir, tmp_path):
     [record] = json.loads(out.read_text())
     assert record["kind"] == "throughput" and record["num_prompts"] == 3
     assert record["total_tok_per_s"] > record["output_tok_per_s"] > 0
+
+
+def test_bench_latency_compared_with_transformers(qwen3_next_dir, tmp_path):
+    out = tmp_path / "compare.json"
+    assert main(["bench", "latency", "--model", str(qwen3_next_dir), *COMMON, "--batch-size", "2",
+                 "--compare", "transformers", "--output-json", str(out)]) == 0
+    [record] = json.loads(out.read_text())
+    assert record["baseline"]["engine"].startswith("transformers") and record["baseline"]["output_tok_per_s"] > 0
+    assert abs(record["speedup_vs_baseline"] - record["output_tok_per_s"] / record["baseline"]["output_tok_per_s"]) < 1e-9

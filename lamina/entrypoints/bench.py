@@ -53,6 +53,8 @@ def add_bench_parser(subparsers) -> None:
     b.add_argument("--output-len", type=int, default=64)
     b.add_argument("--output-json", default=None, help="write the records (a JSON list) here")
     b.add_argument("--plot", default=None, help="latency: write a PNG of tok/s against batch size")
+    b.add_argument("--compare", choices=["transformers"], default=None,
+                   help="latency: also time transformers' generate on the same config in this run")
     p.set_defaults(func=run_bench)
 
 
@@ -234,6 +236,40 @@ def run_latency(args, model_path: str) -> list[dict]:
     return records
 
 
+def transformers_decode(model_path: str, batch: int, input_len: int, output_len: int, device: torch.device,
+                        dtype: torch.dtype) -> dict:
+    """transformers' `generate` on the checkpoint (its weights, or its own random init for a
+    config-only directory): TPOT = (time of `output_len` tokens - time of 1) / (output_len - 1)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    has_weights = any(Path(model_path).glob("*.safetensors"))
+    cls = getattr(transformers, config.architectures[0])
+    torch.manual_seed(0)
+    if has_weights:
+        model = cls.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    else:
+        with torch.device(device):
+            model = cls(config).to(dtype).eval()
+    vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+    ids = torch.randint(0, min(vocab, 200_000), (batch, input_len), device=device)
+
+    def timed(new_tokens: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        _sync(device)
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        timed(2)  # warm-up
+        first = timed(1)
+        total = timed(output_len)
+    del model
+    tpot = (total - first) / max(output_len - 1, 1)
+    return {"engine": f"transformers {transformers.__version__}", "output_tok_per_s": batch / tpot, "tpot_ms": tpot * 1e3}
+
+
 def run_throughput(args, model_path: str) -> list[dict]:
     from lamina import LLM, SamplingParams
     from lamina.config import resolve_device
@@ -274,7 +310,8 @@ def _gpu_name(device: torch.device) -> str:
 
 def markdown_table(records: list[dict]) -> str:
     columns = [c for c in ("batch_size", "num_prompts", "input_len", "output_len", "ttft_ms", "tpot_ms",
-                           "output_tok_per_s", "total_tok_per_s", "hbm_roofline_fraction", "mean_distinct_experts")
+                           "output_tok_per_s", "total_tok_per_s", "hbm_roofline_fraction", "mean_distinct_experts",
+                           "speedup_vs_baseline")
                if any(c in r for r in records)]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
     for r in records:
@@ -309,6 +346,15 @@ def run_bench(args) -> int:
     if args.model is None:
         args.load_format = "dummy"
     records = run_latency(args, model_path) if args.kind == "latency" else run_throughput(args, model_path)
+    if args.compare == "transformers" and args.kind == "latency":
+        from lamina.config import resolve_device, resolve_dtype
+
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device, None)
+        for record in records:
+            baseline = transformers_decode(model_path, record["batch_size"], args.input_len, args.output_len, device, dtype)
+            record["baseline"] = baseline
+            record["speedup_vs_baseline"] = record["output_tok_per_s"] / baseline["output_tok_per_s"]
     print(markdown_table(records))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(records, indent=2))
