@@ -33,7 +33,7 @@ from lamina.kernels.triton_moe import (  # noqa: E402
     fused_moe,
     route_softmax_topk,
 )
-from lamina.kernels.triton_norm import gated_rms_norm, rms_norm  # noqa: E402
+from lamina.kernels.triton_norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from lamina.kernels.triton_qk_prep import qk_norm_rope_cache  # noqa: E402
 from lamina.kernels.paged_attention import write_kv_cache  # noqa: E402
 from lamina.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -210,6 +210,11 @@ def test_norm_kernels_match_the_modules():
         ref.kernels = "reference"
         weight = ref.weight.to(DEVICE)
         torch.testing.assert_close(rms_norm(x, weight, 1e-6, zero_centred), ref(x.cpu()).to(DEVICE), atol=1e-5, rtol=1e-5)
+        residual = _rand(5, 48, seed=7)
+        total, normed = add_rms_norm(x[:, 0], residual, weight, 1e-6, zero_centred)
+        ref_total, ref_normed = ref.add_and_norm(residual.cpu(), x[:, 0].cpu())
+        torch.testing.assert_close(total, ref_total.to(DEVICE), atol=0, rtol=0)
+        torch.testing.assert_close(normed, ref_normed.to(DEVICE), atol=1e-5, rtol=1e-5)
     for activation in ("silu", "sigmoid"):
         ref = GatedRMSNorm(48, 1e-6, activation=activation, device="cpu")
         ref.weight.data.copy_(torch.randn(48, generator=_gen(4)))

@@ -37,6 +37,16 @@ class RMSNorm(nn.Module):
         return (normed * scale).to(x.dtype)
 
 
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)): one launch on the Triton kernel set."""
+        if self.kernels == "triton" and residual.dim() == 2:
+            from lamina.kernels.triton_norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred)
+        total = residual + x
+        return total, self(total)
+
+
 class GatedRMSNorm(nn.Module):
     """norm(x) * weight * act(gate) over the last dim (the delta net's output norm, per head)."""
 

@@ -87,8 +87,9 @@ class HybridDecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(normed, meta, cos, sin)
         mixed = layout.tag(mixed, layout.P, ctx)
-        hidden = hidden + (layout.reduce_scatter_tokens(mixed, num_tokens, ctx) if ctx.sp else layout.all_reduce(mixed, ctx))
-        normed = layout.tag(self.post_attention_layernorm(hidden), stream, ctx)
+        update = layout.reduce_scatter_tokens(mixed, num_tokens, ctx) if ctx.sp else layout.all_reduce(mixed, ctx)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, update)  # residual add fused with the norm
+        normed = layout.tag(normed, stream, ctx)
         if isinstance(self.mlp, SparseMoE) and self.mlp.output_layout == layout.S:
             return layout.tag(hidden + self.mlp(normed, meta), stream, ctx)  # EP + SP: MoE on the shard
         if ctx.sp:
