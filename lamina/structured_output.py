@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,9 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler = None
+        # the server compiles on request threads while the engine thread looks grammars up: one lock
+        # guards the compiler's creation and the cache (compiling itself runs outside it)
+        self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._matchers: dict[str, tuple[Any, np.ndarray | None]] = {}  # request id -> (matcher, extra mask)
         self._json_safe: np.ndarray | None = None  # [W] int32: tokens without control bytes
@@ -145,6 +149,10 @@ class StructuredOutputManager:
         return bitmask_words(self.vocab_size)
 
     def _get_compiler(self):
+        with self._lock:
+            return self._get_compiler_locked()
+
+    def _get_compiler_locked(self):
         if self._compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer, and this model has none")
@@ -174,10 +182,11 @@ class StructuredOutputManager:
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec` (cached); a ValueError naming the problem if it does not compile."""
         key = spec.key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
@@ -197,9 +206,10 @@ class StructuredOutputManager:
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first_line)  # drop "[time] file.cc:123:"
             raise ValueError(f"structured_outputs {kind} could not be compiled: {reason}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > self.CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > self.CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
     # ---- per request ----------------------------------------------------------------------

@@ -222,7 +222,8 @@ CASES = [
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 TOOL_CHOICE_CASES = [
     ("required-with-response-format-json-object", _chat(tools=[TOOL], tool_choice="required",
-                                                        response_format={"type": "json_object"}), 400, "response_format"),
+                                                        response_format={"type": "json_object"}), 400,
+     "response_format"),
     ("required-with-response-format-json-schema", _chat(tools=[TOOL], tool_choice="required", response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}), 400, "response_format"),
     ("named-with-response-format", _chat(tools=[TOOL], tool_choice=NAMED, response_format={"type": "json_object"}),

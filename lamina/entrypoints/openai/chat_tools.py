@@ -113,7 +113,8 @@ def _constraint_fields(req: Any) -> list[str]:
         fields.append("response_format")
     if getattr(req, "structured_outputs", None) is not None:
         fields.append("structured_outputs")
-    fields += [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(req, f"guided_{k}", None) is not None]
+    guided = (f"guided_{kind}" for kind in ("json", "regex", "choice", "grammar"))
+    fields += [name for name in guided if getattr(req, name, None) is not None]
     return fields
 
 

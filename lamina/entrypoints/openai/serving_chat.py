@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
-from lamina.entrypoints.openai.chat_tools import (ChatOptions, output_parser, prepare_tool_history, resolve_tool_choice,
-                                                  tool_choice_structured_output)
+from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser, prepare_tool_history,
+                                                  resolve_tool_choice, tool_choice_structured_output)
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
 from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
@@ -99,8 +99,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     _check_chat_options(req)
     options = chat_options(serving)
     choice, function = resolve_tool_choice(options, req.tools, req.tool_choice)
-    tool_constraint = await serving.run_blocking(tool_choice_structured_output, options, req, choice, function,
-                                                 serving.engine, param="tools")
+    tool_constraint = None
+    if choice in ENFORCED_CHOICES:  # compiling the tools' grammar: off the event loop
+        tool_constraint = await serving.run_blocking(tool_choice_structured_output, options, req, choice, function,
+                                                     serving.engine, param="tools")
     messages = _messages(req)
     prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
