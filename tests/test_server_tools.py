@@ -173,7 +173,7 @@ def test_tool_choice_none_required_and_named(client):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         out = _create(client, tools=TOOLS, tool_choice=choice, extra_body=no_think).choices[0]
         assert out.finish_reason == "tool_calls" and out.message.content is None
-        assert out.message.model_extra.get("reasoning_content") is None
+        assert out.message.model_extra["reasoning_content"] is None  # the parser is on; there is no reasoning
         [call] = out.message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
         reasoning, content, calls, finish, _ = _streamed(client, tools=TOOLS, tool_choice=choice, extra_body=no_think)

@@ -147,7 +147,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         if parser.active:
             fields = parser.parse(completion.text)
             message.update(content=fields.content, tool_calls=fields.tool_calls)
-            if parser.reasoning is not None:
+            if options.reasoning_parser is not None:  # null when an enforced tool choice leaves no reasoning
                 message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
             if fields.tool_calls:
                 finish_reason = "tool_calls"

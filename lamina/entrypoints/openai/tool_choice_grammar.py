@@ -64,8 +64,8 @@ def tool_choice_constraint(parser: str, tools: list[dict[str, Any]], choice: str
     if choice not in ("required", "named"):
         raise ValueError(f"only tool_choice 'required' or a named function is enforced, not {choice!r}")
     make_tag = _TAGS[parser]
-    by_name = {tool["function"]["name"]: tool for tool in tools}  # a name given twice: its last tool, as the
-    tags = [make_tag(name, _parameters(tool)) for name, tool in by_name.items()  # parsers read it
+    by_name = {tool["function"]["name"]: tool for tool in tools}  # a name given twice: its last tool (as parsed)
+    tags = [make_tag(name, _parameters(tool)) for name, tool in by_name.items()
             if choice == "required" or name == function]
     fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
            "stop_after_first": choice == "named" or not parallel_tool_calls}
