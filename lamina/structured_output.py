@@ -13,13 +13,17 @@ JSON is compiled without free whitespace (compact `", "` / `": "` separators), s
 fill its budget with blanks; a finished grammar allows only the model's EOS tokens. xgrammar's JSON
 strings admit raw control characters (bytes below 0x20 other than newline), which strict JSON parsers
 reject; since compact JSON has no place for any such byte, JSON masks also clear every token that
-contains one (a mask computed once from the vocabulary).
+contains one (a mask computed once from the vocabulary). A structural tag with JSON content (the tool
+calls of a `required` / named tool_choice) gets the same mask but keeps line breaks (`\n`, `\r`), which
+its tags need and which the JSON grammar keeps out of strings (tabs and the other control bytes are
+cleared: xgrammar's strings with `maxLength` admit them).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ import numpy as np
 __all__ = ["StructuredOutputsParams", "StructuredOutputManager", "bitmask_words"]
 
 MAX_CHOICES = 1024
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -38,19 +43,22 @@ def bitmask_words(vocab_size: int) -> int:
 @dataclass
 class StructuredOutputsParams:
     """Exactly one of: `json` (a JSON schema, as a dict or a JSON string), `json_object` (any JSON
-    object), `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect)."""
+    object), `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect),
+    `structural_tag` (xgrammar's structural tag, `{"type": "structural_tag", "format": {...}}`, as a
+    dict or a JSON string; the server builds one for tool_choice `required` / a named function)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        given = [name for name in _KINDS if getattr(self, name)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got "
+                f"structured_outputs must set exactly one of {', '.join(_KINDS)}; got "
                 + (", ".join(given) if given else "none")
             )
         if self.json is not None:
@@ -61,6 +69,15 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
             if not isinstance(self.json, dict):
                 raise ValueError(f"structured_outputs json must be a JSON schema object, got {type(self.json).__name__}")
+        if self.structural_tag is not None:
+            if isinstance(self.structural_tag, str):
+                try:
+                    self.structural_tag = json.loads(self.structural_tag)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs structural_tag is not valid JSON: {e}") from None
+            if not isinstance(self.structural_tag, dict):
+                raise ValueError("structured_outputs structural_tag must be an object, got "
+                                 f"{type(self.structural_tag).__name__}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"structured_outputs regex must be a string, got {self.regex!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -77,10 +94,9 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object"})
+            unknown = sorted(set(value) - set(_KINDS))
             if unknown:
-                raise ValueError(f"structured_outputs has unknown keys {unknown}; valid: json, json_object, regex, "
-                                 "choice, grammar")
+                raise ValueError(f"structured_outputs has unknown keys {unknown}; valid: {', '.join(_KINDS)}")
             return cls(**value)
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
@@ -94,7 +110,20 @@ class StructuredOutputsParams:
             return ("regex", self.regex)
         if self.choice is not None:
             return ("choice", json.dumps(self.choice))
+        if self.structural_tag is not None:
+            return ("structural_tag", json.dumps(self.structural_tag, sort_keys=True))
         return ("grammar", self.grammar)
+
+
+def _holds_json(node: Any) -> bool:
+    """Whether a structural tag has JSON content (a `json_schema` format in the default `json` style)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            return True
+        return any(_holds_json(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_json(v) for v in node)
+    return False
 
 
 class StructuredOutputManager:
@@ -107,15 +136,23 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler = None
+        # the server compiles on request threads while the engine thread looks grammars up: one lock
+        # guards the compiler's creation and the cache (compiling itself runs outside it)
+        self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._matchers: dict[str, tuple[Any, bool]] = {}  # request id -> (matcher, is JSON)
+        self._matchers: dict[str, tuple[Any, np.ndarray | None]] = {}  # request id -> (matcher, extra mask)
         self._json_safe: np.ndarray | None = None  # [W] int32: tokens without control bytes
+        self._json_lines_safe: np.ndarray | None = None  # [W] int32: ... other than \n and \r
 
     @property
     def words(self) -> int:
         return bitmask_words(self.vocab_size)
 
     def _get_compiler(self):
+        with self._lock:
+            return self._get_compiler_locked()
+
+    def _get_compiler_locked(self):
         if self._compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer, and this model has none")
@@ -125,13 +162,14 @@ class StructuredOutputManager:
                                                       stop_token_ids=self.eos_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             self._json_safe = self._control_free_mask(info.decoded_vocab)
+            self._json_lines_safe = self._control_free_mask(info.decoded_vocab, keep=b"\n\r")
         return self._compiler
 
-    def _control_free_mask(self, decoded_vocab: list[bytes]) -> np.ndarray:
-        """Bit t set when token t's bytes contain no control byte (< 0x20); special tokens (EOS)
-        decode to their names and stay allowed."""
+    def _control_free_mask(self, decoded_vocab: list[bytes], keep: bytes = b"") -> np.ndarray:
+        """Bit t set when token t's bytes contain no control byte (< 0x20) other than those in `keep`;
+        special tokens (EOS) decode to their names and stay allowed."""
         bits = np.zeros(self.words * 32, dtype=bool)
-        control = bytes(range(32))
+        control = bytes(b for b in range(32) if b not in keep)
         for token_id, raw in enumerate(decoded_vocab[: self.vocab_size]):
             bits[token_id] = not any(b in control for b in raw)
         for token_id in self.eos_token_ids:
@@ -144,10 +182,11 @@ class StructuredOutputManager:
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec` (cached); a ValueError naming the problem if it does not compile."""
         key = spec.key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
@@ -158,6 +197,8 @@ class StructuredOutputManager:
                 compiled = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
                 compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            elif spec.structural_tag is not None:
+                compiled = compiler.compile_structural_tag(json.dumps(spec.structural_tag))
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - whatever the grammar library raises, the request's grammar is at fault
@@ -165,17 +206,23 @@ class StructuredOutputManager:
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first_line)  # drop "[time] file.cc:123:"
             raise ValueError(f"structured_outputs {kind} could not be compiled: {reason}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > self.CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > self.CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
     # ---- per request ----------------------------------------------------------------------
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         import xgrammar as xgr
 
-        is_json = spec.json is not None or bool(spec.json_object)
-        self._matchers[request_id] = (xgr.GrammarMatcher(self.compile(spec)), is_json)
+        compiled = self.compile(spec)  # builds the masks below on first use
+        extra = None
+        if spec.json is not None or spec.json_object:
+            extra = self._json_safe
+        elif spec.structural_tag is not None and _holds_json(spec.structural_tag):
+            extra = self._json_lines_safe
+        self._matchers[request_id] = (xgr.GrammarMatcher(compiled), extra)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -185,19 +232,19 @@ class StructuredOutputManager:
         import torch
         import xgrammar as xgr
 
-        matcher, is_json = self._matchers[request_id]
+        matcher, extra = self._matchers[request_id]
         if matcher.is_terminated():
             return None
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32 (torch, CPU)
         matcher.fill_next_token_bitmask(mask, 0)
         assert mask.dtype == torch.int32
         words = mask[0].numpy().copy()
-        if is_json:
-            words &= self._json_safe
+        if extra is not None:
+            words &= extra
         return words
 
     def accept(self, request_id: str, token_id: int) -> bool:
-        matcher = self._matchers.get(request_id, (None, False))[0]
+        matcher = self._matchers.get(request_id, (None, None))[0]
         if matcher is None or matcher.is_terminated():
             return True
         return bool(matcher.accept_token(int(token_id)))

@@ -167,6 +167,17 @@ def test_qwen3_coder_types_by_schema():
                                              "zip": "02139"}
 
 
+def test_qwen3_coder_enum_member_without_padding():
+    """An enforced tool_choice lets one whitespace character stand around a value: an enum member is
+    still recognised (a free string keeps its text)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "unit": {"enum": ["c", "f"]}, "note": {"type": "string"}}}}}]
+    parser = make_tool_parser("qwen3_coder", tools)
+    parsed = parser.parse("<tool_call>\n<function=f>\n<parameter=unit> c\t</parameter>\n"
+                          "<parameter=note> x </parameter>\n</function>\n</tool_call>")
+    assert json.loads(parsed.calls[0].arguments) == {"unit": "c", "note": " x "}
+
+
 def test_qwen3_coder_two_calls_multiline_and_no_parameters():
     whole = _check_streams(lambda: _parser("qwen3_coder"), CODER_TWO)
     assert [(c["name"], json.loads(c["arguments"])) for c in whole["tool_calls"]] == [

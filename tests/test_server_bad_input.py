@@ -185,6 +185,11 @@ CASES = [
      "messages[0].tool_calls"),
     ("tool-call-id-not-string", _chat(messages=MSG + [{"role": "tool", "content": "r", "tool_call_id": 5}]), 400,
      "messages"),
+    ("parallel-tool-calls-string", _chat(tools=[TOOL], tool_choice="none", parallel_tool_calls="no"), 400,
+     "parallel_tool_calls"),
+    ("structural-tag-not-an-object", _chat(structured_outputs={"structural_tag": "[1]"}), 400, "structured_outputs"),
+    ("structural-tag-bad-format", _chat(structured_outputs={"structural_tag": {"type": "structural_tag", "format": {
+        "type": "no-such-format"}}}), 400, "structured_outputs"),
     # vLLM's tokenizer routes
     ("tokenize-neither-prompt-nor-messages", ("/tokenize", {}), 400, "prompt"),
     ("tokenize-prompt-and-messages", ("/tokenize", {"prompt": "x", "messages": MSG}), 400, "messages"),
@@ -210,6 +215,49 @@ CASES = [
     ("responses-not-served", ("/v1/responses", {"model": MODEL_NAME, "input": "hi"}), 404, None),
     ("embeddings-not-served", ("/v1/embeddings", {"model": MODEL_NAME, "input": "hi"}), 404, None),
 ]
+
+
+# Against a server with --tool-call-parser hermes: tool_choice 'required' / named is enforced with
+# structured output, so it takes no other output constraint.
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TOOL_CHOICE_CASES = [
+    ("required-with-response-format-json-object", _chat(tools=[TOOL], tool_choice="required",
+                                                        response_format={"type": "json_object"}), 400,
+     "response_format"),
+    ("required-with-response-format-json-schema", _chat(tools=[TOOL], tool_choice="required", response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}), 400, "response_format"),
+    ("named-with-response-format", _chat(tools=[TOOL], tool_choice=NAMED, response_format={"type": "json_object"}),
+     400, "response_format"),
+    ("named-with-structured-outputs", _chat(tools=[TOOL], tool_choice=NAMED, structured_outputs={"regex": "a+"}), 400,
+     "structured_outputs"),
+    ("required-with-guided-regex", _chat(tools=[TOOL], tool_choice="required", guided_regex="a+"), 400, "guided_regex"),
+    ("named-with-guided-json", _chat(tools=[TOOL], tool_choice=NAMED, guided_json={"type": "object"}), 400,
+     "guided_json"),
+    ("required-tool-schema-not-compilable", _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "no-such-type"}}}], tool_choice="required"), 400, "tools"),
+]
+
+
+@pytest.fixture(scope="module")
+def tool_http(qwen3_next_dir):
+    from lamina.entrypoints.openai.chat_tools import ChatOptions
+
+    with LLM(str(qwen3_next_dir), device="cpu", max_model_len=MAX_MODEL_LEN, show_progress=False) as llm, \
+            RunningServer(llm.engine, chat=ChatOptions(tool_call_parser="hermes")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("request_, status, param", [c[1:] for c in TOOL_CHOICE_CASES],
+                         ids=[c[0] for c in TOOL_CHOICE_CASES])
+def test_enforced_tool_choice_bad_input(tool_http, request_, status, param):
+    test_bad_input_is_a_4xx_naming_the_problem(tool_http, request_, status, param)
+
+
+def test_tool_server_healthy_after_bad_input(tool_http):
+    r = tool_http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "tools": [TOOL],
+                                                     "tool_choice": "required", "response_format": {"type": "text"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 @pytest.mark.parametrize("request_, status, param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -167,14 +167,27 @@ def test_tool_choice_none_required_and_named(client):
     out = _create(client, tools=TOOLS, tool_choice="none").choices[0]
     assert out.finish_reason == "stop" and not out.message.tool_calls
     assert out.message.content.startswith("\n\n<tool_call>") and out.message.model_extra["reasoning_content"] == THOUGHT
+    # required / named are enforced while decoding and the answer is the call alone, no reasoning first
+    # (docs/SERVING.md); with the think block closed by the template, the script's call fits the grammar
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        out = _create(client, tools=TOOLS, tool_choice=choice).choices[0]
-        assert out.finish_reason == "tool_calls" and out.message.tool_calls[0].function.name == "get_weather"
-        _, _, calls, finish, _ = _streamed(client, tools=TOOLS, tool_choice=choice)
-        assert finish == "tool_calls" and json.loads(calls[0]["arguments"]) == ARGS
-    # a named choice keeps only that function's calls: the model called another one, so it is plain text
-    out = _create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}}).choices[0]
-    assert out.finish_reason == "stop" and not out.message.tool_calls and "<tool_call>" in out.message.content
+        out = _create(client, tools=TOOLS, tool_choice=choice, extra_body=no_think).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        assert out.message.model_extra["reasoning_content"] is None  # the parser is on; there is no reasoning
+        [call] = out.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
+        reasoning, content, calls, finish, _ = _streamed(client, tools=TOOLS, tool_choice=choice, extra_body=no_think)
+        assert finish == "tool_calls" and (reasoning, content) == ("", "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    # a named choice makes the model call that function even though it wanted another one (search takes
+    # no parameters, so its arguments are {})
+    named = {"type": "function", "function": {"name": "search"}}
+    out = _create(client, tools=TOOLS, tool_choice=named, extra_body=no_think).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [("search", {})]
+    # the same when the model wanted to think first: the grammar keeps <think> out
+    out = _create(client, tools=TOOLS, tool_choice=named).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [("search", {})]
 
 
 def test_reasoning_without_tools_and_enable_thinking_false(client):

@@ -41,7 +41,7 @@ def validate(obj) -> None:
 
 
 def test_params_validation():
-    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; got none"):
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar, structural_tag; got none"):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="got json, regex"):
         StructuredOutputsParams(json={"type": "object"}, regex="a")

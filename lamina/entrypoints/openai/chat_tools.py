@@ -3,10 +3,11 @@
 preparing tool-call history for the chat template, and the parser of the answer.
 
 `tool_choice` as vLLM reads it: absent means `auto` when `tools` are given (else `none`); `auto` needs
-`--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function need a parser.
-vLLM constrains decoding for `required` / named choices with structured output; lamina does not yet: it
-parses the answer as for `auto` (a named choice keeps only calls of that function), and an answer
-without a call comes back as plain content.
+`--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function need a parser
+and are enforced while decoding: structured output in the parser's format (tool_choice_grammar.py), so
+the answer is tool call(s) and nothing else (no reasoning text either); such a request cannot carry
+another output constraint (response_format, structured_outputs, guided_*), nor run under speculative
+decoding, which has no structured output yet.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 from lamina.entrypoints.openai.chat_output import ChatOutputParser
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS, make_reasoning_parser
 from lamina.entrypoints.openai.serving import APIError
+from lamina.entrypoints.openai.tool_choice_grammar import tool_choice_constraint
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
+from lamina.structured_output import StructuredOutputsParams
+
+ENFORCED_CHOICES = ("required", "named")
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,45 @@ def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_cho
     return "named", name
 
 
+def _constraint_fields(req: Any) -> list[str]:
+    """The request's own output constraints (response_format other than text, structured_outputs, guided_*)."""
+    fields = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and getattr(fmt, "type", None) != "text":
+        fields.append("response_format")
+    if getattr(req, "structured_outputs", None) is not None:
+        fields.append("structured_outputs")
+    guided = (f"guided_{kind}" for kind in ("json", "regex", "choice", "grammar"))
+    fields += [name for name in guided if getattr(req, name, None) is not None]
+    return fields
+
+
+def tool_choice_structured_output(options: ChatOptions, req: Any, choice: str, function: str | None,
+                                  engine: Any) -> StructuredOutputsParams | None:
+    """The output constraint that enforces a `required` / named tool_choice (None for `auto` / `none`),
+    compiled here so that a tool schema the grammar library refuses is a 400 naming `tools`. Blocking
+    (grammar compilation): run it off the event loop."""
+    if choice not in ENFORCED_CHOICES:
+        return None
+    what = "tool_choice 'required'" if choice == "required" else f"tool_choice naming function {function!r}"
+    others = _constraint_fields(req)
+    if others:
+        raise APIError(400, f"{what} cannot be combined with {' and '.join(others)}: the tool call is enforced "
+                       "with structured output, and a request takes one output constraint; drop one of them",
+                       param=others[0])
+    if getattr(engine, "spec_config", None) is not None:
+        raise APIError(400, f"{what} is enforced with structured output, which cannot be combined with "
+                       "speculative decoding (MTP) yet; use tool_choice 'auto', or start the server without "
+                       "--speculative-config", param="tool_choice")
+    try:
+        spec = tool_choice_constraint(options.tool_call_parser, req.tools, choice, function,
+                                      parallel_tool_calls=req.parallel_tool_calls is not False)
+        engine.structured.compile(spec)
+    except ValueError as e:
+        raise APIError(400, f"{what} could not be enforced for these tools: {e}", param="tools") from e
+    return spec
+
+
 def prepare_tool_history(messages: list[dict[str, Any]]) -> None:
     """Assistant `tool_calls` as the chat templates read them: `function.arguments` as an object (clients
     send the JSON string they received), checked so that a bad one is a 400, not a template error; and a
@@ -134,7 +178,8 @@ def output_parser(options: ChatOptions, tools: list[dict] | None, choice: str, f
     tool_parser = None
     if choice != "none" and options.tool_call_parser is not None:
         tool_parser = make_tool_parser(options.tool_call_parser, tools)
-    reasoning = make_reasoning_parser(options.reasoning_parser, prompt_tail)
+    # an enforced tool choice leaves no room for reasoning: all of the answer is the call(s)
+    reasoning = None if choice in ENFORCED_CHOICES else make_reasoning_parser(options.reasoning_parser, prompt_tail)
     return ChatOutputParser(reasoning, tool_parser, function if choice == "named" else None)
 
 

@@ -154,6 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: tool_choice 'required' allows exactly one call
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
-from lamina.entrypoints.openai.chat_tools import ChatOptions, output_parser, prepare_tool_history, resolve_tool_choice
+from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser, prepare_tool_history,
+                                                  resolve_tool_choice, tool_choice_structured_output)
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
 from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
@@ -98,6 +99,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     _check_chat_options(req)
     options = chat_options(serving)
     choice, function = resolve_tool_choice(options, req.tools, req.tool_choice)
+    tool_constraint = None
+    if choice in ENFORCED_CHOICES:  # compiling the tools' grammar: off the event loop
+        tool_constraint = await serving.run_blocking(tool_choice_structured_output, options, req, choice, function,
+                                                     serving.engine, param="tools")
     messages = _messages(req)
     prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
@@ -111,6 +116,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, best_of=getattr(req, "best_of", None))
+    if tool_constraint is not None:  # the request has no other constraint (tool_choice_structured_output)
+        params.structured_outputs = tool_constraint
     serving.validate_prompt(token_ids, params, "messages")
     request_id = serving.new_id("chatcmpl")
     [stream] = serving.submit([(request_id, token_ids, params, None)])
@@ -140,7 +147,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         if parser.active:
             fields = parser.parse(completion.text)
             message.update(content=fields.content, tool_calls=fields.tool_calls)
-            if parser.reasoning is not None:
+            if options.reasoning_parser is not None:  # null when an enforced tool choice leaves no reasoning
                 message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
             if fields.tool_calls:
                 finish_reason = "tool_calls"

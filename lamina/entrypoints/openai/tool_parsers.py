@@ -14,8 +14,9 @@ stream sends the growth of each part and ends with what the non-streaming answer
 - hermes streams the arguments object as the model writes it (its raw JSON text; trailing `}` and
   spaces are held back until it is clear whether they close the arguments or the call);
 - qwen3_coder streams one `"name": value` piece per finished parameter, converted by the tool's
-  JSON schema (`integer`, `number`, `boolean`, `object`, `array`; strings otherwise; without a schema,
-  a value that parses as JSON is taken as such).
+  JSON schema (`integer`, `number`, `boolean`, `object`, `array`; strings otherwise; a member of the
+  schema's `enum` with the whitespace around it dropped; without a schema, a value that parses as
+  JSON is taken as such).
 
 A call that cannot be parsed makes `ToolParse.valid` false; the server then answers the whole text as
 plain content (never an error).
@@ -198,9 +199,14 @@ class Qwen3CoderToolParser(ToolParser):
         kind = schema.get("type") if isinstance(schema, dict) else None
         if isinstance(kind, list):
             kind = next((k for k in kind if k != "null"), None)
+        text = value.strip()
+        choices = schema.get("enum") if isinstance(schema, dict) else None
+        if isinstance(choices, list):  # a string enum member, however the value is padded
+            for candidate in (value, text):
+                if isinstance(candidate, str) and candidate in choices:
+                    return candidate
         if kind == "string":
             return value
-        text = value.strip()
         try:
             if kind == "integer":
                 return int(text)
