@@ -24,6 +24,7 @@ CASES = {
     "greedy_n2": SamplingParams(n=2, temperature=0.0, max_tokens=5, ignore_eos=True),
     "best_of3_n2": SamplingParams(n=2, best_of=3, temperature=0.9, top_k=50, seed=5, max_tokens=4,
                                   ignore_eos=True, logprobs=1),
+    "prompt_logprobs_n2": SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2),
 }
 
 
@@ -37,14 +38,19 @@ def generate(llm, share: bool, prompts, params):
     llm.engine.share_prompt_prefill = share
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.cache_usage() == 0.0 and not llm.engine.has_unfinished_requests()
-    return [([c.token_ids for c in o.outputs], [c.cumulative_logprob for c in o.outputs]) for o in outs]
+    return [([c.token_ids for c in o.outputs], [c.cumulative_logprob for c in o.outputs], o.prompt_logprobs)
+            for o in outs]
 
 
 def assert_same(shared, unshared):
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(shared, unshared):
+    for (tokens, logprobs, prompt), (ref_tokens, ref_logprobs, ref_prompt) in zip(shared, unshared):
         assert tokens == ref_tokens
         for a, b in zip(logprobs, ref_logprobs):
             assert (a is None and b is None) or a == pytest.approx(b, abs=1e-4)
+        assert (prompt is None) == (ref_prompt is None)
+        for a, b in zip(prompt or [], ref_prompt or []):
+            assert (a is None and b is None) or (a.keys() == b.keys() and
+                                                 all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a))
 
 
 # ---- engine -------------------------------------------------------------------------------------
@@ -156,7 +162,7 @@ def test_parallel_layout_gives_single_rank_tokens(qwen3_next_dir, layout):
     with LLM(str(qwen3_next_dir), block_size=4, max_num_batched_tokens=16, debug_layouts=True, **ENGINE, **layout) as llm:
         got = generate(llm, True, prompts, params)
         assert llm.engine.scheduler.num_forked == 4
-    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert [t[0] for t in got] == [t[0] for t in expected]
 
 
 # ---- scheduler (no model) ------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Scheduler:
         source, siblings = requests[0], list(requests[1:])
         assert all(r.prompt_token_ids == source.prompt_token_ids for r in siblings)
         self.add(source)
-        if not siblings or source.num_prompt_tokens < 2 or source.num_computed_tokens > 0:
+        if not siblings or source.num_prompt_tokens < 2:
             for request in siblings:
                 self.add(request)
             return
