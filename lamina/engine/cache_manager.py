@@ -83,6 +83,21 @@ class CacheManager:
             table.extend(self.blocks.allocate(extra))
         return True
 
+    def fork(self, src_id: str, dst_id: str, shared_tokens: int, total_tokens: int):
+        """Give `dst_id` (no cache yet) a state slot and blocks for `total_tokens`, whose first
+        blocks are to hold copies of `src_id`'s blocks covering its first `shared_tokens` tokens.
+        Returns (block copies [(src block, dst block)], (src slot, dst slot)), or None, changing
+        nothing, when blocks or slots are short. The copies themselves are the workers' job."""
+        assert dst_id not in self._slot_of, f"{dst_id} already has a cache"
+        src_table = self._tables[src_id]
+        num_shared = self.blocks_needed(shared_tokens)
+        assert num_shared <= len(src_table), "the source's blocks do not cover the shared tokens"
+        if not self.allocate(dst_id, max(total_tokens, shared_tokens)):
+            return None
+        dst_table = self._tables[dst_id]
+        copies = list(zip(src_table[:num_shared], dst_table[:num_shared]))
+        return copies, (self._slot_of[src_id], self._slot_of[dst_id])
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:

@@ -118,6 +118,9 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # n / best_of > 1: parent id -> its children
         self._parent_of: dict[str, str] = {}  # child id -> parent id
         self._replica_of: dict[str, int] = {}
+        # n / best_of: the children prefill the prompt once and fork (Scheduler.add_group); tests
+        # turn it off to compare with every child prefilling the prompt itself.
+        self.share_prompt_prefill = True
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.num_kv_blocks = num_blocks
@@ -375,15 +378,28 @@ class LLMEngine:
             if any(c in self._states for c in child_ids):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._parents[request_id] = ParentRequest(request_id, params, child_ids)
+            replica = self._pick_replica()  # the children share the prompt's prefill: one replica
+            children = []
             for i, child_id in enumerate(child_ids):
                 self._parent_of[child_id] = request_id
-                self._add_sequence(child_id, text, token_ids, child_params(params, i), max_tokens)
+                children.append(self._new_sequence(child_id, text, token_ids, child_params(params, i), max_tokens, replica))
+            if self.share_prompt_prefill:
+                self.schedulers[replica].add_group(children)
+            else:
+                for child in children:
+                    self.schedulers[replica].add(child)
             return request_id
-        self._add_sequence(request_id, text, token_ids, params, max_tokens)
+        replica = self._pick_replica()
+        self.schedulers[replica].add(self._new_sequence(request_id, text, token_ids, params, max_tokens, replica))
         return request_id
 
-    def _add_sequence(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                      max_tokens: int) -> None:
+    def _pick_replica(self) -> int:
+        """Data parallel: the replica with the fewest unfinished requests."""
+        return min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
+
+    def _new_sequence(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                      max_tokens: int, replica: int) -> Request:
+        """The engine's bookkeeping of one sequence on `replica`; the caller hands it to the scheduler."""
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_index=next(self._arrivals), max_tokens=max_tokens, prompt=text,
@@ -396,10 +412,8 @@ class LLMEngine:
         self._states[request_id] = _RequestState(request, detok)
         if params.structured_outputs is not None:
             self.structured.add(request_id, params.structured_outputs)
-        # Data parallel: the replica with the fewest unfinished requests takes it.
-        replica = min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
         self._replica_of[request_id] = replica
-        self.schedulers[replica].add(request)
+        return request
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)
@@ -445,8 +459,8 @@ class LLMEngine:
         plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
         self._note_waits(plans, time.monotonic())
         if all(p.is_empty for p in plans):
-            if any(p.finished_request_ids for p in plans):
-                self.executor.execute_replicas(plans)  # let workers drop per-request state
+            if any(p.finished_request_ids or p.has_copies for p in plans):
+                self.executor.execute_replicas(plans)  # let workers drop per-request state, copy caches
             return []
         self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)

@@ -1,9 +1,10 @@
 """`n` and `best_of`: one request fanned out into `best_of` child sequences, collected back into one
 `RequestOutput` with `outputs[0..n-1]` (vLLM semantics).
 
-Each child is an ordinary request to the scheduler (its own KV blocks and recurrent-state slot), so
-the children's prompts are prefilled side by side in the same steps but not shared: the cache
-manager has no copy-on-write blocks or state-slot forks yet. A seeded parent gives child i the seed
+Each child is a request to the scheduler with its own KV blocks and recurrent-state slot; they are
+added as a group (`Scheduler.add_group`), so child 0 prefills `prompt[:-1]` once and the others
+start from copies of its cache (every child then computes the last prompt token and samples its
+first token itself). A seeded parent gives child i the seed
 `seed + i`, so the children differ and the whole request is reproducible.
 
 With `best_of > n` the children track their cumulative logprob (each samples with at least

@@ -12,6 +12,17 @@ Speculative decoding: a decoding request's chunk also carries its draft tokens (
 budget, max_model_len and max_tokens leave room for), and a chunk that samples reserves KV for
 `num_draft_tokens - 1` more positions, where the MTP drafter writes while drafting. After the
 step only the accepted tokens count as computed.
+
+Prompt sharing (`n` / `best_of`, `add_group`): the group's first request (the source) prefills
+all prompt tokens but the last; its siblings wait outside the queue. At the start of the next
+plan the scheduler forks: each sibling gets its own state slot and KV blocks, and the plan tells
+every rank to copy the source's slot and prompt blocks into them before the forward
+(`StepPlan.state_copies`, `block_copies`). From then on the siblings are ordinary running requests
+that have computed `prompt[:-1]`: each runs the last prompt token as its own chunk and samples its
+first token independently. A sibling the cache cannot take at fork time (no slot or blocks, or
+`max_num_seqs` reached) is released to the front of the queue and prefills the prompt itself;
+so is every sibling when the source ends before the fork. A preempted source prefills again
+(its siblings keep waiting); a preempted sibling recomputes by itself.
 """
 
 from __future__ import annotations
@@ -49,11 +60,33 @@ class Scheduler:
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
         self.num_preemption_recompute_tokens = 0  # computed tokens whose cache preemption dropped
+        # Prompt sharing: source request id -> (source, siblings waiting for its prompt state)
+        self._forks: dict[str, tuple[Request, list[Request]]] = {}
+        self.num_forked = 0  # siblings that started from a copied prompt state
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def add_group(self, requests: list[Request]) -> None:
+        """Requests with the same prompt (the children of one `n` / `best_of` request, in order):
+        the first prefills `prompt[:-1]` once, the others start from a copy of its state."""
+        source, siblings = requests[0], list(requests[1:])
+        assert all(r.prompt_token_ids == source.prompt_token_ids for r in siblings)
+        self.add(source)
+        if not siblings or source.num_prompt_tokens < 2:
+            for request in siblings:
+                self.add(request)
+            return
+        for request in siblings:
+            request.status = RequestStatus.WAITING
+        self._forks[source.request_id] = (source, siblings)
+
+    def _release(self, siblings: list[Request]) -> None:
+        """Siblings that will not fork: to the front of the queue, in order, to prefill themselves."""
+        for request in reversed(siblings):
+            self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length, abort, error) and release its cache."""
@@ -66,15 +99,21 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
+        group = self._forks.pop(request.request_id, None)
+        if group is not None:  # the source ended before the fork
+            self._release(group[1])
+        for _, siblings in self._forks.values():  # a sibling that was still waiting for the fork
+            if request in siblings:
+                siblings.remove(request)
         self.cache.free(request.request_id)
         self._finished_since_last_plan.append(request.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(siblings) for _, siblings in self._forks.values())
 
     @property
     def num_running(self) -> int:
@@ -91,6 +130,37 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         plan.preempted_request_ids.append(request.request_id)
+
+    def _target(self, request: Request) -> int:
+        """Tokens the request computes before it may go on: `prompt[:-1]` for a fork source."""
+        if request.request_id in self._forks:
+            return request.num_prompt_tokens - 1
+        return request.num_tokens
+
+    def _fork_ready(self) -> list[tuple[Request, list[tuple[int, int]], tuple[int, int]]]:
+        """Fork every group whose source has computed `prompt[:-1]`: (sibling, block copies,
+        state copy) for each sibling now running."""
+        forks = []
+        for source_id, (source, siblings) in list(self._forks.items()):
+            shared = source.num_prompt_tokens - 1
+            if source.status != RequestStatus.RUNNING or source.num_computed_tokens < shared:
+                continue
+            del self._forks[source_id]
+            released = []
+            for request in siblings:
+                copies = None
+                if len(self.running) < self.config.max_num_seqs:
+                    copies = self.cache.fork(source_id, request.request_id, shared, shared + 1)
+                if copies is None:
+                    released.append(request)
+                    continue
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = shared
+                self.running.append(request)
+                self.num_forked += 1
+                forks.append((request, *copies))
+            self._release(released)
+        return forks
 
     def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -146,11 +216,15 @@ class Scheduler:
         self._finished_since_last_plan = []
         budget = self.config.max_num_batched_tokens
         lookahead = num_draft_tokens - 1
+        forks = self._fork_ready()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._target(request) - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
             drafts = self._drafts(request, num_new, budget - num_new)
             if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
                 # A seeded sampling request draws random numbers for every draft it verifies: cutting
@@ -175,7 +249,7 @@ class Scheduler:
         if not plan.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_new = min(self._target(request) - request.num_computed_tokens, budget)
                 if not self.cache.allocate(request.request_id, self._tokens_to_allocate(request, num_new, lookahead)):
                     break
                 self.waiting.popleft()
@@ -183,6 +257,12 @@ class Scheduler:
                 self.running.append(request)
                 plan.chunks.append(self._chunk(request, num_new))
                 budget -= num_new
+        # A sibling preempted in its own fork step starts over by itself: no copies for it.
+        preempted = set(plan.preempted_request_ids)
+        for request, block_copies, state_copy in forks:
+            if request.request_id not in preempted:
+                plan.block_copies += block_copies
+                plan.state_copies.append(state_copy)
         return plan
 
     def on_step_done(self, plan: StepPlan, results: dict | None = None) -> None:

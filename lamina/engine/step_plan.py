@@ -68,6 +68,16 @@ class StepPlan:
     num_draft_tokens: int = 0
     spec_commits: dict[str, int] = field(default_factory=dict)
     dp_num_samples: tuple[int, ...] | None = None
+    # Prompt sharing (`n` / `best_of`): before this step's forward every rank copies cache rows,
+    # (source, destination) pairs of plain ints: whole KV blocks of every paged-cache layer, and
+    # whole recurrent-state slots of every state layer. A forked child starts from its source's
+    # prompt state this way (Scheduler.add_group).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.block_copies or self.state_copies)
 
     @property
     def num_tokens(self) -> int:

@@ -78,6 +78,10 @@ class GatedAttention(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         return 2 * self.k_cache.numel() * dtype.itemsize
 
+    def paged_cache_tensors(self) -> list[torch.Tensor]:
+        """Every paged cache tensor (block-major), for block-to-block copies."""
+        return [self.k_cache, self.v_cache]
+
     def forward(
         self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
         key_mask: torch.Tensor | None = None,

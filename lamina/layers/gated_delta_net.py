@@ -117,6 +117,10 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
         return self.conv_state.numel() * dtype.itemsize + self.ssm_state.numel() * 4
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot state tensor (slot-major), for slot-to-slot copies."""
+        return [self.conv_state, self.ssm_state]
+
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""

@@ -62,6 +62,10 @@ class QSAIndexer(nn.Module):
         self.key_cache = torch.zeros((num_blocks, block_size, 1, self.head_dim), dtype=dtype, device=device)
         return self.key_cache.numel() * dtype.itemsize
 
+    def paged_cache_tensors(self) -> list[torch.Tensor]:
+        """Every paged cache tensor (block-major), for block-to-block copies."""
+        return [self.key_cache]
+
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> the key mask for `paged_attention`, as a function of a request group
@@ -117,6 +121,10 @@ class IndexedGatedAttention(GatedAttention):
         """K/V and the indexer's raw keys, all under the same block ids."""
         kv_bytes = super().bind_paged_cache(num_blocks, block_size, dtype, device)
         return kv_bytes + self.indexer.bind_paged_cache(num_blocks, block_size, dtype, device)
+
+    def paged_cache_tensors(self) -> list[torch.Tensor]:
+        """K/V and the indexer's raw keys (same block ids)."""
+        return super().paged_cache_tensors() + self.indexer.paged_cache_tensors()
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""

@@ -232,6 +232,10 @@ class PLELayer(nn.Module):
         self.conv_state = torch.zeros((num_slots, self.width, self.state_len), dtype=dtype, device=device)
         return self.conv_state.numel() * dtype.itemsize
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot state tensor (slot-major), for slot-to-slot copies."""
+        return [self.conv_state]
+
     def forward(self, streams: torch.Tensor, window: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """streams [T, hc*H], window [T, ngram_size] -> streams + PLE output [T, hc*H]."""
         assert self.conv_state is not None, "PLE conv state not bound"

@@ -93,6 +93,21 @@ class ModelRunner:
             self.state_bytes += per_slot * num_state_slots
             self.spare_state_bytes += per_slot
 
+    @torch.inference_mode()
+    def apply_cache_copies(self, plan: StepPlan) -> None:
+        """Prompt sharing: copy the plan's KV blocks and state slots (source -> destination) in every
+        cache tensor of this rank, one batched `index_copy_` per tensor, before the step's forward."""
+        for pairs, tensors in (
+            (plan.block_copies, [t for m in self.paged_cache_modules() for t in m.paged_cache_tensors()]),
+            (plan.state_copies, [t for m in self.model.state_modules() for t in m.state_tensors()]),
+        ):
+            if not pairs or not tensors:
+                continue
+            src = torch.as_tensor([s for s, _ in pairs], dtype=torch.long).to(self.device)  # [N]
+            dst = torch.as_tensor([d for _, d in pairs], dtype=torch.long).to(self.device)  # [N]
+            for cache in tensors:  # [num_blocks or num_slots, ...]
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> bool:
         """Capture CUDA graphs of the one-token decode step for padded batch sizes up to
         `max_batch` (single-rank CUDA runs whose decode kernels are graph-safe, without MTP).
@@ -217,6 +232,7 @@ class ModelRunner:
         """Single-rank step: the whole model, then sampling."""
         self.forget_finished(plan)
         self.commit_spec_states(plan)
+        self.apply_cache_copies(plan)
         if plan.is_empty:
             return {}
         if self.spec is None and can_replay(self.decode_graphs, plan.chunks):

@@ -46,6 +46,7 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
     plan = plans[me.dp]
     runner.forget_finished(plan)
     runner.commit_spec_states(plan)  # speculative decoding: roll back to the accepted tokens
+    runner.apply_cache_copies(plan)  # prompt sharing: forked requests start from their source's state
     if plan.is_empty and (not spec.plan.ep_enabled or all(p.is_empty for p in plans)):
         # Without EP replicas need not step together; with EP an all-empty step (a bookkeeping
         # flush after aborts) has no MoE collective to join either.
