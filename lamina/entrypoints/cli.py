@@ -1,4 +1,4 @@
-"""The `lamina` command line: `lamina generate ...` (more commands join as they are built)."""
+"""The `lamina` command line: `lamina generate | plan | serve | bench | eval ...`."""
 
 from __future__ import annotations
 
@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lamina.entrypoints.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from lamina.entrypoints.eval_cmd import add_eval_parser
+
+    add_eval_parser(sub)
     parser.subcommands = dict(sub.choices)
     return parser
 

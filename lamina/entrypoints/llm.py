@@ -84,22 +84,38 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
         `tools` (OpenAI's function definitions) are passed to the template, as vLLM's LLM.chat does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self.chat_token_ids(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs, tools=tools,
+            )}
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_token_ids(
+        self,
+        conversation: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """The prompt token ids `chat` sends for one conversation (the tokenizer's chat template applied)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            if not conversation:
-                raise ValueError("a conversation must have at least one message")
-            ids = tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **(chat_template_kwargs or {}),
-            )
-            if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if not conversation:
+            raise ValueError("a conversation must have at least one message")
+        ids = tokenizer.apply_chat_template(
+            conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **(chat_template_kwargs or {}),
+        )
+        if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
