@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from lamina.entrypoints.bench import SHARED_KEYS
 from lamina.entrypoints.cli import main
 
 COMMON = ["--device", "cpu", "--dtype", "float32", "--input-len", "6", "--output-len", "4"]
@@ -17,6 +18,7 @@ def test_bench_latency_writes_a_record_per_batch_size(qwen3_next_dir, tmp_path, 
     records = json.loads(out.read_text())
     assert [r["batch_size"] for r in records] == [1, 2]
     for r in records:
+        assert set(SHARED_KEYS) <= set(r) and r["concurrency"] == r["num_prompts"] == r["batch_size"]
         assert r["kind"] == "latency" and r["gpu"] == "cpu" and r["dtype"] == "float32"
         assert r["decode_steps"] == 3 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
         assert abs(r["output_tok_per_s"] - r["batch_size"] / (r["tpot_ms"] / 1e3)) < 1e-6
@@ -25,11 +27,15 @@ def test_bench_latency_writes_a_record_per_batch_size(qwen3_next_dir, tmp_path, 
 
 def test_bench_throughput(qwen3_next_dir, tmp_path):
     out = tmp_path / "throughput.json"
-    assert main(["bench", "throughput", "--model", str(qwen3_next_dir), *COMMON, "--num-prompts", "3",
-                 "--output-json", str(out)]) == 0
+    argv = ["bench", "throughput", "--model", str(qwen3_next_dir), *COMMON, "--num-prompts", "3",
+            "--output-json", str(out)]
+    assert main(argv) == 0
     [record] = json.loads(out.read_text())
-    assert record["kind"] == "throughput" and record["num_prompts"] == 3
-    assert record["total_tok_per_s"] > record["output_tok_per_s"] > 0
+    assert set(SHARED_KEYS) <= set(record) and record["command"] == "lamina " + " ".join(argv)
+    assert record["kind"] == "throughput" and record["num_prompts"] == 3 and record["output_tokens"] == 3 * 4
+    assert record["gpu"] == "cpu" and record["dtype"] == "float32" and record["tpot_ms"] is None
+    assert abs(record["output_tok_per_s"] - 12 / record["elapsed_s"]) < 1e-6
+    assert abs(record["total_tok_per_s"] - (12 + 3 * 6) / record["elapsed_s"]) < 1e-6
 
 
 def test_bench_latency_compared_with_transformers(qwen3_next_dir, tmp_path):

@@ -1,15 +1,17 @@
-"""`lamina bench latency | throughput`: vLLM-style benchmarks of the offline engine.
+"""`lamina bench latency | throughput | serve`: vLLM-style benchmarks.
 
 latency: for each batch size, B prompts of `--input-len` random token ids decode `--output-len`
 tokens together; reports TTFT (the prefill steps), TPOT (mean decode step), output tok/s and the
 fraction of the HBM roofline: the bytes one decode step really reads (every non-expert weight
 but the embedding, the distinct routed experts of a measured step, the shared experts, the LM
 head, the KV cache read, the recurrent state read and written) over the device copy bandwidth
-measured in the same run. throughput: N prompts offline, total and output tok/s.
+measured in the same run. throughput: N prompts offline, total and output tok/s. serve: a running
+`lamina serve` measured over HTTP (lamina/entrypoints/bench_serve.py).
 
 Each run prints a markdown table, writes one JSON record per row (`--output-json`) and, where
 matplotlib is installed, a PNG of output tok/s against batch size with the roofline drawn.
 Without `--model`, `--preset qwen3.5-35b-a3b` writes that model's text config (dummy weights).
+Every record carries the keys of SHARED_KEYS (None where a kind has no such figure).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -36,12 +39,34 @@ PRESETS = {
 }
 
 
+# The keys every bench record has, whatever its kind (None where the kind has no such figure).
+# concurrency: requests in flight at most (latency: the batch size; throughput: the engine's
+# max_num_seqs or fewer prompts; serve: --max-concurrency, None for no limit).
+SHARED_KEYS = ("kind", "command", "gpu", "model", "dtype", "concurrency", "num_prompts", "input_len", "output_len",
+               "output_tok_per_s", "total_tok_per_s", "tpot_ms", "ttft_ms", "hbm_roofline_fraction",
+               "bytes_per_step", "baseline", "speedup_vs_baseline")
+
+
 def add_bench_parser(subparsers) -> None:
+    from lamina.entrypoints.bench_serve import __doc__ as serve_doc, add_serve_bench_args, run_serve_bench
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser("bench", help="benchmarks: latency (decode), throughput (offline), serve (HTTP)",
+                              description=__doc__, formatter_class=raw)
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind, help_ in (("latency", "decode latency of batches, offline"), ("throughput", "N prompts, offline")):
+        k = kinds.add_parser(kind, help=help_, description=__doc__, formatter_class=raw)
+        _add_offline_args(k)
+        k.set_defaults(func=run_bench)
+    s = kinds.add_parser("serve", help="a running `lamina serve`, over HTTP", description=serve_doc,
+                         formatter_class=raw)
+    add_serve_bench_args(s)
+    s.set_defaults(func=run_serve_bench)
+
+
+def _add_offline_args(p) -> None:
     from lamina.entrypoints import cli
 
-    p = subparsers.add_parser("bench", help="benchmarks: latency (decode), throughput (offline)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=["latency", "throughput"])
     cli.add_engine_args(p)
     b = p.add_argument_group("benchmark")
     b.add_argument("--preset", default="qwen3.5-35b-a3b", choices=sorted(PRESETS),
@@ -55,7 +80,6 @@ def add_bench_parser(subparsers) -> None:
     b.add_argument("--plot", default=None, help="latency: write a PNG of tok/s against batch size")
     b.add_argument("--compare", choices=["transformers"], default=None,
                    help="latency: also time transformers' generate on the same config in this run")
-    p.set_defaults(func=run_bench)
 
 
 def _preset_dir(preset: str, num_layers: int | None) -> Path:
@@ -215,9 +239,10 @@ def run_latency(args, model_path: str) -> list[dict]:
                     decode_steps += 1
             tpot = decode_time / max(decode_steps, 1)
             record = {
-                "kind": "latency", "command": " ".join(["lamina", *sys.argv[1:]]), "gpu": _gpu_name(device),
+                "kind": "latency", "command": command_line(args), "gpu": _gpu_name(device),
                 "model": args.model or f"{args.preset} ({engine.model_config.num_hidden_layers} layers, dummy)",
-                "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": batch, "input_len": args.input_len,
+                "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": batch, "concurrency": batch,
+                "num_prompts": batch, "input_len": args.input_len,
                 "output_len": args.output_len, "output_tok_per_s": batch / tpot if decode_steps else None,
                 "total_tok_per_s": batch * (args.input_len + args.output_len) / (time.perf_counter() - start),
                 "tpot_ms": tpot * 1e3, "ttft_ms": ttft * 1e3 if ttft is not None else None,
@@ -291,10 +316,11 @@ def run_throughput(args, model_path: str) -> list[dict]:
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return [{
-            "kind": "throughput", "command": " ".join(["lamina", *sys.argv[1:]]), "gpu": _gpu_name(device),
+            "kind": "throughput", "command": command_line(args), "gpu": _gpu_name(device),
             "model": args.model or f"{args.preset} (dummy)", "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "max_num_seqs": llm.engine.max_num_seqs, "elapsed_s": elapsed,
+            "concurrency": min(args.num_prompts, llm.engine.max_num_seqs), "num_prompts": args.num_prompts,
+            "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": llm.engine.max_num_seqs,
+            "output_tokens": out_tokens, "elapsed_s": elapsed,
             "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
         }]
 
@@ -308,15 +334,27 @@ def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def markdown_table(records: list[dict]) -> str:
-    columns = [c for c in ("batch_size", "num_prompts", "input_len", "output_len", "ttft_ms", "tpot_ms",
-                           "output_tok_per_s", "total_tok_per_s", "hbm_roofline_fraction", "mean_distinct_experts",
-                           "speedup_vs_baseline")
-               if any(c in r for r in records)]
+def command_line(args) -> str:
+    """The command that ran, as a shell line (`cli.main` keeps its argv on the namespace)."""
+    return shlex.join(["lamina", *getattr(args, "invocation", sys.argv[1:])])
+
+
+def with_shared_keys(record: dict) -> dict:
+    return {**{k: None for k in SHARED_KEYS}, **record}
+
+
+TABLE = ("batch_size", "num_prompts", "input_len", "output_len", "ttft_ms", "tpot_ms", "output_tok_per_s",
+         "total_tok_per_s", "hbm_roofline_fraction", "mean_distinct_experts", "speedup_vs_baseline")
+
+
+def markdown_table(records: list[dict], columns=TABLE) -> str:
+    """The columns some record has a value for; an empty cell where a record has none."""
+    columns = [c for c in columns if any(r.get(c) is not None for r in records)]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
     for r in records:
         cells = [r.get(c) for c in columns]
-        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells) + " |")
+        lines.append("| " + " | ".join("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+                                       for v in cells) + " |")
     return "\n".join(lines)
 
 
@@ -355,6 +393,7 @@ def run_bench(args) -> int:
             baseline = transformers_decode(model_path, record["batch_size"], args.input_len, args.output_len, device, dtype)
             record["baseline"] = baseline
             record["speedup_vs_baseline"] = record["output_tok_per_s"] / baseline["output_tok_per_s"]
+    records = [with_shared_keys(r) for r in records]
     print(markdown_table(records))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(records, indent=2))

@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.invocation = list(sys.argv[1:] if argv is None else argv)  # what ran (bench records keep it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
