@@ -15,7 +15,7 @@ _DTYPES = {
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the built-in (untrained) default model
+    model: str | None = None  # None: the built-in demo model (lamina/demo_model)
     tokenizer: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"

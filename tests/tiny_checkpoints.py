@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lamina.models.default_model import ensure_default_model
+from tests.tiny_tokenizer import tiny_tokenizer_dir
 
 VOCAB = 1024
 COMMON = dict(
@@ -37,7 +37,7 @@ def _randomise_norms(model: torch.nn.Module, seed: int) -> None:
 
 
 def _copy_tokenizer(dst: Path) -> None:
-    src = ensure_default_model()
+    src = tiny_tokenizer_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (src / name).exists():
             shutil.copy(src / name, dst / name)

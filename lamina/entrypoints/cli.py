@@ -13,7 +13,7 @@ from lamina.sampling_params import SamplingParams
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, with vLLM's names."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in untrained model)")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model, lamina/demo_model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -87,7 +87,7 @@ def _speculative_config(text: str | None) -> dict | None:
 
 def _generate(args: argparse.Namespace) -> int:
     from lamina import LLM
-    from lamina.models.default_model import ensure_default_model, is_untrained_default
+    from lamina.models.default_model import ensure_default_model
 
     if args.node_rank > 0:  # a secondary node of a multi-node layout: run its ranks headless
         from lamina.config import EngineArgs
@@ -98,12 +98,6 @@ def _generate(args: argparse.Namespace) -> int:
         print("lamina generate: error: --prompt is required", file=sys.stderr)
         return 2
     model = args.model or str(ensure_default_model())
-    if is_untrained_default(model):
-        print(
-            f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): the text below is "
-            "not meaningful; pass --model PATH for a real checkpoint",
-            file=sys.stderr,
-        )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
         max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -121,7 +115,7 @@ def _generate(args: argparse.Namespace) -> int:
                 "finish_reason": completion.finish_reason,
             }))
         else:
-            print(f"{prompt}{completion.text}")
+            print(completion.text if args.chat else f"{prompt}{completion.text}")
             print(f"[lamina] {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}", file=sys.stderr)
     return 0
 

@@ -301,8 +301,6 @@ def default_model_path() -> str:
 def run_eval(args: argparse.Namespace) -> int:
     from lamina import LLM
     from lamina.entrypoints.cli import engine_kwargs
-    from lamina.models.default_model import is_untrained_default
-
     if args.node_rank > 0:  # a secondary node of a multi-node layout: run its ranks headless
         from lamina.config import EngineArgs
         from lamina.engine.mp_executor import run_headless_node
@@ -317,9 +315,6 @@ def run_eval(args: argparse.Namespace) -> int:
         hint = "" if args.eval_file else f" (the {args.suite} suite reads <model>/eval.jsonl; pass --eval-file PATH)"
         raise FileNotFoundError(f"no eval set at {eval_file}{hint}")
     items = load_eval_items(eval_file, args.limit)
-    if is_untrained_default(model):
-        print(f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): expect an accuracy "
-              "near zero", file=sys.stderr)
     progress = not args.json and sys.stderr.isatty()
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = args.max_num_seqs or args.concurrency or DEFAULT_CONCURRENCY

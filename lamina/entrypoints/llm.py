@@ -18,7 +18,7 @@ PromptType = str | dict | list[int]
 class LLM:
     """Load a checkpoint and generate from it.
 
-    `model=None` uses the built-in untrained default model. Keyword arguments are the fields of
+    `model=None` uses the built-in demo model (lamina/demo_model). Keyword arguments are the fields of
     `lamina.config.EngineArgs`, with vLLM's names: `device`, `dtype`, `max_model_len`,
     `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `seed`, `num_gpu_blocks_override`,
     `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `load_format`,

@@ -29,7 +29,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory (default: the built-in untrained model); same as --model")
+                   help="checkpoint directory (default: the built-in demo model); same as --model")
     cli.add_engine_args(p)
     if hasattr(cli, "add_parallel_args"):
         cli.add_parallel_args(p)
@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from lamina.entrypoints.cli import engine_kwargs
     from lamina.entrypoints.openai.app import ServerConfig, build_app
     from lamina.entrypoints.openai.chat_tools import ChatOptions, load_chat_template
-    from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, is_untrained_default
+    from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
     repair_served_model_name(args)
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -113,9 +113,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_headless_node(EngineArgs(model=model_arg, **engine_kwargs(args)))
     model = model_arg or str(ensure_default_model())
-    if is_untrained_default(model):
-        print(f"[lamina] model: built-in default at {model} -- UNTRAINED (random weights): its text is not "
-              "meaningful; pass MODEL for a real checkpoint", file=sys.stderr)
     names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
     sock = bind_socket(args.host, args.port)
     try:
