@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.step_plan import ScheduledChunk, StepPlan
 from lamina.sampling_params import SamplingParams
 
 

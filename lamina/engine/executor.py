@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.step_plan import StepPlan
+from lamina.step_plan import StepPlan
 from lamina.worker.model_runner import ModelRunner, SampledToken
 
 

@@ -18,11 +18,12 @@ from lamina.engine.parallel_sampling import ParentRequest, child_params, child_r
 from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.engine.spec_decode import SpeculativeConfig, check_speculative, num_mtp_layers
+from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.engine.spec_policy import SpecDecodePolicy
 from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import SamplingParams
+from lamina.models.hybrid_config import num_mtp_layers
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.plan import build_plan
 from lamina.worker.model_loader import build_model, read_model_config

@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from lamina.engine.step_plan import StepPlan
+from lamina.step_plan import StepPlan
 from lamina.worker.model_runner import SampledToken
 from lamina.worker.worker import WorkerSpec, worker_main
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.worker.sampler import Sampler, SamplingBatch, create_generator
+from lamina.step_plan import ScheduledChunk, StepPlan
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import can_replay

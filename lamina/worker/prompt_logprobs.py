@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from lamina.engine.step_plan import ScheduledChunk
+from lamina.step_plan import ScheduledChunk
 
 __all__ = ["PROMPT_LOGPROBS_ROWS", "prompt_positions", "score_prompt_chunks"]
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.rejection_sampler import sample_drafts
-from lamina.engine.sampler import SamplingBatch
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.worker.rejection_sampler import sample_drafts
+from lamina.worker.sampler import SamplingBatch
+from lamina.step_plan import ScheduledChunk, StepPlan
 from lamina.layers.metadata import ForwardMetadata
 
 

@@ -10,7 +10,7 @@ Every rank of a replica (all pipeline stages, all TP ranks) does the same from t
   state after the accepted position into the slot. So slots only ever hold states of accepted
   tokens, on every stage, without any message flowing back along the pipeline.
 - Last stage: the target's logits at every verified position are checked
-  (lamina.engine.rejection_sampler) on TP rank 0, which shares the accepted counts and emitted
+  (lamina.worker.rejection_sampler) on TP rank 0, which shares the accepted counts and emitted
   tokens with its TP group; then the MTP proposer (lamina.worker.proposer) drafts for the next
   step. Drafts go back to the engine with the tokens and return in the next plan.
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.rejection_sampler import verify_drafts
-from lamina.engine.sampler import SamplingBatch
-from lamina.engine.step_plan import StepPlan
+from lamina.worker.rejection_sampler import verify_drafts
+from lamina.worker.sampler import SamplingBatch
+from lamina.step_plan import StepPlan
 from lamina.layers.spec_state import commit_captured
 from lamina.worker.proposer import MTPProposer
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.engine.step_plan import StepPlan
+from lamina.step_plan import StepPlan
 from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
 

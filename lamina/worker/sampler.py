@@ -1,7 +1,7 @@
 """Token sampler: turns last-position logits into next tokens.
 
-The engine builds a :class:`SamplingBatch` once per step on the host from the
-running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
+The runner builds a :class:`SamplingBatch` once per step on the host from the
+sampling requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 :class:`Sampler` on the model's logits.  The pipeline, per row, is:
 
 1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
@@ -9,7 +9,7 @@ running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 2. bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` while the
    request has generated fewer than ``min_tokens`` tokens, and the bad words
    whose other tokens the output ends with, are set to ``-inf``;
-   then the per-request adjustments of :mod:`lamina.engine.logits_processors`
+   then the per-request adjustments of :mod:`lamina.worker.logits_processors`
    (``allowed_token_ids``, ``logit_bias``, presence / frequency / repetition
    penalties);
 3. greedy rows take the argmax of the (banned) logits;
@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-from lamina.engine.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.sampling_params import SamplingParams
+from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 
 __all__ = [
     "SamplingBatch",
