@@ -15,8 +15,7 @@ import sys
 import time
 
 from lamina.engine.setup import EngineSetup, resolve_setup
-from lamina.step_plan import StepPlan
-from lamina.worker.model_runner import SampledToken
+from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.worker import WorkerSpec, worker_main
 
 

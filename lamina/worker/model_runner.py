@@ -10,38 +10,26 @@ model has an MTP drafter) the last stage verifies drafts and proposes new ones i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lamina.worker.sampler import Sampler, SamplingBatch, create_generator
-from lamina.step_plan import ScheduledChunk, StepPlan
+from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.prompt_logprobs import score_prompt_chunks
+from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch
 
 
 @dataclass
-class SampledToken:
-    token_id: int | None  # None: no token this step (prompt logprobs only)
-    logprobs: dict[int, float] | None = None
-    # Speculative decoding: draft tokens accepted this step (emitted before `token_id`) and their
-    # logprobs, how many drafts were checked, and the drafts proposed for the next step.
-    accepted_token_ids: list[int] = field(default_factory=list)
-    accepted_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    num_draft_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    # Prompt logprobs scored in this step: entries for prompt positions prompt_logprobs_start, ...
-    # (`token_id` is None for a chunk that scored prompt tokens without sampling).
-    prompt_logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs_start: int = 0
+class StepInputs:
+    """A step's input tensors on this rank, derived from its plan (`ModelRunner.prepare`)."""
 
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token this step emitted, in order."""
-        return [] if self.token_id is None else [*self.accepted_token_ids, self.token_id]
+    token_ids: torch.Tensor  # [T] long
+    meta: ForwardMetadata
+    logits_rows: list[int]  # rows of the sampling chunks' last tokens
 
 
 class ModelRunner:
@@ -51,12 +39,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = RequestGenerators(device)
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
         self.spare_state_bytes = 0
-        self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.request_groups = request_groups_enabled()
@@ -64,7 +51,7 @@ class ModelRunner:
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
 
-            self.spec = SpecDecodeStep(self)
+            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.generators)
 
     # ---- caches --------------------------------------------------------------------------
     def paged_cache_modules(self) -> list:
@@ -128,7 +115,7 @@ class ModelRunner:
         return True
 
     # ---- inputs --------------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardMetadata, list[int]]:
+    def prepare(self, plan: StepPlan) -> StepInputs:
         """Input tensors of this step, derived from the plan alone (identical on every rank)."""
         chunks = plan.chunks
         bs = self.block_size
@@ -180,12 +167,11 @@ class ModelRunner:
         )
         if meta.state_capture is not None:
             meta.capture_host = self.spec.capture_host
-        return as_tensor(token_ids), meta, logits_rows
+        return StepInputs(as_tensor(token_ids), meta, logits_rows)
 
     # ---- step ----------------------------------------------------------------------------
     def forget_finished(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_request_ids:
-            self._generators.pop(request_id, None)
+        self.generators.forget(plan.finished_request_ids)
         if self.spec is not None:
             self.spec.forget(plan.finished_request_ids)
             self.spec.forget(plan.preempted_request_ids)
@@ -197,16 +183,15 @@ class ModelRunner:
             self.spec.commit(plan)
 
     @torch.inference_mode()
-    def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None):
-        """Run this rank's stage: returns (stream or final hidden, logits rows)."""
-        token_ids, meta, logits_rows = self.prepare(plan)
-        self.last_inputs = (token_ids, meta)
-        return self.model(token_ids, meta, hidden), logits_rows
+    def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:
+        """Run this rank's stage: returns (stream or final hidden, the step's inputs)."""
+        inputs = self.prepare(plan)
+        return self.model(inputs.token_ids, inputs.meta, hidden), inputs
 
     @torch.inference_mode()
-    def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, SampledToken]:
+    def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, SampledToken]:
         """Last stage under speculative decoding (a TP collective: every TP rank calls it)."""
-        return self.spec.finish_step(plan, hidden)
+        return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size)
 
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
@@ -239,10 +224,10 @@ class ModelRunner:
             with torch.inference_mode():
                 logits = self.decode_graphs.run(plan.chunks)  # [B, vocab]
                 return self.sample(logits, plan.chunks)
-        hidden, rows = self.forward_stage(plan)
+        hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
-            return self.verify_and_propose(plan, hidden)
-        return self.logits_and_sample(plan, hidden, rows)
+            return self.verify_and_propose(plan, hidden, inputs)
+        return self.logits_and_sample(plan, hidden, inputs.logits_rows)
 
     def compute_logits_for_plan(self, plan: StepPlan) -> torch.Tensor:
         """Every position's logits of a plan [T, vocab] (tests compare them with transformers)."""
@@ -250,21 +235,12 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
 
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
-        seed = chunk.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(chunk.request_id)
-        if gen is None:
-            gen = self._generators[chunk.request_id] = create_generator(seed, self.device)
-        return gen
-
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
         batch = SamplingBatch.build(
             [c.sampling_params for c in chunks],
             [c.num_output_tokens for c in chunks],
             list(self.eos_token_ids),
-            [self._generator(c) for c in chunks],
+            [self.generators.get(c.request_id, c.sampling_params) for c in chunks],
             self.device,
             self.vocab_size,
             output_token_ids=[c.output_token_ids for c in chunks],

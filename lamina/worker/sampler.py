@@ -39,6 +39,7 @@ __all__ = [
     "SamplerOutput",
     "LogprobsTensors",
     "create_generator",
+    "RequestGenerators",
     "apply_top_k_top_p",
     "apply_min_p",
 ]
@@ -55,6 +56,28 @@ def create_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gen
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
+
+
+class RequestGenerators:
+    """This rank's ``torch.Generator`` of every seeded request, created when the request first
+    samples and kept until it finishes (its state advances as tokens are drawn)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self._by_request: dict[str, torch.Generator] = {}
+
+    def get(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's generator, None when it has no seed."""
+        if params.seed is None:
+            return None
+        gen = self._by_request.get(request_id)
+        if gen is None:
+            gen = self._by_request[request_id] = create_generator(params.seed, self.device)
+        return gen
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._by_request.pop(request_id, None)
 
 
 # ---------------------------------------------------------------------- #

@@ -22,21 +22,27 @@ from __future__ import annotations
 
 import torch
 
-from lamina.worker.rejection_sampler import verify_drafts
-from lamina.worker.sampler import SamplingBatch
-from lamina.step_plan import StepPlan
+from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.spec_state import commit_captured
+from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
+from lamina.worker.rejection_sampler import verify_drafts
+from lamina.worker.sampler import RequestGenerators, SamplingBatch
 
 NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
 
 
 class SpecDecodeStep:
-    def __init__(self, runner):
-        self.runner = runner
-        self.model = runner.model
-        self.mtp = getattr(runner.model, "mtp", None)  # None on stages other than the last
-        self.device = runner.device
+    def __init__(
+        self, model, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
+        generators: RequestGenerators,
+    ):
+        self.model = model
+        self.mtp = getattr(model, "mtp", None)  # None on stages other than the last
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.generators = generators  # the runner's: a seeded request draws from one generator
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
@@ -87,13 +93,14 @@ class SpecDecodeStep:
         return ctx.tp.all_reduce(x if ctx.tp_rank == 0 else torch.zeros_like(x))
 
     # ---- last stage --------------------------------------------------------------------------
-    def finish_step(self, plan: StepPlan, stage_output: torch.Tensor) -> dict:
-        """Verify this step's drafts, emit tokens and propose the next drafts. Returns the
-        per-request results on TP rank 0 (an empty dict elsewhere)."""
-        from lamina.worker.model_runner import SampledToken
-
-        runner, model = self.runner, self.model
-        token_ids, meta = runner.last_inputs
+    def finish_step(
+        self, plan: StepPlan, stage_output: torch.Tensor, token_ids: torch.Tensor, meta: ForwardMetadata,
+        block_size: int,
+    ) -> dict[str, SampledToken]:
+        """Verify this step's drafts, emit tokens and propose the next drafts. `token_ids` [T] and
+        `meta` are the step's inputs (the ones `stage_output` was computed from); `block_size` that
+        of the paged caches. Returns the per-request results on TP rank 0 (an empty dict elsewhere)."""
+        model = self.model
         chunks = plan.chunks
         is_sampler = model.ctx.tp_rank == 0
         sample_index = [i for i, c in enumerate(chunks) if c.sample]
@@ -125,10 +132,10 @@ class SpecDecodeStep:
         draft_batch = None
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
-                [c.sampling_params for c in sampled], [NO_BANS] * num, list(runner.eos_token_ids),
-                [runner._generator(c) for c in sampled], self.device, runner.vocab_size,
+                [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids,
+                [self._generator(c) for c in sampled], self.device, self.vocab_size,
             )
-        capacity = [len(c.block_table) * runner.block_size - 1 for c in sampled]
+        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
         max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
         drafts, probs = self.proposer.propose(
             plan, meta, sample_index, self._tensor(base_pos) + num_accepted, max_pos, capacity,
@@ -136,13 +143,15 @@ class SpecDecodeStep:
         )
         if not is_sampler or not num:
             return {}
-        return self._results(sampled, drafts_k, verified, drafts, probs, SampledToken)
+        return self._results(sampled, drafts_k, verified, drafts, probs)
+
+    def _generator(self, chunk) -> torch.Generator | None:
+        return self.generators.get(chunk.request_id, chunk.sampling_params)
 
     def _verify(self, logits, sampled, drafts_k, token_ids, rows):
-        runner = self.runner
         params, out_lens, gens, row_req, row_pos, row_draft = [], [], [], [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
-            gen = runner._generator(c)
+            gen = self._generator(c)
             for j in range(k + 1):
                 params.append(c.sampling_params)
                 out_lens.append(c.num_output_tokens + j)
@@ -150,7 +159,7 @@ class SpecDecodeStep:
                 row_req.append(b)
                 row_pos.append(j)
                 row_draft.append(c.token_ids[len(c.token_ids) - k + j] if j < k else -1)
-        batch = SamplingBatch.build(params, out_lens, list(runner.eos_token_ids), gens, self.device, runner.vocab_size)
+        batch = SamplingBatch.build(params, out_lens, self.eos_token_ids, gens, self.device, self.vocab_size)
         width = max(drafts_k) + 1
         starts = [0]
         for k in drafts_k:
@@ -177,7 +186,7 @@ class SpecDecodeStep:
             row += k + 1
         return torch.cat(blocks)
 
-    def _results(self, sampled, drafts_k, verified, drafts, probs, SampledToken) -> dict:
+    def _results(self, sampled, drafts_k, verified, drafts, probs) -> dict[str, SampledToken]:
         accepted = verified.num_accepted.tolist()
         tokens = verified.tokens.tolist()
         row_lps = verified.row_logprobs_lists()
