@@ -7,8 +7,12 @@ Built by the worker from a step plan; never inferred from activation shapes. Hos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lamina.layers.spec_state import StateCapture
 
 
 @dataclass
@@ -31,16 +35,15 @@ class ForwardMetadata:
     # Token counts of every data-parallel replica in this (lockstep) step, this one included:
     # expert-parallel MoE pads its cross-replica collectives to their maximum.
     dp_num_tokens: tuple[int, ...] | None = None
-    # Speculative verification: (req [R], offset [R], max offset) - long tensors and a host int -
-    # the tokens after which recurrent layers also keep their state (lamina.layers.spec_state),
-    # so that rejected drafts can be undone.
-    state_capture: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # Speculative verification: the tokens after which recurrent layers also keep their state, so
+    # that rejected drafts can be undone, and where the layers put those states
+    # (lamina.layers.spec_state; the capture list is on the device and the host).
+    state_capture: StateCapture | None = None
     # Host copies from the plan: each request's query length and context length after this step
-    # (an upper bound is enough), and the capture list's (req, offset). They let the padded kernels split a step into groups
-    # of similar requests (lamina.kernels.request_groups); None: never split.
+    # (an upper bound is enough). They let the padded kernels split a step into groups of similar
+    # requests (lamina.kernels.request_groups); None: never split.
     query_lens_host: tuple[int, ...] | None = None
     seq_lens_host: tuple[int, ...] | None = None
-    capture_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # Whether the padded kernels may split this step into request groups (the runner reads
     # LAMINA_REQUEST_GROUPS once, when it is built; nothing in the forward reads the environment).
     allow_groups: bool = True
@@ -54,13 +57,10 @@ class ForwardMetadata:
         from lamina.kernels import request_groups as rg
 
         groups = None
-        capture_known = by_context or self.state_capture is None or self.capture_host is not None
-        if self.allow_groups and capture_known and self.query_lens_host is not None and self.seq_lens_host is not None:
+        if self.allow_groups and self.query_lens_host is not None and self.seq_lens_host is not None:
             plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
             if plan is not None:
-                groups = rg.build_groups(
-                    plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device,
-                    None if by_context else self.capture_host,
-                )
+                capture = None if by_context or self.state_capture is None else self.state_capture.host
+                groups = rg.build_groups(plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device, capture)
         self._groups[by_context] = groups
         return groups

@@ -165,8 +165,6 @@ class ModelRunner:
             seq_lens_host=tuple(int(n) for n in seq_lens),
             allow_groups=self.request_groups,
         )
-        if meta.state_capture is not None:
-            meta.capture_host = self.spec.capture_host
         return StepInputs(as_tensor(token_ids), meta, logits_rows)
 
     # ---- step ----------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 Every rank of a replica (all pipeline stages, all TP ranks) does the same from the same plans:
 
 - Capture: a chunk with k drafts is `[last token, draft 1..k]`; recurrent layers keep the states
-  after its first k tokens (`ForwardMetadata.state_capture`, lamina.layers.spec_state). The
-  state after the whole chunk is written to the slot as usual (right when all k are accepted).
+  after its first k tokens in the step's `StateCapture` (lamina.layers.spec_state), which this
+  object builds from the plan, passes in `ForwardMetadata.state_capture` and holds until the next
+  plan's commit. The state after the whole chunk is written to the slot as usual (right when all
+  k are accepted).
 - Commit: the next plan carries how many drafts each verified request accepted
   (`StepPlan.spec_commits`, from the engine); before its forward the rank copies the captured
   state after the accepted position into the slot. So slots only ever hold states of accepted
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lamina.layers.metadata import ForwardMetadata
-from lamina.layers.spec_state import commit_captured
+from lamina.layers.spec_state import StateCapture
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
 from lamina.worker.rejection_sampler import verify_drafts
@@ -44,13 +46,14 @@ class SpecDecodeStep:
         self.vocab_size = vocab_size
         self.generators = generators  # the runner's: a seeded request draws from one generator
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
+        self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
 
     # ---- states ----------------------------------------------------------------------------
-    def capture_for(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(req [R], offset [R], max offset) of the tokens whose states verification keeps (None:
-        no drafts)."""
+    def capture_for(self, plan: StepPlan) -> StateCapture | None:
+        """The tokens of this step whose states verification keeps, and where the layers put
+        them (None: no drafts)."""
         self._captured = {}
         req: list[int] = []
         offset: list[int] = []
@@ -61,15 +64,13 @@ class SpecDecodeStep:
                 first = c.num_tokens - 1 - k  # the request's last accepted token
                 req += [i] * k
                 offset += range(first, first + k)
-        if not req:
-            self.capture_host = None
-            return None
-        self.capture_host = (tuple(req), tuple(offset))
-        return self._tensor(req), self._tensor(offset), max(offset)  # the bound keeps kernels' buffers small
+        self._capture = StateCapture.from_host(req, offset, self.device) if req else None
+        return self._capture
 
     def commit(self, plan: StepPlan) -> None:
         """Put the state after each verified request's accepted position into its slot."""
         captured, self._captured = self._captured, {}
+        capture, self._capture = self._capture, None
         rows, slots = [], []
         for request_id, accepted in plan.spec_commits.items():
             entry = captured.get(request_id)
@@ -77,9 +78,7 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            rows_t, slots_t = self._tensor(rows), self._tensor(slots)
-            for module in self.model.state_modules():
-                commit_captured(module, rows_t, slots_t)
+            capture.commit(self._tensor(rows), self._tensor(slots))
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
