@@ -61,6 +61,8 @@ class ForwardMetadata:
             plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
             if plan is not None:
                 capture = None if by_context or self.state_capture is None else self.state_capture.host
-                groups = rg.build_groups(plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device, capture)
+                groups = rg.build_groups(
+                    plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device, capture,
+                )
         self._groups[by_context] = groups
         return groups

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lamina.host_to_device import to_device
 from lamina.kernels.causal_conv1d import causal_conv1d_varlen
 from lamina.layers.metadata import ForwardMetadata
 
@@ -40,10 +41,7 @@ class StateCapture:
 
     @classmethod
     def from_host(cls, req: list[int], offset: list[int], device: torch.device) -> StateCapture:
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-        return cls(as_tensor(req), as_tensor(offset), max(offset), tuple(req), tuple(offset))
+        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset))
 
     @property
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
+from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import can_replay
@@ -90,8 +91,8 @@ class ModelRunner:
         ):
             if not pairs or not tensors:
                 continue
-            src = torch.as_tensor([s for s, _ in pairs], dtype=torch.long).to(self.device)  # [N]
-            dst = torch.as_tensor([d for _, d in pairs], dtype=torch.long).to(self.device)  # [N]
+            src = to_device([s for s, _ in pairs], self.device)  # [N]
+            dst = to_device([d for _, d in pairs], self.device)  # [N]
             for cache in tensors:  # [num_blocks or num_slots, ...]
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
@@ -135,37 +136,35 @@ class ModelRunner:
         token_ids = [t for c in chunks for t in c.token_ids]
         logits_rows = [int(query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
 
-        def as_tensor(values, dtype=torch.long) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
         history_len = getattr(self.model, "token_history_len", 0)
         history = None
         if history_len > 0:
-            history = as_tensor(
-                [[-1] * (history_len - len(c.history_token_ids[-history_len:])) + c.history_token_ids[-history_len:]
-                 for c in chunks] if chunks else np.zeros((0, history_len), np.int64)
-            )
+            windows = [
+                [-1] * (history_len - len(c.history_token_ids[-history_len:])) + c.history_token_ids[-history_len:]
+                for c in chunks
+            ]
+            history = to_device(windows if chunks else np.zeros((0, history_len), np.int64), self.device)  # [B, H]
         meta = ForwardMetadata(
             num_tokens=total,
             num_reqs=len(chunks),
             max_query_len=int(lens.max()) if len(chunks) else 0,
             max_seq_len=int(seq_lens.max()) if len(chunks) else 0,
-            positions=as_tensor(positions),
-            query_start_loc=as_tensor(query_start_loc),
-            seq_lens=as_tensor(seq_lens),
-            slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor(block_tables),
-            state_slots=as_tensor([c.state_slot for c in chunks]),
-            has_initial_state=as_tensor([c.start_position > 0 for c in chunks], torch.bool),
+            positions=to_device(positions, self.device),
+            query_start_loc=to_device(query_start_loc, self.device),
+            seq_lens=to_device(seq_lens, self.device),
+            slot_mapping=to_device(slot_mapping, self.device),
+            block_tables=to_device(block_tables, self.device),
+            state_slots=to_device([c.state_slot for c in chunks], self.device),
+            has_initial_state=to_device([c.start_position > 0 for c in chunks], self.device, torch.bool),
             history_token_ids=history,
-            token_request_index=as_tensor(request_index),
+            token_request_index=to_device(request_index, self.device),
             dp_num_tokens=plan.dp_num_tokens,
             state_capture=self.spec.capture_for(plan) if self.spec is not None else None,
             query_lens_host=tuple(int(n) for n in lens),
             seq_lens_host=tuple(int(n) for n in seq_lens),
             allow_groups=self.request_groups,
         )
-        return StepInputs(as_tensor(token_ids), meta, logits_rows)
+        return StepInputs(to_device(token_ids, self.device), meta, logits_rows)
 
     # ---- step ----------------------------------------------------------------------------
     def forget_finished(self, plan: StepPlan) -> None:
@@ -202,7 +201,7 @@ class ModelRunner:
         chunks = [c for c in plan.chunks if c.sample]
         results = {}
         if chunks:
-            rows = torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
+            rows = to_device(logits_rows, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
             results = self.sample(logits, chunks) if sample else {}
         if sample:

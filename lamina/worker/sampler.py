@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from lamina.host_to_device import to_device
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 
@@ -203,27 +204,23 @@ class SamplingBatch:
         sampling_rows = [i for i in range(bsz) if not greedy[i]]
         requested = [n for n in num_logprobs if n is not None]
 
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
         adjustments = LogitAdjustments.build(params_list, output_token_ids, prompt_token_ids, device, vocab_size)
         bitmask_rows = bitmask = None
         masked = [(r, m) for r, m in enumerate(token_bitmasks or []) if m is not None]
         if masked:
             import numpy as np
 
-            bitmask_rows = to_dev([r for r, _ in masked], torch.int64)
-            bitmask = torch.from_numpy(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked])).to(
-                device, non_blocking=True)
+            bitmask_rows = to_device([r for r, _ in masked], device, torch.int64)
+            bitmask = to_device(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked]), device, torch.int32)
 
         return cls(
-            temperature=to_dev(temps, torch.float32),
-            top_k=to_dev(top_ks, torch.int64),
-            top_p=to_dev(top_ps, torch.float32),
-            min_p=to_dev(min_ps, torch.float32),
-            greedy=to_dev(greedy, torch.bool),
-            ban_rows=to_dev(ban_rows, torch.int64),
-            ban_cols=to_dev(ban_cols, torch.int64),
+            temperature=to_device(temps, device, torch.float32),
+            top_k=to_device(top_ks, device, torch.int64),
+            top_p=to_device(top_ps, device, torch.float32),
+            min_p=to_device(min_ps, device, torch.float32),
+            greedy=to_device(greedy, device, torch.bool),
+            ban_rows=to_device(ban_rows, device, torch.int64),
+            ban_cols=to_device(ban_cols, device, torch.int64),
             vocab_size=vocab_size,
             all_greedy=not sampling_rows,
             any_greedy=any(greedy),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from lamina.host_to_device import to_device
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.spec_state import StateCapture
 from lamina.step_plan import SampledToken, StepPlan
@@ -78,7 +79,7 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            capture.commit(self._tensor(rows), self._tensor(slots))
+            capture.commit(to_device(rows, self.device), to_device(slots, self.device))
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -117,7 +118,7 @@ class SpecDecodeStep:
         bonus = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
         if num:
             rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
-            logits = model.compute_logits(stage_output.index_select(0, self._tensor(rows)))  # [R, V]
+            logits = model.compute_logits(stage_output.index_select(0, to_device(rows, self.device)))  # [R, V]
             if is_sampler:
                 verified = self._verify(logits, sampled, drafts_k, token_ids, rows)
                 num_accepted = verified.num_accepted
@@ -125,7 +126,7 @@ class SpecDecodeStep:
             packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
             num_accepted, bonus = packed[0], packed[1]
 
-        bonus_rows = self._tensor(base_rows) + num_accepted  # [B]
+        bonus_rows = to_device(base_rows, self.device) + num_accepted  # [B]
         target_hidden = self.mtp.target_hidden(stage_output, meta)
         h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
         draft_batch = None
@@ -137,7 +138,7 @@ class SpecDecodeStep:
         capacity = [len(c.block_table) * block_size - 1 for c in sampled]
         max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
         drafts, probs = self.proposer.propose(
-            plan, meta, sample_index, self._tensor(base_pos) + num_accepted, max_pos, capacity,
+            plan, meta, sample_index, to_device(base_pos, self.device) + num_accepted, max_pos, capacity,
             h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
         )
         if not is_sampler or not num:
@@ -165,9 +166,10 @@ class SpecDecodeStep:
             starts.append(starts[-1] + k + 1)
         grid = [[starts[b] + min(j, k) for j in range(width)] for b, k in enumerate(drafts_k)]  # [B, W]
         draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
+        dev = self.device
         return verify_drafts(
-            logits, self._tensor(grid), self._tensor(row_req), self._tensor(row_pos), self._tensor(row_draft),
-            self._tensor(drafts_k), batch, draft_probs,
+            logits, to_device(grid, dev), to_device(row_req, dev), to_device(row_pos, dev), to_device(row_draft, dev),
+            to_device(drafts_k, dev), batch, draft_probs,
         )
 
     def _draft_prob_rows(self, sampled, drafts_k, row_draft, vocab: int) -> torch.Tensor:
@@ -180,7 +182,7 @@ class SpecDecodeStep:
             if k and stored is not None and stored.shape[0] >= k and not c.sampling_params.greedy:
                 block[:k] = stored[:k]
             elif k:
-                block[torch.arange(k, device=self.device), self._tensor(row_draft[row : row + k])] = 1.0
+                block[torch.arange(k, device=self.device), to_device(row_draft[row : row + k], self.device)] = 1.0
             blocks.append(block)
             row += k + 1
         return torch.cat(blocks)
@@ -205,5 +207,3 @@ class SpecDecodeStep:
             row += k + 1
         return results
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
