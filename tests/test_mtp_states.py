@@ -7,7 +7,7 @@ import torch
 
 from lamina.kernels import causal_conv1d_varlen, chunk_gated_delta_rule_varlen, gated_delta_rule_varlen
 from lamina.kernels import recurrent_gated_delta_rule_step
-from lamina.layers.spec_state import StateCapture
+from lamina.layers.metadata import StateCapture
 
 LENS = [5, 70, 1, 3]  # a request longer than two chunks of 32, and a one-token one
 

@@ -1,4 +1,5 @@
-"""Per-step tensor metadata every layer reads: the flat batch's description.
+"""Per-step tensor metadata every layer reads: the flat batch's description, and under
+speculative verification the step's `StateCapture` (how it is used: lamina.layers.spec_state).
 
 Built by the worker from a step plan; never inferred from activation shapes. Host ints
 (`num_tokens`, `max_query_len`, `max_seq_len`) come from the plan, not from tensors.
@@ -7,12 +8,46 @@ Built by the worker from a step plan; never inferred from activation shapes. Hos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from lamina.layers.spec_state import StateCapture
+from lamina.host_to_device import to_device
+
+
+@dataclass
+class StateCapture:
+    """One verification step's captured tokens and the states the layers kept after them."""
+
+    req: torch.Tensor  # [R] long: the request (row of the step's batch) of each captured token
+    offset: torch.Tensor  # [R] long: the token's offset inside its request's chunk
+    max_offset: int  # host bound on `offset`: keeps the kernels' buffers small
+    # `req` and `offset` on the host: request groups split the capture list by group.
+    req_host: tuple[int, ...]
+    offset_host: tuple[int, ...]
+    # (state pool [num_slots, ...], its states after the captured tokens [R, ...]) per layer state
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def from_host(cls, req: list[int], offset: list[int], device: torch.device) -> StateCapture:
+        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset))
+
+    @property
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The kernels' `capture` argument: (req [R], offset [R], max offset)."""
+        return self.req, self.offset, self.max_offset
+
+    @property
+    def host(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.req_host, self.offset_host
+
+    def keep(self, pool: torch.Tensor, captured: torch.Tensor) -> None:
+        """Remember the states after the captured tokens `[R, ...]` for the state pool `pool`."""
+        self.kept.append((pool, captured))
+
+    def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step."""
+        for pool, captured in self.kept:
+            pool.index_copy_(0, slots, captured.index_select(0, rows).to(pool.dtype))
 
 
 @dataclass

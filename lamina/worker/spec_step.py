@@ -3,10 +3,10 @@
 Every rank of a replica (all pipeline stages, all TP ranks) does the same from the same plans:
 
 - Capture: a chunk with k drafts is `[last token, draft 1..k]`; recurrent layers keep the states
-  after its first k tokens in the step's `StateCapture` (lamina.layers.spec_state), which this
-  object builds from the plan, passes in `ForwardMetadata.state_capture` and holds until the next
-  plan's commit. The state after the whole chunk is written to the slot as usual (right when all
-  k are accepted).
+  after its first k tokens in the step's `StateCapture` (lamina.layers.metadata, spec_state),
+  which this object builds from the plan, passes in `ForwardMetadata.state_capture` and holds
+  until the next plan's commit. The state after the whole chunk is written to the slot as usual
+  (right when all k are accepted).
 - Commit: the next plan carries how many drafts each verified request accepted
   (`StepPlan.spec_commits`, from the engine); before its forward the rank copies the captured
   state after the accepted position into the slot. So slots only ever hold states of accepted
@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from lamina.host_to_device import to_device
-from lamina.layers.metadata import ForwardMetadata
-from lamina.layers.spec_state import StateCapture
+from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
 from lamina.worker.rejection_sampler import verify_drafts
