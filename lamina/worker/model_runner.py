@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
 from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
+from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.prompt_logprobs import score_prompt_chunks
 from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch

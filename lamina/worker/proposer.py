@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from lamina.worker.rejection_sampler import sample_drafts
-from lamina.worker.sampler import SamplingBatch
-from lamina.step_plan import ScheduledChunk, StepPlan
 from lamina.host_to_device import to_device
 from lamina.layers.metadata import ForwardMetadata
+from lamina.step_plan import ScheduledChunk, StepPlan
+from lamina.worker.rejection_sampler import sample_drafts
+from lamina.worker.sampler import SamplingBatch
 
 
 class MTPProposer:

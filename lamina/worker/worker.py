@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.step_plan import StepPlan
 from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
+from lamina.step_plan import StepPlan
 
 
 @dataclass
