@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
 from lamina.sampling_params import SamplingParams
+from lamina.step_plan import ScheduledChunk, StepPlan
 
 
 def load_reference(path):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.engine import rejection_sampler
-from lamina.engine.rejection_sampler import verify_drafts
-from lamina.engine.sampler import SamplingBatch
+from lamina.worker import rejection_sampler
+from lamina.worker.rejection_sampler import verify_drafts
+from lamina.worker.sampler import SamplingBatch
 from lamina.sampling_params import SamplingParams
 
 V, K, N = 6, 2, 60_000

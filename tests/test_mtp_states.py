@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from lamina.kernels import causal_conv1d_varlen, chunk_gated_delta_rule_varlen, gated_delta_rule_varlen
 from lamina.kernels import recurrent_gated_delta_rule_step
-from lamina.layers.spec_state import commit_captured, stash_captured
+from lamina.layers.metadata import StateCapture
 
 LENS = [5, 70, 1, 3]  # a request longer than two chunks of 32, and a one-token one
 
@@ -66,11 +65,10 @@ def test_conv_states_after_every_token(dilation):
 
 
 def test_commit_copies_the_chosen_rows_into_the_slots():
-    module = nn.Module()
-    module.ssm_state = torch.zeros(4, 2)
-    module.conv_state = torch.zeros(4, 3)
-    stash_captured(module, "ssm_state", torch.arange(10.0).view(5, 2))
-    stash_captured(module, "conv_state", None)  # nothing captured for this one
-    commit_captured(module, torch.tensor([3, 0]), torch.tensor([2, 1]))
-    assert module.ssm_state.tolist() == [[0, 0], [0, 1], [6, 7], [0, 0]]
-    assert module.conv_state.abs().sum() == 0
+    ssm_state = torch.zeros(4, 2)
+    conv_state = torch.zeros(4, 3)
+    capture = StateCapture.from_host([0, 0, 1, 1, 1], [0, 1, 0, 1, 2], torch.device("cpu"))
+    capture.keep(ssm_state, torch.arange(10.0).view(5, 2))  # nothing kept for conv_state
+    capture.commit(torch.tensor([3, 0]), torch.tensor([2, 1]))
+    assert ssm_state.tolist() == [[0, 0], [0, 1], [6, 7], [0, 0]]
+    assert conv_state.abs().sum() == 0

@@ -46,7 +46,7 @@ def test_prompt_logprobs_match_teacher_forcing_and_transformers(qwen3_next_dir, 
 
 
 def test_prompt_positions_of_chunks():
-    from lamina.engine.step_plan import ScheduledChunk
+    from lamina.step_plan import ScheduledChunk
 
     def chunk(start, tokens, nxt, num_prompt):
         return ScheduledChunk("r", tokens, start, [], 0, nxt is None, SamplingParams(prompt_logprobs=1), 0,

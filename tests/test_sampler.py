@@ -1,11 +1,11 @@
-"""Tests for lamina.engine.sampler."""
+"""Tests for lamina.worker.sampler."""
 
 import math
 
 import pytest
 import torch
 
-from lamina.engine.sampler import (
+from lamina.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,

@@ -4,8 +4,8 @@ sampler (batched, per row, batch independent), and n / best_of through the engin
 import pytest
 import torch
 
-from lamina.engine.logits_processors import bad_word_bans
-from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
+from lamina.worker.logits_processors import bad_word_bans
+from lamina.worker.sampler import Sampler, SamplingBatch, create_generator
 from lamina.sampling_params import SamplingParams
 
 V = 32
@@ -23,7 +23,7 @@ def adjusted(logits, params, outputs=None, prompts=None):
     """The logits the sampler draws from (after bans and adjustments), via greedy argmax checks."""
     batch = build(params, outputs, prompts)
     work = logits.clone()
-    from lamina.engine.sampler import apply_bans_and_adjustments
+    from lamina.worker.sampler import apply_bans_and_adjustments
 
     return apply_bans_and_adjustments(work, batch)
 

@@ -18,7 +18,7 @@ import pytest
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.engine.step_plan import StepPlan
+from lamina.step_plan import StepPlan
 from lamina.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.engine.llm_engine import LLMEngine
+from lamina.engine.setup import TOKENIZER_FILES
 from tests.server_harness import MODEL_NAME, RunningServer
 
 MAX_MODEL_LEN = 256
@@ -140,7 +140,7 @@ def test_responses_and_embeddings_say_why_they_are_missing(server):
 def test_without_a_tokenizer_the_routes_answer_400(qwen3_next_dir, tmp_path):
     bare = tmp_path / "no_tokenizer"
     shutil.copytree(qwen3_next_dir, bare)
-    for name in LLMEngine.TOKENIZER_FILES + ("chat_template.jinja", "special_tokens_map.json"):
+    for name in TOKENIZER_FILES + ("chat_template.jinja", "special_tokens_map.json"):
         (bare / name).unlink(missing_ok=True)
     with _llm(bare) as llm, RunningServer(llm.engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         assert llm.get_tokenizer() is None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lamina import LLM, SamplingParams
-from lamina.engine.sampler import apply_token_bitmask
+from lamina.worker.sampler import apply_token_bitmask
 from lamina.structured_output import StructuredOutputsParams, bitmask_words
 
 SCHEMA = {

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.step_plan import StepPlan
-from lamina.worker.model_runner import ModelRunner, SampledToken
+from lamina.step_plan import SampledToken, StepPlan
+from lamina.worker.model_runner import ModelRunner
 
 
 class InProcessExecutor:

@@ -6,11 +6,10 @@ import collections
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from lamina.config import EngineArgs, resolve_device, resolve_dtype
+from lamina.config import EngineArgs
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
@@ -18,14 +17,13 @@ from lamina.engine.parallel_sampling import ParentRequest, child_params, child_r
 from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.engine.spec_decode import SpeculativeConfig, check_speculative, num_mtp_layers
+from lamina.engine.setup import resolve_setup
 from lamina.engine.spec_policy import SpecDecodePolicy
 from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import SamplingParams
-from lamina.models.registry import resolve_model_class
-from lamina.parallel.plan import build_plan
-from lamina.worker.model_loader import build_model, read_model_config
+from lamina.models.hybrid_config import num_mtp_layers
+from lamina.worker.model_loader import build_model
 from lamina.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,8 +58,16 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        hf_config, model_cls = self.describe_only(args)
-        cfg = self.model_config
+        setup = resolve_setup(args)  # every config error is raised here, before any weight is read
+        self.setup = setup
+        self.args, self.model_path, self.device, self.dtype = setup.args, setup.model_path, setup.device, setup.dtype
+        self.model_config, self.parallel_config, self.plan = setup.model_config, setup.parallel_config, setup.plan
+        self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
+        self.tokenizer, self.eos_token_ids = setup.tokenizer, setup.eos_token_ids
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        self.structured = StructuredOutputManager(self.tokenizer, setup.model_config.vocab_size, self.eos_token_ids)
+        hf_config, model_cls, cfg = setup.hf_config, setup.model_cls, setup.model_config
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.spec_config is not None and max_batched < self.spec_config.num_speculative_tokens + 1:
@@ -70,7 +76,7 @@ class LLMEngine:
                 f"num_speculative_tokens = {self.spec_config.num_speculative_tokens} (needs at least "
                 f"{self.spec_config.num_speculative_tokens + 1})"
             )
-        model_options = self.model_options()
+        model_options = setup.model_options()
 
         self.load_report = None
         if self.parallel_config.is_single_rank:
@@ -85,7 +91,7 @@ class LLMEngine:
                 ModelRunner(model, device=self.device, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size)
             )
         else:
-            from lamina.engine.mp_executor import MultiprocExecutor
+            from lamina.engine.mp_executor import MultiprocExecutor, worker_spec
 
             pc = self.parallel_config
             if pc.node_rank != 0:
@@ -93,9 +99,7 @@ class LLMEngine:
                     f"node_rank = {pc.node_rank}: only node 0 runs the engine; start other nodes with "
                     "`lamina generate/serve ... --node-rank N` (headless) or lamina.engine.mp_executor.run_headless_node"
                 )
-            spec = self.worker_spec(model_options)
-            local = [r.rank for r in self.plan.ranks if r.node == pc.node_rank]
-            self.executor = MultiprocExecutor(spec, local)
+            self.executor = MultiprocExecutor(worker_spec(setup), setup.node_ranks())
             token_history_len = model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0
         try:
             num_blocks = self._num_kv_blocks(max_num_seqs)
@@ -143,103 +147,6 @@ class LLMEngine:
         # and every generated token.
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens_processed = 0
-
-    # ---- set-up helpers ------------------------------------------------------------------
-    def describe_only(self, args: EngineArgs):
-        """Everything decided from config files alone: device, dtype, model config, parallel plan,
-        tokenizer and EOS ids. Every config error is raised here, before any weight is read."""
-        args.validate()
-        self.args = args
-        if args.model is None:
-            from lamina.models.default_model import ensure_default_model
-
-            args.model = str(ensure_default_model())
-        self.model_path = Path(args.model)
-        hf_config = read_model_config(self.model_path)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, getattr(hf_config, "dtype", None))
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        architecture, model_cls = resolve_model_class(hf_config)
-        cfg = model_cls.parse_config(hf_config, architecture)
-        self.model_config = cfg
-        self.parallel_config = args.parallel_config()
-        num_devices = torch.cuda.device_count() if self.device.type == "cuda" else None
-        self.plan = build_plan(cfg, self.parallel_config, num_devices=num_devices, device_type=self.device.type)
-        self.max_model_len = self._resolve_max_model_len(cfg)
-        # The model's own config (spellings normalised by read_model_config) so that transformers
-        # does not re-read a config.json its version may refuse.
-        self.tokenizer = self._load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
-        self.eos_token_ids = self._eos_token_ids(cfg)
-        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
-        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.mtp_prefix = None
-        if self.spec_config is not None:
-            self.mtp_prefix = check_speculative(self.spec_config, hf_config, model_cls, self.model_path, args.load_format)
-        return hf_config, model_cls
-
-    def model_options(self) -> dict:
-        """Options every rank's model is built with."""
-        return {
-            "ple_table_device": self.args.ple_table_device,
-            "speculative_config": self.spec_config,
-            "mtp_prefix": self.mtp_prefix,
-        }
-
-    def worker_spec(self, model_options: dict):
-        """What every rank process needs; identical on every node for the same arguments."""
-        from lamina.engine.mp_executor import find_free_port
-        from lamina.worker.worker import WorkerSpec
-
-        args, pc = self.args, self.parallel_config
-        return WorkerSpec(
-            model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type, plan=self.plan,
-            master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
-            eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, load_format=args.load_format,
-            seed=args.seed, model_options=model_options, debug_layouts=args.debug_layouts,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
-        )
-
-    TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-    @classmethod
-    def _load_tokenizer(cls, path: str, config=None):
-        from transformers import AutoTokenizer
-
-        # transformers 5 builds an empty placeholder tokenizer for a directory without tokenizer
-        # files; treat that as "no tokenizer" rather than decode with a one-token vocabulary.
-        if Path(path).is_dir() and not any((Path(path) / f).exists() for f in cls.TOKENIZER_FILES):
-            logger.warning("no tokenizer files in %s: only token-id prompts will work", path)
-            return None
-        try:
-            return AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
-        except (OSError, ValueError, TypeError) as e:
-            logger.warning("no tokenizer loaded from %s (%s): only token-id prompts will work", path, e)
-            return None
-
-    def _resolve_max_model_len(self, cfg) -> int:
-        limit = cfg.max_position_embeddings
-        requested = self.args.max_model_len
-        if requested is None:
-            return limit
-        if requested > limit:
-            raise ValueError(
-                f"max_model_len = {requested} exceeds the model's max_position_embeddings = {limit}"
-            )
-        return requested
-
-    def _eos_token_ids(self, cfg) -> tuple[int, ...]:
-        ids = list(cfg.eos_token_ids)
-        gen_path = self.model_path / "generation_config.json"
-        if gen_path.exists():
-            import json
-
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return tuple(dict.fromkeys(int(i) for i in ids))
 
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
         args = self.args

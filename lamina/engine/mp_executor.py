@@ -14,8 +14,8 @@ import socket
 import sys
 import time
 
-from lamina.engine.step_plan import StepPlan
-from lamina.worker.model_runner import SampledToken
+from lamina.engine.setup import EngineSetup, resolve_setup
+from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.worker import WorkerSpec, worker_main
 
 
@@ -194,17 +194,26 @@ class MultiprocExecutor:
         self.procs.kill_all()
 
 
+def worker_spec(setup: EngineSetup) -> WorkerSpec:
+    """What every rank process needs; identical on every node for the same arguments."""
+    args, pc = setup.args, setup.parallel_config
+    return WorkerSpec(
+        model_path=str(setup.model_path), dtype=setup.dtype, device_type=setup.device.type, plan=setup.plan,
+        master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
+        eos_token_ids=setup.eos_token_ids, vocab_size=setup.model_config.vocab_size, load_format=args.load_format,
+        seed=args.seed, model_options=setup.model_options(), debug_layouts=args.debug_layouts,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
+    )
+
+
 def run_headless_node(engine_args) -> int:
     """Run this node's ranks of a multi-node layout (node_rank > 0) until the engine on node 0 ends."""
-    from lamina.engine.llm_engine import LLMEngine
-
     pc = engine_args.parallel_config()
     if pc.node_rank == 0:
         raise ValueError("node 0 runs the engine itself; run_headless_node is for node_rank > 0")
-    setup = LLMEngine.__new__(LLMEngine)
-    setup.describe_only(engine_args)
-    spec = setup.worker_spec(setup.model_options())
-    procs = RankProcesses(spec, [r.rank for r in setup.plan.ranks if r.node == pc.node_rank])
+    setup = resolve_setup(engine_args)
+    procs = RankProcesses(worker_spec(setup), setup.node_ranks())
     try:
         while any(p.is_alive() for p in procs.procs.values()):
             procs.check()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.request import Request, RequestStatus
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.step_plan import ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from lamina.models.hybrid_config import MTP_LAYER_FIELDS, num_mtp_layers
+
 SPEC_METHODS = ("mtp",)
 SPEC_POLICIES = ("fixed", "auto")
 SPEC_AUTO_COSTS = ("measured", "model")
-MTP_LAYER_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
 
 
@@ -83,18 +84,6 @@ class SpeculativeConfig:
         if auto_cost not in SPEC_AUTO_COSTS:
             raise ValueError(f"speculative_config auto_cost must be one of {list(SPEC_AUTO_COSTS)}, got {auto_cost!r}")
         return cls(method, k, policy, saturation, None if cost is None else float(cost), auto_cost)
-
-
-def num_mtp_layers(hf_config) -> int:
-    """MTP layers a checkpoint declares (`num_nextn_predict_layers` or `mtp_num_hidden_layers`)."""
-    for config in (getattr(hf_config, "text_config", None), hf_config):
-        if config is None:
-            continue
-        for name in MTP_LAYER_FIELDS:
-            value = getattr(config, name, None)
-            if value:
-                return int(value)
-    return 0
 
 
 def mtp_prefix(names) -> str | None:

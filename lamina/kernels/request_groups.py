@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from lamina.host_to_device import to_device
+
 __all__ = ["RequestGroup", "plan_groups", "build_groups", "enabled", "check_group_capture"]
 
 
@@ -111,9 +113,6 @@ def build_groups(
     for n in query_lens:
         starts.append(starts[-1] + n)
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
     groups = []
     for members in requests_per_group:
         tokens = [t for r in members for t in range(starts[r], starts[r] + query_lens[r])]
@@ -121,7 +120,8 @@ def build_groups(
         for r in members:
             qsl.append(qsl[-1] + query_lens[r])
         group = RequestGroup(
-            requests=tensor(members), tokens=tensor(tokens), query_start_loc=tensor(qsl),
+            requests=to_device(members, device), tokens=to_device(tokens, device),
+            query_start_loc=to_device(qsl, device),
             num_tokens=len(tokens), num_reqs=len(members), max_query_len=max(query_lens[r] for r in members),
             max_seq_len=max(seq_lens[r] for r in members),
         )
@@ -130,8 +130,9 @@ def build_groups(
             rows = [j for j, r in enumerate(capture_host[0]) if r in local]
             if rows:
                 offsets = [capture_host[1][j] for j in rows]
-                group.capture = (tensor([local[capture_host[0][j]] for j in rows]), tensor(offsets), max(offsets))
-                group.capture_rows = tensor(rows)
+                local_req = [local[capture_host[0][j]] for j in rows]
+                group.capture = (to_device(local_req, device), to_device(offsets, device), max(offsets))
+                group.capture_rows = to_device(rows, device)
         groups.append(group)
     return groups
 

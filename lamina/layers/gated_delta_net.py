@@ -22,7 +22,7 @@ from lamina.kernels.selection import is_one_token_decode, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
-from lamina.layers.spec_state import conv_with_capture, stash_captured
+from lamina.layers.spec_state import capture_tokens, conv_with_capture
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         slots = meta.state_slots
         keep = meta.has_initial_state
         conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
-        mixed_qkv, conv_out = conv_with_capture(self, "conv_state", mixed_qkv, self.conv_weight, conv_in, meta)
+        mixed_qkv, conv_out = conv_with_capture(self.conv_state, mixed_qkv, self.conv_weight, conv_in, meta)
         self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
 
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -150,9 +150,10 @@ class GatedDeltaNet(nn.Module):
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
         core, state_out, *captured = gated_delta_rule_varlen(
             query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True,
-            capture=meta.state_capture, groups=meta.request_groups(),
+            capture=capture_tokens(meta), groups=meta.request_groups(),
         )  # core [T, Hv, Dv]
-        stash_captured(self, "ssm_state", captured[0] if captured else None)
+        if captured:  # speculative verification: the states after the captured tokens
+            meta.state_capture.keep(self.ssm_state, captured[0])
         self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))
 
         return self._output(core, z, num_tokens)
@@ -182,6 +183,4 @@ class GatedDeltaNet(nn.Module):
         core = gated_delta_rule_decode(
             query, key, value, a, b, self.ssm_state, slots, keep, a_log=self.A_log, dt_bias=self.dt_bias,
         )  # [T, Hv, Dv]: the gates are computed in the kernel from the raw projections a, b
-        stash_captured(self, "conv_state", None)
-        stash_captured(self, "ssm_state", None)
         return self._output(core, z, num_tokens)

@@ -1,4 +1,5 @@
-"""Per-step tensor metadata every layer reads: the flat batch's description.
+"""Per-step tensor metadata every layer reads: the flat batch's description, and under
+speculative verification the step's `StateCapture` (how it is used: lamina.layers.spec_state).
 
 Built by the worker from a step plan; never inferred from activation shapes. Host ints
 (`num_tokens`, `max_query_len`, `max_seq_len`) come from the plan, not from tensors.
@@ -9,6 +10,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from lamina.host_to_device import to_device
+
+
+@dataclass
+class StateCapture:
+    """One verification step's captured tokens and the states the layers kept after them."""
+
+    req: torch.Tensor  # [R] long: the request (row of the step's batch) of each captured token
+    offset: torch.Tensor  # [R] long: the token's offset inside its request's chunk
+    max_offset: int  # host bound on `offset`: keeps the kernels' buffers small
+    # `req` and `offset` on the host: request groups split the capture list by group.
+    req_host: tuple[int, ...]
+    offset_host: tuple[int, ...]
+    # (state pool [num_slots, ...], its states after the captured tokens [R, ...]) per layer state
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def from_host(cls, req: list[int], offset: list[int], device: torch.device) -> StateCapture:
+        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset))
+
+    @property
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The kernels' `capture` argument: (req [R], offset [R], max offset)."""
+        return self.req, self.offset, self.max_offset
+
+    @property
+    def host(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.req_host, self.offset_host
+
+    def keep(self, pool: torch.Tensor, captured: torch.Tensor) -> None:
+        """Remember the states after the captured tokens `[R, ...]` for the state pool `pool`."""
+        self.kept.append((pool, captured))
+
+    def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step."""
+        for pool, captured in self.kept:
+            pool.index_copy_(0, slots, captured.index_select(0, rows).to(pool.dtype))
 
 
 @dataclass
@@ -31,16 +70,15 @@ class ForwardMetadata:
     # Token counts of every data-parallel replica in this (lockstep) step, this one included:
     # expert-parallel MoE pads its cross-replica collectives to their maximum.
     dp_num_tokens: tuple[int, ...] | None = None
-    # Speculative verification: (req [R], offset [R], max offset) - long tensors and a host int -
-    # the tokens after which recurrent layers also keep their state (lamina.layers.spec_state),
-    # so that rejected drafts can be undone.
-    state_capture: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # Speculative verification: the tokens after which recurrent layers also keep their state, so
+    # that rejected drafts can be undone, and where the layers put those states
+    # (lamina.layers.spec_state; the capture list is on the device and the host).
+    state_capture: StateCapture | None = None
     # Host copies from the plan: each request's query length and context length after this step
-    # (an upper bound is enough), and the capture list's (req, offset). They let the padded kernels split a step into groups
-    # of similar requests (lamina.kernels.request_groups); None: never split.
+    # (an upper bound is enough). They let the padded kernels split a step into groups of similar
+    # requests (lamina.kernels.request_groups); None: never split.
     query_lens_host: tuple[int, ...] | None = None
     seq_lens_host: tuple[int, ...] | None = None
-    capture_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # Whether the padded kernels may split this step into request groups (the runner reads
     # LAMINA_REQUEST_GROUPS once, when it is built; nothing in the forward reads the environment).
     allow_groups: bool = True
@@ -54,13 +92,12 @@ class ForwardMetadata:
         from lamina.kernels import request_groups as rg
 
         groups = None
-        capture_known = by_context or self.state_capture is None or self.capture_host is not None
-        if self.allow_groups and capture_known and self.query_lens_host is not None and self.seq_lens_host is not None:
+        if self.allow_groups and self.query_lens_host is not None and self.seq_lens_host is not None:
             plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
             if plan is not None:
+                capture = None if by_context or self.state_capture is None else self.state_capture.host
                 groups = rg.build_groups(
-                    plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device,
-                    None if by_context else self.capture_host,
+                    plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device, capture,
                 )
         self._groups[by_context] = groups
         return groups

@@ -253,7 +253,7 @@ class PLELayer(nn.Module):
         slots = meta.state_slots
         state_in = torch.where(meta.has_initial_state[:, None, None], self.conv_state[slots], 0.0)  # [B, hc*H, S]
         conv_out, state_out = conv_with_capture(
-            self, "conv_state", conv_in, self.conv_weight, state_in, meta, activation="silu", dilation=self.dilation,
+            self.conv_state, conv_in, self.conv_weight, state_in, meta, activation="silu", dilation=self.dilation,
         )  # [T, hc*H], [B, hc*H, S]; keeps per-position states under speculative verification
         self.conv_state.index_copy_(0, slots, state_out.to(self.conv_state.dtype))
         return streams + (gated + conv_out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LAYER_KINDS = ("linear_attention", "full_attention")
+MTP_LAYER_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 
 
 @dataclass(frozen=True)
@@ -119,3 +120,15 @@ def parse_hybrid_text_config(text_config, architecture: str, *, moe_every_layer:
         eos_token_ids=eos,
         hidden_act=hidden_act,
     )
+
+
+def num_mtp_layers(hf_config) -> int:
+    """MTP layers a checkpoint declares (`num_nextn_predict_layers` or `mtp_num_hidden_layers`)."""
+    for config in (getattr(hf_config, "text_config", None), hf_config):
+        if config is None:
+            continue
+        for name in MTP_LAYER_FIELDS:
+            value = getattr(config, name, None)
+            if value:
+                return int(value)
+    return 0

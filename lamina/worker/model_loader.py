@@ -90,7 +90,7 @@ def build_model(
 
 def _attach_drafter(model, model_dir, hf_config, model_options: dict, device, load_format: str) -> None:
     """Speculative decoding: the last stage's model gets its MTP drafter (lamina.models.mtp)."""
-    from lamina.engine.spec_decode import num_mtp_layers
+    from lamina.models.hybrid_config import num_mtp_layers
     from lamina.models.loader import read_header
     from lamina.models.mtp import attach_mtp
 

@@ -10,38 +10,27 @@ model has an MTP drafter) the last stage verifies drafts and proposes new ones i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lamina.engine.sampler import Sampler, SamplingBatch, create_generator
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
+from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.prompt_logprobs import score_prompt_chunks
+from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch
 
 
 @dataclass
-class SampledToken:
-    token_id: int | None  # None: no token this step (prompt logprobs only)
-    logprobs: dict[int, float] | None = None
-    # Speculative decoding: draft tokens accepted this step (emitted before `token_id`) and their
-    # logprobs, how many drafts were checked, and the drafts proposed for the next step.
-    accepted_token_ids: list[int] = field(default_factory=list)
-    accepted_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    num_draft_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    # Prompt logprobs scored in this step: entries for prompt positions prompt_logprobs_start, ...
-    # (`token_id` is None for a chunk that scored prompt tokens without sampling).
-    prompt_logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs_start: int = 0
+class StepInputs:
+    """A step's input tensors on this rank, derived from its plan (`ModelRunner.prepare`)."""
 
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token this step emitted, in order."""
-        return [] if self.token_id is None else [*self.accepted_token_ids, self.token_id]
+    token_ids: torch.Tensor  # [T] long
+    meta: ForwardMetadata
+    logits_rows: list[int]  # rows of the sampling chunks' last tokens
 
 
 class ModelRunner:
@@ -51,12 +40,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = RequestGenerators(device)
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
         self.spare_state_bytes = 0
-        self.last_inputs: tuple[torch.Tensor, ForwardMetadata] | None = None
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.request_groups = request_groups_enabled()
@@ -64,7 +52,7 @@ class ModelRunner:
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
 
-            self.spec = SpecDecodeStep(self)
+            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.generators)
 
     # ---- caches --------------------------------------------------------------------------
     def paged_cache_modules(self) -> list:
@@ -103,8 +91,8 @@ class ModelRunner:
         ):
             if not pairs or not tensors:
                 continue
-            src = torch.as_tensor([s for s, _ in pairs], dtype=torch.long).to(self.device)  # [N]
-            dst = torch.as_tensor([d for _, d in pairs], dtype=torch.long).to(self.device)  # [N]
+            src = to_device([s for s, _ in pairs], self.device)  # [N]
+            dst = to_device([d for _, d in pairs], self.device)  # [N]
             for cache in tensors:  # [num_blocks or num_slots, ...]
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
@@ -128,7 +116,7 @@ class ModelRunner:
         return True
 
     # ---- inputs --------------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardMetadata, list[int]]:
+    def prepare(self, plan: StepPlan) -> StepInputs:
         """Input tensors of this step, derived from the plan alone (identical on every rank)."""
         chunks = plan.chunks
         bs = self.block_size
@@ -148,44 +136,39 @@ class ModelRunner:
         token_ids = [t for c in chunks for t in c.token_ids]
         logits_rows = [int(query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
 
-        def as_tensor(values, dtype=torch.long) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
         history_len = getattr(self.model, "token_history_len", 0)
         history = None
         if history_len > 0:
-            history = as_tensor(
-                [[-1] * (history_len - len(c.history_token_ids[-history_len:])) + c.history_token_ids[-history_len:]
-                 for c in chunks] if chunks else np.zeros((0, history_len), np.int64)
-            )
+            windows = [
+                [-1] * (history_len - len(c.history_token_ids[-history_len:])) + c.history_token_ids[-history_len:]
+                for c in chunks
+            ]
+            history = to_device(windows if chunks else np.zeros((0, history_len), np.int64), self.device)  # [B, H]
         meta = ForwardMetadata(
             num_tokens=total,
             num_reqs=len(chunks),
             max_query_len=int(lens.max()) if len(chunks) else 0,
             max_seq_len=int(seq_lens.max()) if len(chunks) else 0,
-            positions=as_tensor(positions),
-            query_start_loc=as_tensor(query_start_loc),
-            seq_lens=as_tensor(seq_lens),
-            slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor(block_tables),
-            state_slots=as_tensor([c.state_slot for c in chunks]),
-            has_initial_state=as_tensor([c.start_position > 0 for c in chunks], torch.bool),
+            positions=to_device(positions, self.device),
+            query_start_loc=to_device(query_start_loc, self.device),
+            seq_lens=to_device(seq_lens, self.device),
+            slot_mapping=to_device(slot_mapping, self.device),
+            block_tables=to_device(block_tables, self.device),
+            state_slots=to_device([c.state_slot for c in chunks], self.device),
+            has_initial_state=to_device([c.start_position > 0 for c in chunks], self.device, torch.bool),
             history_token_ids=history,
-            token_request_index=as_tensor(request_index),
+            token_request_index=to_device(request_index, self.device),
             dp_num_tokens=plan.dp_num_tokens,
             state_capture=self.spec.capture_for(plan) if self.spec is not None else None,
             query_lens_host=tuple(int(n) for n in lens),
             seq_lens_host=tuple(int(n) for n in seq_lens),
             allow_groups=self.request_groups,
         )
-        if meta.state_capture is not None:
-            meta.capture_host = self.spec.capture_host
-        return as_tensor(token_ids), meta, logits_rows
+        return StepInputs(to_device(token_ids, self.device), meta, logits_rows)
 
     # ---- step ----------------------------------------------------------------------------
     def forget_finished(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_request_ids:
-            self._generators.pop(request_id, None)
+        self.generators.forget(plan.finished_request_ids)
         if self.spec is not None:
             self.spec.forget(plan.finished_request_ids)
             self.spec.forget(plan.preempted_request_ids)
@@ -197,16 +180,15 @@ class ModelRunner:
             self.spec.commit(plan)
 
     @torch.inference_mode()
-    def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None):
-        """Run this rank's stage: returns (stream or final hidden, logits rows)."""
-        token_ids, meta, logits_rows = self.prepare(plan)
-        self.last_inputs = (token_ids, meta)
-        return self.model(token_ids, meta, hidden), logits_rows
+    def forward_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:
+        """Run this rank's stage: returns (stream or final hidden, the step's inputs)."""
+        inputs = self.prepare(plan)
+        return self.model(inputs.token_ids, inputs.meta, hidden), inputs
 
     @torch.inference_mode()
-    def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, SampledToken]:
+    def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, SampledToken]:
         """Last stage under speculative decoding (a TP collective: every TP rank calls it)."""
-        return self.spec.finish_step(plan, hidden)
+        return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size)
 
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
@@ -219,7 +201,7 @@ class ModelRunner:
         chunks = [c for c in plan.chunks if c.sample]
         results = {}
         if chunks:
-            rows = torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)
+            rows = to_device(logits_rows, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
             results = self.sample(logits, chunks) if sample else {}
         if sample:
@@ -239,10 +221,10 @@ class ModelRunner:
             with torch.inference_mode():
                 logits = self.decode_graphs.run(plan.chunks)  # [B, vocab]
                 return self.sample(logits, plan.chunks)
-        hidden, rows = self.forward_stage(plan)
+        hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
-            return self.verify_and_propose(plan, hidden)
-        return self.logits_and_sample(plan, hidden, rows)
+            return self.verify_and_propose(plan, hidden, inputs)
+        return self.logits_and_sample(plan, hidden, inputs.logits_rows)
 
     def compute_logits_for_plan(self, plan: StepPlan) -> torch.Tensor:
         """Every position's logits of a plan [T, vocab] (tests compare them with transformers)."""
@@ -250,21 +232,12 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
 
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
-        seed = chunk.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(chunk.request_id)
-        if gen is None:
-            gen = self._generators[chunk.request_id] = create_generator(seed, self.device)
-        return gen
-
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
         batch = SamplingBatch.build(
             [c.sampling_params for c in chunks],
             [c.num_output_tokens for c in chunks],
             list(self.eos_token_ids),
-            [self._generator(c) for c in chunks],
+            [self.generators.get(c.request_id, c.sampling_params) for c in chunks],
             self.device,
             self.vocab_size,
             output_token_ids=[c.output_token_ids for c in chunks],

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from lamina.engine.step_plan import ScheduledChunk
+from lamina.host_to_device import to_device
+from lamina.step_plan import ScheduledChunk
 
 __all__ = ["PROMPT_LOGPROBS_ROWS", "prompt_positions", "score_prompt_chunks"]
 
@@ -56,8 +57,8 @@ def score_prompt_chunks(
         return {}
     max_k = max(k for *_, k in owners)
     device = hidden.device
-    row_t = torch.as_tensor(rows, dtype=torch.long, device=device)
-    target_t = torch.as_tensor(targets, dtype=torch.long, device=device)
+    row_t = to_device(rows, device)
+    target_t = to_device(targets, device)
     target_lp, top_lp, top_ids = [], [], []
     for begin in range(0, len(rows), max_rows):
         piece = slice(begin, begin + max_rows)

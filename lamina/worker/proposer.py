@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.rejection_sampler import sample_drafts
-from lamina.engine.sampler import SamplingBatch
-from lamina.engine.step_plan import ScheduledChunk, StepPlan
+from lamina.host_to_device import to_device
 from lamina.layers.metadata import ForwardMetadata
+from lamina.step_plan import ScheduledChunk, StepPlan
+from lamina.worker.rejection_sampler import sample_drafts
+from lamina.worker.sampler import SamplingBatch
 
 
 class MTPProposer:
@@ -50,7 +51,7 @@ class MTPProposer:
                     ends.append(start - 1)
                     known.append(c.next_token_id)
             if ends:
-                next_ids.index_copy_(0, self._tensor(ends), self._tensor(known))
+                next_ids.index_copy_(0, to_device(ends, self.device), to_device(known, self.device))
             next_ids.index_copy_(0, bonus_rows, bonus_tokens)
         return self.mtp(next_ids, target_hidden, meta, 0)
 
@@ -64,7 +65,7 @@ class MTPProposer:
         position the request's blocks hold. Returns per draft position the tokens [B] and (on the
         sampling rank, for random requests) the drafter's distribution [B, V]."""
         num = len(sample_index)
-        index = self._tensor(sample_index)
+        index = to_device(sample_index, self.device)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
         for j in range(plan.num_draft_tokens):  # draft positions, not tokens
@@ -88,7 +89,7 @@ class MTPProposer:
     ) -> ForwardMetadata:
         """One token per sampling request at position last_pos + step (clamped to its blocks)."""
         num = index.shape[0]
-        cap = self._tensor(capacity)  # [B]
+        cap = to_device(capacity, self.device)  # [B]
         positions = torch.minimum(last_pos + step, cap)  # [B]
         tables = meta.block_tables.index_select(0, index)  # [B, max_blocks]
         block_size = self.mtp.paged_cache_modules()[0].k_cache.shape[1]
@@ -113,5 +114,3 @@ class MTPProposer:
             allow_groups=meta.allow_groups,
         )
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -3,14 +3,16 @@
 Every rank of a replica (all pipeline stages, all TP ranks) does the same from the same plans:
 
 - Capture: a chunk with k drafts is `[last token, draft 1..k]`; recurrent layers keep the states
-  after its first k tokens (`ForwardMetadata.state_capture`, lamina.layers.spec_state). The
-  state after the whole chunk is written to the slot as usual (right when all k are accepted).
+  after its first k tokens in the step's `StateCapture` (lamina.layers.metadata, spec_state),
+  which this object builds from the plan, passes in `ForwardMetadata.state_capture` and holds
+  until the next plan's commit. The state after the whole chunk is written to the slot as usual
+  (right when all k are accepted).
 - Commit: the next plan carries how many drafts each verified request accepted
   (`StepPlan.spec_commits`, from the engine); before its forward the rank copies the captured
   state after the accepted position into the slot. So slots only ever hold states of accepted
   tokens, on every stage, without any message flowing back along the pipeline.
 - Last stage: the target's logits at every verified position are checked
-  (lamina.engine.rejection_sampler) on TP rank 0, which shares the accepted counts and emitted
+  (lamina.worker.rejection_sampler) on TP rank 0, which shares the accepted counts and emitted
   tokens with its TP group; then the MTP proposer (lamina.worker.proposer) drafts for the next
   step. Drafts go back to the engine with the tokens and return in the next plan.
 
@@ -22,29 +24,36 @@ from __future__ import annotations
 
 import torch
 
-from lamina.engine.rejection_sampler import verify_drafts
-from lamina.engine.sampler import SamplingBatch
-from lamina.engine.step_plan import StepPlan
-from lamina.layers.spec_state import commit_captured
+from lamina.host_to_device import to_device
+from lamina.layers.metadata import ForwardMetadata, StateCapture
+from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
+from lamina.worker.rejection_sampler import verify_drafts
+from lamina.worker.sampler import RequestGenerators, SamplingBatch
 
 NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
 
 
 class SpecDecodeStep:
-    def __init__(self, runner):
-        self.runner = runner
-        self.model = runner.model
-        self.mtp = getattr(runner.model, "mtp", None)  # None on stages other than the last
-        self.device = runner.device
+    def __init__(
+        self, model, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
+        generators: RequestGenerators,
+    ):
+        self.model = model
+        self.mtp = getattr(model, "mtp", None)  # None on stages other than the last
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.generators = generators  # the runner's: a seeded request draws from one generator
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
+        self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
 
     # ---- states ----------------------------------------------------------------------------
-    def capture_for(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(req [R], offset [R], max offset) of the tokens whose states verification keeps (None:
-        no drafts)."""
+    def capture_for(self, plan: StepPlan) -> StateCapture | None:
+        """The tokens of this step whose states verification keeps, and where the layers put
+        them (None: no drafts)."""
         self._captured = {}
         req: list[int] = []
         offset: list[int] = []
@@ -55,15 +64,13 @@ class SpecDecodeStep:
                 first = c.num_tokens - 1 - k  # the request's last accepted token
                 req += [i] * k
                 offset += range(first, first + k)
-        if not req:
-            self.capture_host = None
-            return None
-        self.capture_host = (tuple(req), tuple(offset))
-        return self._tensor(req), self._tensor(offset), max(offset)  # the bound keeps kernels' buffers small
+        self._capture = StateCapture.from_host(req, offset, self.device) if req else None
+        return self._capture
 
     def commit(self, plan: StepPlan) -> None:
         """Put the state after each verified request's accepted position into its slot."""
         captured, self._captured = self._captured, {}
+        capture, self._capture = self._capture, None
         rows, slots = [], []
         for request_id, accepted in plan.spec_commits.items():
             entry = captured.get(request_id)
@@ -71,9 +78,7 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            rows_t, slots_t = self._tensor(rows), self._tensor(slots)
-            for module in self.model.state_modules():
-                commit_captured(module, rows_t, slots_t)
+            capture.commit(to_device(rows, self.device), to_device(slots, self.device))
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -87,13 +92,14 @@ class SpecDecodeStep:
         return ctx.tp.all_reduce(x if ctx.tp_rank == 0 else torch.zeros_like(x))
 
     # ---- last stage --------------------------------------------------------------------------
-    def finish_step(self, plan: StepPlan, stage_output: torch.Tensor) -> dict:
-        """Verify this step's drafts, emit tokens and propose the next drafts. Returns the
-        per-request results on TP rank 0 (an empty dict elsewhere)."""
-        from lamina.worker.model_runner import SampledToken
-
-        runner, model = self.runner, self.model
-        token_ids, meta = runner.last_inputs
+    def finish_step(
+        self, plan: StepPlan, stage_output: torch.Tensor, token_ids: torch.Tensor, meta: ForwardMetadata,
+        block_size: int,
+    ) -> dict[str, SampledToken]:
+        """Verify this step's drafts, emit tokens and propose the next drafts. `token_ids` [T] and
+        `meta` are the step's inputs (the ones `stage_output` was computed from); `block_size` that
+        of the paged caches. Returns the per-request results on TP rank 0 (an empty dict elsewhere)."""
+        model = self.model
         chunks = plan.chunks
         is_sampler = model.ctx.tp_rank == 0
         sample_index = [i for i, c in enumerate(chunks) if c.sample]
@@ -111,7 +117,7 @@ class SpecDecodeStep:
         bonus = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
         if num:
             rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
-            logits = model.compute_logits(stage_output.index_select(0, self._tensor(rows)))  # [R, V]
+            logits = model.compute_logits(stage_output.index_select(0, to_device(rows, self.device)))  # [R, V]
             if is_sampler:
                 verified = self._verify(logits, sampled, drafts_k, token_ids, rows)
                 num_accepted = verified.num_accepted
@@ -119,30 +125,32 @@ class SpecDecodeStep:
             packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
             num_accepted, bonus = packed[0], packed[1]
 
-        bonus_rows = self._tensor(base_rows) + num_accepted  # [B]
+        bonus_rows = to_device(base_rows, self.device) + num_accepted  # [B]
         target_hidden = self.mtp.target_hidden(stage_output, meta)
         h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
         draft_batch = None
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
-                [c.sampling_params for c in sampled], [NO_BANS] * num, list(runner.eos_token_ids),
-                [runner._generator(c) for c in sampled], self.device, runner.vocab_size,
+                [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids,
+                [self._generator(c) for c in sampled], self.device, self.vocab_size,
             )
-        capacity = [len(c.block_table) * runner.block_size - 1 for c in sampled]
+        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
         max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
         drafts, probs = self.proposer.propose(
-            plan, meta, sample_index, self._tensor(base_pos) + num_accepted, max_pos, capacity,
+            plan, meta, sample_index, to_device(base_pos, self.device) + num_accepted, max_pos, capacity,
             h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
         )
         if not is_sampler or not num:
             return {}
-        return self._results(sampled, drafts_k, verified, drafts, probs, SampledToken)
+        return self._results(sampled, drafts_k, verified, drafts, probs)
+
+    def _generator(self, chunk) -> torch.Generator | None:
+        return self.generators.get(chunk.request_id, chunk.sampling_params)
 
     def _verify(self, logits, sampled, drafts_k, token_ids, rows):
-        runner = self.runner
         params, out_lens, gens, row_req, row_pos, row_draft = [], [], [], [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
-            gen = runner._generator(c)
+            gen = self._generator(c)
             for j in range(k + 1):
                 params.append(c.sampling_params)
                 out_lens.append(c.num_output_tokens + j)
@@ -150,16 +158,17 @@ class SpecDecodeStep:
                 row_req.append(b)
                 row_pos.append(j)
                 row_draft.append(c.token_ids[len(c.token_ids) - k + j] if j < k else -1)
-        batch = SamplingBatch.build(params, out_lens, list(runner.eos_token_ids), gens, self.device, runner.vocab_size)
+        batch = SamplingBatch.build(params, out_lens, self.eos_token_ids, gens, self.device, self.vocab_size)
         width = max(drafts_k) + 1
         starts = [0]
         for k in drafts_k:
             starts.append(starts[-1] + k + 1)
         grid = [[starts[b] + min(j, k) for j in range(width)] for b, k in enumerate(drafts_k)]  # [B, W]
         draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
+        dev = self.device
         return verify_drafts(
-            logits, self._tensor(grid), self._tensor(row_req), self._tensor(row_pos), self._tensor(row_draft),
-            self._tensor(drafts_k), batch, draft_probs,
+            logits, to_device(grid, dev), to_device(row_req, dev), to_device(row_pos, dev), to_device(row_draft, dev),
+            to_device(drafts_k, dev), batch, draft_probs,
         )
 
     def _draft_prob_rows(self, sampled, drafts_k, row_draft, vocab: int) -> torch.Tensor:
@@ -172,12 +181,12 @@ class SpecDecodeStep:
             if k and stored is not None and stored.shape[0] >= k and not c.sampling_params.greedy:
                 block[:k] = stored[:k]
             elif k:
-                block[torch.arange(k, device=self.device), self._tensor(row_draft[row : row + k])] = 1.0
+                block[torch.arange(k, device=self.device), to_device(row_draft[row : row + k], self.device)] = 1.0
             blocks.append(block)
             row += k + 1
         return torch.cat(blocks)
 
-    def _results(self, sampled, drafts_k, verified, drafts, probs, SampledToken) -> dict:
+    def _results(self, sampled, drafts_k, verified, drafts, probs) -> dict[str, SampledToken]:
         accepted = verified.num_accepted.tolist()
         tokens = verified.tokens.tolist()
         row_lps = verified.row_logprobs_lists()
@@ -197,5 +206,3 @@ class SpecDecodeStep:
             row += k + 1
         return results
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.engine.step_plan import StepPlan
 from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
+from lamina.step_plan import StepPlan
 
 
 @dataclass
@@ -61,15 +61,15 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         hidden = pdist.recv_tensor((rows, model.stream_width()), model.dtype, runner.device, src)
     elif me.pp > 0:
         hidden = torch.zeros((0, model.stream_width()), dtype=model.dtype, device=runner.device)
-    out, logits_rows = runner.forward_stage(plan, hidden)
+    out, inputs = runner.forward_stage(plan, hidden)
     if not me.has_lm_head:
         if rows > 0:
             pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
         return None
     if runner.spec is not None:
-        sampled = runner.verify_and_propose(plan, out)  # also drafts; rank 0 of the TP group reports
+        sampled = runner.verify_and_propose(plan, out, inputs)  # also drafts; rank 0 of the TP group reports
     else:
-        sampled = runner.logits_and_sample(plan, out, logits_rows, sample=me.tp == 0)
+        sampled = runner.logits_and_sample(plan, out, inputs.logits_rows, sample=me.tp == 0)
     return (me.dp, sampled) if me.tp == 0 else None
 
 

@@ -1,7 +1,7 @@
 """Token sampler: turns last-position logits into next tokens.
 
-The engine builds a :class:`SamplingBatch` once per step on the host from the
-running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
+The runner builds a :class:`SamplingBatch` once per step on the host from the
+sampling requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 :class:`Sampler` on the model's logits.  The pipeline, per row, is:
 
 1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
@@ -9,7 +9,7 @@ running requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 2. bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` while the
    request has generated fewer than ``min_tokens`` tokens, and the bad words
    whose other tokens the output ends with, are set to ``-inf``;
-   then the per-request adjustments of :mod:`lamina.engine.logits_processors`
+   then the per-request adjustments of :mod:`lamina.worker.logits_processors`
    (``allowed_token_ids``, ``logit_bias``, presence / frequency / repetition
    penalties);
 3. greedy rows take the argmax of the (banned) logits;
@@ -30,8 +30,9 @@ from typing import Sequence
 
 import torch
 
-from lamina.engine.logits_processors import LogitAdjustments, bad_word_bans
+from lamina.host_to_device import to_device
 from lamina.sampling_params import SamplingParams
+from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 
 __all__ = [
     "SamplingBatch",
@@ -39,6 +40,7 @@ __all__ = [
     "SamplerOutput",
     "LogprobsTensors",
     "create_generator",
+    "RequestGenerators",
     "apply_top_k_top_p",
     "apply_min_p",
 ]
@@ -55,6 +57,28 @@ def create_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gen
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
+
+
+class RequestGenerators:
+    """This rank's ``torch.Generator`` of every seeded request, created when the request first
+    samples and kept until it finishes (its state advances as tokens are drawn)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self._by_request: dict[str, torch.Generator] = {}
+
+    def get(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's generator, None when it has no seed."""
+        if params.seed is None:
+            return None
+        gen = self._by_request.get(request_id)
+        if gen is None:
+            gen = self._by_request[request_id] = create_generator(params.seed, self.device)
+        return gen
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._by_request.pop(request_id, None)
 
 
 # ---------------------------------------------------------------------- #
@@ -180,27 +204,23 @@ class SamplingBatch:
         sampling_rows = [i for i in range(bsz) if not greedy[i]]
         requested = [n for n in num_logprobs if n is not None]
 
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
         adjustments = LogitAdjustments.build(params_list, output_token_ids, prompt_token_ids, device, vocab_size)
         bitmask_rows = bitmask = None
         masked = [(r, m) for r, m in enumerate(token_bitmasks or []) if m is not None]
         if masked:
             import numpy as np
 
-            bitmask_rows = to_dev([r for r, _ in masked], torch.int64)
-            bitmask = torch.from_numpy(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked])).to(
-                device, non_blocking=True)
+            bitmask_rows = to_device([r for r, _ in masked], device, torch.int64)
+            bitmask = to_device(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked]), device, torch.int32)
 
         return cls(
-            temperature=to_dev(temps, torch.float32),
-            top_k=to_dev(top_ks, torch.int64),
-            top_p=to_dev(top_ps, torch.float32),
-            min_p=to_dev(min_ps, torch.float32),
-            greedy=to_dev(greedy, torch.bool),
-            ban_rows=to_dev(ban_rows, torch.int64),
-            ban_cols=to_dev(ban_cols, torch.int64),
+            temperature=to_device(temps, device, torch.float32),
+            top_k=to_device(top_ks, device, torch.int64),
+            top_p=to_device(top_ps, device, torch.float32),
+            min_p=to_device(min_ps, device, torch.float32),
+            greedy=to_device(greedy, device, torch.bool),
+            ban_rows=to_device(ban_rows, device, torch.int64),
+            ban_cols=to_device(ban_cols, device, torch.int64),
             vocab_size=vocab_size,
             all_greedy=not sampling_rows,
             any_greedy=any(greedy),

@@ -1,7 +1,9 @@
-"""A step plan: the scheduler's decision for one step, delivered to every rank of a replica.
+"""A step plan: the scheduler's decision for one step, delivered to every rank of a replica; and
+what a replica sends back (`SampledToken` per request).
 
-Pure Python data (no tensors), so it can be pickled to worker processes. Each rank derives its
-own input tensors from it; the token ids, positions and block tables are all here.
+Pure Python data (no tensors), so it can be pickled to and from worker processes. Each rank
+derives its own input tensors from the plan; the token ids, positions and block tables are all
+here. The engine and the worker both import this module; it imports neither.
 """
 
 from __future__ import annotations
@@ -86,3 +88,24 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    token_id: int | None  # None: no token this step (prompt logprobs only)
+    logprobs: dict[int, float] | None = None
+    # Speculative decoding: draft tokens accepted this step (emitted before `token_id`) and their
+    # logprobs, how many drafts were checked, and the drafts proposed for the next step.
+    accepted_token_ids: list[int] = field(default_factory=list)
+    accepted_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs scored in this step: entries for prompt positions prompt_logprobs_start, ...
+    # (`token_id` is None for a chunk that scored prompt tokens without sampling).
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs_start: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this step emitted, in order."""
+        return [] if self.token_id is None else [*self.accepted_token_ids, self.token_id]

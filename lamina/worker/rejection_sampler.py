@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race
+from lamina.worker.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race
 
 
 @dataclass

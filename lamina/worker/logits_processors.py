@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from lamina.host_to_device import to_device
 from lamina.sampling_params import SamplingParams
 
 __all__ = ["LogitAdjustments", "bad_word_bans"]
@@ -84,27 +85,24 @@ class LogitAdjustments:
         penalties) and prompt tokens (needed by rows with a repetition penalty), or None."""
         bsz = len(params_list)
 
-        def to_dev(values, dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
         bias = [(r, p.logit_bias) for r, p in enumerate(params_list) if p.logit_bias]
         bias_rows = bias_cols = bias_values = None
         if bias:
             pairs = [(r, t, v) for r, b in bias for t, v in b.items() if t < vocab_size]
-            bias_rows = to_dev([r for r, _, _ in pairs], torch.int64)
-            bias_cols = to_dev([t for _, t, _ in pairs], torch.int64)
-            bias_values = to_dev([v for _, _, v in pairs], torch.float32)
+            bias_rows = to_device([r for r, _, _ in pairs], device, torch.int64)
+            bias_cols = to_device([t for _, t, _ in pairs], device, torch.int64)
+            bias_values = to_device([v for _, _, v in pairs], device, torch.float32)
 
         allowed_rows = allowed_cols = restricted = None
         allowed = [(r, [t for t in p.allowed_token_ids if t < vocab_size])
                    for r, p in enumerate(params_list) if p.allowed_token_ids is not None]
         if allowed:
             rows, ids = _flat(allowed)
-            allowed_rows, allowed_cols = to_dev(rows, torch.int64), to_dev(ids, torch.int64)
+            allowed_rows, allowed_cols = to_device(rows, device, torch.int64), to_device(ids, device, torch.int64)
             mask = [False] * bsz
             for r, _ in allowed:
                 mask[r] = True
-            restricted = to_dev(mask, torch.bool)
+            restricted = to_device(mask, device, torch.bool)
 
         presence = frequency = repetition = None
         output_rows = output_ids = prompt_rows = prompt_ids = None
@@ -123,12 +121,12 @@ class LogitAdjustments:
                         raise ValueError(f"row {r} has a repetition penalty but no prompt token ids were given")
                     prompts.append((r, [t for t in prompt if t < vocab_size]))
             rows, ids = _flat(outputs)
-            output_rows, output_ids = to_dev(rows, torch.int64), to_dev(ids, torch.int64)
+            output_rows, output_ids = to_device(rows, device, torch.int64), to_device(ids, device, torch.int64)
             rows, ids = _flat(prompts)
-            prompt_rows, prompt_ids = to_dev(rows, torch.int64), to_dev(ids, torch.int64)
-            presence = to_dev([float(p.presence_penalty) for p in params_list], torch.float32)
-            frequency = to_dev([float(p.frequency_penalty) for p in params_list], torch.float32)
-            repetition = to_dev([float(p.repetition_penalty) for p in params_list], torch.float32)
+            prompt_rows, prompt_ids = to_device(rows, device, torch.int64), to_device(ids, device, torch.int64)
+            presence = to_device([float(p.presence_penalty) for p in params_list], device, torch.float32)
+            frequency = to_device([float(p.frequency_penalty) for p in params_list], device, torch.float32)
+            repetition = to_device([float(p.repetition_penalty) for p in params_list], device, torch.float32)
 
         return cls(bias_rows, bias_cols, bias_values, allowed_rows, allowed_cols, restricted, output_rows,
                    output_ids, prompt_rows, prompt_ids, presence, frequency, repetition)

@@ -1,0 +1,129 @@
+"""What an engine is built from, decided from config files alone, before any weight is read.
+
+`resolve_setup` turns `EngineArgs` into device, dtype, model config, parallel plan, tokenizer,
+EOS ids and speculative config; every config error is raised here. The engine on node 0 and the
+headless ranks of other nodes (lamina.engine.mp_executor.run_headless_node) call the same
+function, so every node derives the same plan and rank spec from the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lamina.config import EngineArgs, resolve_device, resolve_dtype
+from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
+from lamina.models.registry import resolve_model_class
+from lamina.parallel.config import ParallelConfig
+from lamina.parallel.plan import ParallelPlan, build_plan
+from lamina.worker.model_loader import read_model_config
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+@dataclass
+class EngineSetup:
+    args: EngineArgs
+    model_path: Path
+    hf_config: Any  # transformers' PretrainedConfig, spellings normalised (read_model_config)
+    model_cls: type
+    model_config: Any  # the family's parsed config (HybridTextConfig or Qwen4-Exp's)
+    device: torch.device
+    dtype: torch.dtype
+    parallel_config: ParallelConfig
+    plan: ParallelPlan
+    max_model_len: int
+    tokenizer: Any  # None: no tokenizer files (token-id prompts only)
+    eos_token_ids: tuple[int, ...]
+    spec_config: SpeculativeConfig | None
+    mtp_prefix: str | None  # where the checkpoint keeps its MTP tensors (speculative decoding)
+
+    def model_options(self) -> dict:
+        """Options every rank's model is built with."""
+        return {
+            "ple_table_device": self.args.ple_table_device,
+            "speculative_config": self.spec_config,
+            "mtp_prefix": self.mtp_prefix,
+        }
+
+    def node_ranks(self) -> list[int]:
+        """The ranks that run on this node (`args.node_rank`)."""
+        return [r.rank for r in self.plan.ranks if r.node == self.parallel_config.node_rank]
+
+
+def resolve_setup(args: EngineArgs) -> EngineSetup:
+    """Validate `args` (filling in the default model) and resolve everything the engine and its
+    ranks are built from."""
+    args.validate()
+    if args.model is None:
+        from lamina.models.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    model_path = Path(args.model)
+    hf_config = read_model_config(model_path)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, getattr(hf_config, "dtype", None))
+    architecture, model_cls = resolve_model_class(hf_config)
+    cfg = model_cls.parse_config(hf_config, architecture)
+    parallel_config = args.parallel_config()
+    num_devices = torch.cuda.device_count() if device.type == "cuda" else None
+    plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
+    max_model_len = _max_model_len(args, cfg)
+    # The model's own config (spellings normalised by read_model_config) so that transformers
+    # does not re-read a config.json its version may refuse.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
+    eos_token_ids = _eos_token_ids(cfg, model_path, tokenizer)
+    spec_config = SpeculativeConfig.parse(args.speculative_config)
+    mtp_prefix = None
+    if spec_config is not None:
+        mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
+    return EngineSetup(
+        args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
+        device=device, dtype=dtype, parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
+        tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
+    )
+
+
+def load_tokenizer(path: str, config=None):
+    from transformers import AutoTokenizer
+
+    # transformers 5 builds an empty placeholder tokenizer for a directory without tokenizer
+    # files; treat that as "no tokenizer" rather than decode with a one-token vocabulary.
+    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s: only token-id prompts will work", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer loaded from %s (%s): only token-id prompts will work", path, e)
+        return None
+
+
+def _max_model_len(args: EngineArgs, cfg) -> int:
+    limit = cfg.max_position_embeddings
+    requested = args.max_model_len
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len = {requested} exceeds the model's max_position_embeddings = {limit}"
+        )
+    return requested
+
+
+def _eos_token_ids(cfg, model_path: Path, tokenizer) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen_path = model_path / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
