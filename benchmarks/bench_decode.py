@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -137,7 +136,6 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    os.environ.setdefault("LAMINA_CACHE_DIR", str(tmp / "cache"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": "Qwen3.5-35B-A3B shape, 8 layers",
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "command": " ".join(sys.argv)}
     result["bf16_vs_cpu_fp32"] = bf16_agreement(tmp)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import sys
@@ -112,7 +111,6 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    os.environ.setdefault("LAMINA_CACHE_DIR", str(tmp / "cache"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     result["tiny_bf16_gpu_vs_fp32_cpu"] = tiny_agreement(tmp)
     print(json.dumps(result["tiny_bf16_gpu_vs_fp32_cpu"]), flush=True)

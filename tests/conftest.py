@@ -13,14 +13,6 @@ import pytest  # noqa: E402
 from tests import tiny_checkpoints as tc  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_cache(tmp_path_factory):
-    # The built-in default model is built into a per-session cache, never the user's.
-    if "LAMINA_CACHE_DIR" not in os.environ:
-        os.environ["LAMINA_CACHE_DIR"] = str(tmp_path_factory.mktemp("lamina-cache"))
-    yield
-
-
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
     return tc.make_qwen3_next(tmp_path_factory.mktemp("q3next") / "ckpt")

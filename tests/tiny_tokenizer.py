@@ -186,5 +186,9 @@ def _build_tokenizer():
 def tiny_tokenizer_dir() -> Path:
     """A directory holding the tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
     path = Path(tempfile.mkdtemp(prefix="lamina-tiny-tokenizer-"))
-    _build_tokenizer().save_pretrained(path)
+    tokenizer = _build_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(list(_SPECIAL_TOKENS))
+    if len(tokenizer) != _TARGET_VOCAB_SIZE or ids != [997, 998, 999]:  # tiny_checkpoints' pad / eos ids
+        raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens and special ids {ids}, expected 1000 and 997-999")
+    tokenizer.save_pretrained(path)
     return path

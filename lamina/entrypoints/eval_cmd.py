@@ -120,7 +120,9 @@ def evaluate(
     ...) or that finishes with an error counts as an error, not as a failed run; if generation
     itself raises, every request of the batch is counted as an error with its message.
     """
-    items = [it if isinstance(it, EvalItem) else EvalItem(**it) for it in items]
+    fields = {f.name for f in dataclasses.fields(EvalItem)}
+    items = [it if isinstance(it, EvalItem) else EvalItem(**{k: v for k, v in it.items() if k in fields})
+             for it in items]
     engine = llm.engine
     results: list[dict] = [
         {"id": it.id, "task": it.task, "answer": it.answer, "output": None, "correct": False,
@@ -161,7 +163,7 @@ def evaluate(
         completion = out.outputs[0]
         output_tokens += len(completion.token_ids)
         r.update(output=completion.text, finish_reason=completion.finish_reason,
-                 num_output_tokens=len(completion.token_ids))
+                 num_output_tokens=len(completion.token_ids), token_ids=list(completion.token_ids))
         if out.error or completion.finish_reason in ("error", "abort"):
             r["error"] = out.error or f"the request finished with finish_reason={completion.finish_reason!r}"
         else:

@@ -28,7 +28,7 @@ DEMO_PROMPT = "What is 352 + 419?"
 
 REQUIRED_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-    "eval.jsonl",
+    "chat_template.jinja", "eval.jsonl",
 )
 
 
@@ -41,9 +41,11 @@ def ensure_default_model(path: str | os.PathLike | None = None) -> pathlib.Path:
     target = pathlib.Path(path).expanduser() if path is not None else default_model_dir()
     missing = [name for name in REQUIRED_FILES if not (target / name).is_file()]
     if missing:
+        what = "the built-in demo model" if path is None else "the demo model directory"
         raise FileNotFoundError(
-            f"the built-in demo model at {target} is incomplete (missing {', '.join(missing)}); reinstall lamina, "
-            "or rebuild it with `python tools/train_demo_model.py --out lamina/demo_model` on a GPU"
+            f"{what} at {target} is incomplete (missing {', '.join(missing)}); reinstall lamina, or rebuild "
+            "it from a source checkout with `python tools/train_demo_model.py --out lamina/demo_model --steps 1686` "
+            "on a GPU"
         )
     return target
 
