@@ -9,6 +9,7 @@ text with the single-rank run, and its accuracy must stay where the single rank'
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -41,7 +42,6 @@ def subset(per_task: int) -> list:
 
 
 SMALL = subset(2)  # 14 items, every task
-_single: dict = {}
 
 
 def run(items, **engine) -> dict:
@@ -53,10 +53,10 @@ def texts(record: dict) -> list[str]:
     return [r["output"] for r in record["results"]]
 
 
-def single_rank_small() -> dict:
-    if "small" not in _single:
-        _single["small"] = run(SMALL)
-    return _single["small"]
+@functools.cache
+def single_rank_small(speculative: bool = False) -> dict:
+    """The single-rank run of SMALL (plain, or MTP K=2), once per test process."""
+    return run(SMALL, speculative_config=MTP2) if speculative else run(SMALL)
 
 
 def test_held_out_accuracy_on_the_cpu():
@@ -132,7 +132,7 @@ def test_layout_gives_the_single_rank_answers(name):
     assert texts(record) == texts(expected), name
     assert record["accuracy"] == expected["accuracy"]
     if "speculative_config" in LAYOUTS[name]:  # drafts were proposed and checked as on one rank
-        single = _single.get("mtp") or _single.setdefault("mtp", run(SMALL, speculative_config=MTP2))
+        single = single_rank_small(speculative=True)
         assert record["acceptance_rate"] == single["acceptance_rate"] > 0.5
 
 
