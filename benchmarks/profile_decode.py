@@ -50,7 +50,7 @@ def main() -> None:
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.device_time)
-    top = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in by_name.items()), reverse=True)[:15]
+    top = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in by_name.items()), reverse=True)[:60]
     result = {
         "batch": args.batch, "layers": args.layers, "cuda_graphs": engine.cuda_graphs,
         "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu_us / 1e3,

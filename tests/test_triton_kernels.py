@@ -33,6 +33,7 @@ from lamina.kernels.triton_moe import (  # noqa: E402
     fused_moe,
     route_softmax_topk,
 )
+from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from lamina.kernels.triton_norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from lamina.kernels.triton_qk_prep import qk_norm_rope_cache  # noqa: E402
 from lamina.kernels.paged_attention import write_kv_cache  # noqa: E402
@@ -252,8 +253,49 @@ def test_fused_moe_with_the_shared_expert(num_tokens):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("expert_start,num_local,with_shared", [(0, 8, True), (0, 8, False), (3, 4, False)])
+def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, with_shared):
+    """The decode path (two GEMV launches, k-slot sum in registers) against the reference, with
+    experts of other EP ranks (ids outside [expert_start, expert_start + num_local)) and the shared
+    expert; tiles narrower than the weights so the masks and the slot loop's boundaries run."""
+    hidden, inter, top_k, total_experts = 48, 24, 3, 8
+    x = _rand(num_tokens, hidden, seed=1)
+    w13 = _rand(num_local, 2 * inter, hidden, seed=2, scale=0.2)
+    w2 = _rand(num_local, hidden, inter, seed=3, scale=0.2)
+    logits = torch.randn(num_tokens, total_experts + 1, generator=_gen(4)).to(DEVICE)
+    weights, ids = torch.softmax(logits[:, :total_experts], -1).topk(top_k, dim=-1)
+    ref = grouped_experts(x, w13, w2, weights, ids, expert_start)
+    shared = None
+    if with_shared:
+        shared_w13, shared_w2 = _rand(2 * inter, hidden, seed=5, scale=0.2), _rand(hidden, inter, seed=6, scale=0.2)
+        shared = (shared_w13, shared_w2, logits[:, total_experts])
+        gate, up = torch.nn.functional.linear(x, shared_w13).chunk(2, dim=-1)
+        ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
+            torch.nn.functional.silu(gate) * up, shared_w2)
+    tiles = dict(up_n=16, up_k=32, down_n=32, down_k=16)
+    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4])
+def test_gemv_matches_linear(rows):
+    """The decode GEMV (one program per output tile, whole reduction in it) against F.linear, with
+    a weight whose sizes are not multiples of the tiles and a strided input."""
+    from lamina.kernels.triton_gemv import gemv, linear
+
+    weight = _rand(37, 300, seed=1, scale=0.1)
+    x = _rand(rows, 600, seed=2)[:, ::2]  # [rows, 300], row stride 600
+    ref = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(gemv(x, weight, dict(block_n=16, block_k=128)), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv(_rand(5, 300, seed=3), weight)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
 def test_fused_moe_bf16_at_real_width(num_tokens):
     """Qwen3.5-35B-A3B: 256 experts of 512 x 2048, top-8, bf16."""
     hidden, inter, top_k, experts = 2048, 512, 8, 256
@@ -262,8 +304,14 @@ def test_fused_moe_bf16_at_real_width(num_tokens):
     w2 = _rand(experts, hidden, inter, seed=3, scale=0.02, dtype=torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(num_tokens, experts, device=DEVICE), -1).topk(top_k, dim=-1)
     weights = weights.to(torch.bfloat16)
-    ours = fused_moe(x, w13, w2, weights, ids).float()
+    shared_w13 = _rand(2 * inter, hidden, seed=4, scale=0.02, dtype=torch.bfloat16)
+    shared_w2 = _rand(hidden, inter, seed=5, scale=0.02, dtype=torch.bfloat16)
+    shared_logit = torch.randn(num_tokens, device=DEVICE)
+    ours = fused_moe(x, w13, w2, weights, ids, shared=(shared_w13, shared_w2, shared_logit)).float()
+    gate, up = torch.nn.functional.linear(x.float(), shared_w13.float()).chunk(2, dim=-1)
+    shared_out = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, shared_w2.float())
     ref = grouped_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    ref = ref + torch.sigmoid(shared_logit)[:, None] * shared_out
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
 
 

@@ -40,6 +40,17 @@ def kernel_set(device: torch.device | str | None) -> str:
     return "triton" if device.type == "cuda" and has_triton else "reference"
 
 
+def decode_gemv_enabled(kernels: str) -> bool:
+    """Whether the Triton kernel set's small-batch linears (out_proj, o_proj, the router) run
+    lamina's GEMV (`lamina.kernels.triton_gemv`) for decode-sized inputs instead of cuBLAS.
+    Off unless `LAMINA_TRITON_GEMV=1` (A/B measurements: cuBLAS was as fast or faster at
+    the Qwen3.5-35B-A3B shapes, benchmarks/tune_gemv.py); read at model build time."""
+    wanted = os.environ.get("LAMINA_TRITON_GEMV", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_TRITON_GEMV = {wanted!r} must be 0 or 1")
+    return kernels == "triton" and wanted == "1"
+
+
 def is_one_token_decode(meta) -> bool:
     """A step whose every request has exactly one new token and keeps no per-position states
     (host ints of the plan only): what the Triton decode kernels handle."""

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.triton_moe_gemv import GEMV_MAX_TOKENS, fused_moe_gemv
+
 __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
 
 # Up to this many (token, expert) pairs the alignment runs as one Triton program (one launch);
@@ -239,13 +241,19 @@ def fused_moe(
 
     `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])` adds the shared expert in the
     same two launches: every token's extra row, weighted by sigmoid(gate_logit) (its intermediate
-    size must be the routed experts' I, and every routed expert must be local: no EP)."""
+    size must be the routed experts' I, and every routed expert must be local: no EP).
+
+    Up to `GEMV_MAX_TOKENS` tokens (decode) the two GEMV kernels of `triton_moe_gemv` run instead
+    (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
+    keeps the grouped path."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden)
+    if num_tokens <= GEMV_MAX_TOKENS and config is None:  # decode: two GEMV launches (triton_moe_gemv)
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()

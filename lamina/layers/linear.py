@@ -13,11 +13,26 @@ slice of every sub-output, concatenated in order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lamina.parallel.context import ParallelContext, divide_exact
+
+
+def decode_linear(device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`F.linear` without bias, or on the Triton kernel set (with its decode GEMV enabled) the
+    variant that runs a few-row input as lamina's Triton GEMV (`lamina.kernels.triton_gemv`):
+    chosen once when the layer is built."""
+    from lamina.kernels.selection import decode_gemv_enabled, kernel_set
+
+    if decode_gemv_enabled(kernel_set(device)):
+        from lamina.kernels.triton_gemv import linear
+
+        return linear
+    return F.linear
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -111,6 +126,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device), requires_grad=False
         )
+        self._linear = decode_linear(device if device is not None else ctx.device)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, (self.output_size, self.total_input_size))
@@ -118,7 +134,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded.narrow(1, start, self.input_size_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._linear(x, self.weight)
 
 
 class ReplicatedLinear(nn.Module):

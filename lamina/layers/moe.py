@@ -26,6 +26,7 @@ from lamina.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     check_shape,
+    decode_linear,
     share_weight_storage,
 )
 from lamina.layers.metadata import ForwardMetadata
@@ -103,6 +104,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype, device=device)
             # Router and shared-expert gate rows in one tensor: the fused path computes both logits in one GEMV.
             self.router_rows = share_weight_storage(self.gate, self.shared_expert_gate)  # [E+1, H]
+        self._router_linear = decode_linear(device if device is not None else ctx.device)
         # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
         # routed experts' and every routed expert is local (no EP).
         self.fuse_shared_expert = (
@@ -166,7 +168,7 @@ class SparseMoE(nn.Module):
         """Routed experts and the gated shared expert in the fused Triton launches."""
         from lamina.kernels.triton_moe import route_softmax_topk
 
-        logits = F.linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
+        logits = self._router_linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
         topk_weights, topk_ids = route_softmax_topk(logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype)
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, logits[:, self.num_experts])
         return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, shared=shared)
