@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One iteration on the H200: kernel tests on CUDA, decode-GEMV tile tuning against the paths they
-# replace, batch-1/16/64 latency (graphs) with lamina's decode GEMV off (default) and on, a batch-1 profile.
+# replace, batch-1/16/64 latency (graphs) with the MoE decode GEMV on (default) and off (LAMINA_MOE_GEMV=0: grouped GEMM), a batch-1 profile.
 #   bash benchmarks/gpu_iter.sh     (device tool; results under $OUT)
 set -x
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -x 2>&1 | tail -4
-timeout 200 python3 benchmarks/tune_gemv.py --out $OUT/tune_gemv.json 2>&1 | grep -v "^skip" | python3 -c "
+timeout 170 python3 benchmarks/tune_gemv.py --only moe --out $OUT/tune_gemv.json 2>&1 | grep -v "^skip" | python3 -c "
 import sys, json
 for line in sys.stdin:
     try: d = json.loads(line)
@@ -14,7 +14,7 @@ for line in sys.stdin:
     d.pop('top5', None); print(json.dumps(d)[:400])"
 L="python3 -m lamina.entrypoints.cli bench latency --dtype bfloat16 --batch-size 1 16 64 --input-len 128 --output-len 64"
 $L --output-json $OUT/latency_graphs.json 2>&1 | tail -5
-LAMINA_TRITON_GEMV=1 $L --output-json $OUT/latency_graphs_triton_gemv.json 2>&1 | tail -5
+LAMINA_MOE_GEMV=0 $L --output-json $OUT/latency_graphs_grouped_moe.json 2>&1 | tail -5
 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
 python3 -c "
 import json; d=json.load(open('$OUT/profile_b1.json'))

@@ -32,6 +32,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn) * 1e3  # us
 
 
+# A decode step reads each layer's experts once, so timings should see weights from HBM, not from
+# the 50 MB L2: each timed call runs ROTATIONS routings whose experts' weights (>= 200 MB together)
+# evict one another, and reports the time per routing.
+ROTATIONS = 8
+
+
+def bench_rotated(fn, routings) -> float:
+    return bench(lambda: [fn(*r) for r in routings]) / len(routings)
+
+
 def copy_bandwidth(dev) -> float:
     a = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
@@ -46,15 +56,19 @@ def tune_moe(dev, results):
     sw13 = torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02
     sw2 = torch.randn(hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02
     best_batch1 = None
+    gen = torch.Generator(device=dev).manual_seed(0)
     for batch in (1, 2, 4):
         x = torch.randn(batch, hidden, device=dev, dtype=torch.bfloat16)
-        logits = torch.randn(batch, experts + 1, device=dev)
-        weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
-        weights = weights.to(torch.bfloat16)
-        shared = (sw13, sw2, logits[:, experts])
+        routings = []
+        for _ in range(ROTATIONS):
+            logits = torch.randn(batch, experts + 1, device=dev, generator=gen)
+            weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
+            routings.append((weights.to(torch.bfloat16), ids, (sw13, sw2, logits[:, experts])))
+        weights, ids, shared = routings[0]
         distinct = int(torch.unique(ids).numel())
         nbytes = (distinct + 1) * 3 * inter * hidden * 2
-        grouped_us = bench(lambda: fused_moe(x, w13, w2, weights, ids, shared=shared, config=DEFAULT_CONFIG_SMALL))
+        grouped_us = bench_rotated(
+            lambda w, i, s: fused_moe(x, w13, w2, w, i, shared=s, config=DEFAULT_CONFIG_SMALL), routings)
         ref = fused_moe(x, w13, w2, weights, ids, shared=shared, config=DEFAULT_CONFIG_SMALL).float()
         rows = []
 
@@ -62,7 +76,7 @@ def tune_moe(dev, results):
             try:
                 out = fused_moe_gemv(x, w13, w2, weights, ids, shared=shared, config=cfg).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = bench(lambda: fused_moe_gemv(x, w13, w2, weights, ids, shared=shared, config=cfg))
+                us = bench_rotated(lambda w, i, s: fused_moe_gemv(x, w13, w2, w, i, shared=s, config=cfg), routings)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
                 print("skip", cfg, type(e).__name__)
                 return
@@ -70,18 +84,21 @@ def tune_moe(dev, results):
 
         if batch == 1:  # gate/up tiles with the default down tiles, then down tiles with the best gate/up
             base = dict(GEMV_CONFIG)
-            for up_n, up_k, warps, stages in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 3, 4)):
+            trial(base)
+            for up_n, up_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):
                 trial({**base, "up_n": up_n, "up_k": up_k, "up_warps": warps, "up_stages": stages})
             best_up = min(rows, key=lambda r: r[0])[1]
-            for down_n, down_k, warps, stages in itertools.product((4, 8, 16), (128, 256, 512), (4, 8), (2, 3, 4)):
-                trial({**best_up, "down_n": down_n, "down_k": down_k, "down_warps": warps, "down_stages": stages})
+            for down_n, warps, stages in itertools.product((8, 16, 32, 64), (4, 8), (2, 3, 4)):
+                trial({**best_up, "down_n": down_n, "down_warps": warps, "down_stages": stages})
             best_batch1 = min(rows, key=lambda r: r[0])[1]
         else:
             trial(dict(GEMV_CONFIG))
             trial(best_batch1)
         rows.sort(key=lambda r: r[0])
-        rec = {"op": "moe", "batch": batch, "bytes": nbytes, "grouped_us": grouped_us,
-               "grouped_gb_s": nbytes / grouped_us / 1e3, "best_us": rows[0][0], "best": rows[0][1],
+        rec = {"op": "moe", "batch": batch, "bytes": nbytes, "l2": f"cold ({ROTATIONS} routings rotated)",
+               "grouped_us": grouped_us, "grouped_gb_s": nbytes / grouped_us / 1e3,
+               "default_us": next(us for us, c, _ in rows if c == dict(GEMV_CONFIG)),
+               "best_us": rows[0][0], "best": rows[0][1],
                "best_gb_s": nbytes / rows[0][0] / 1e3, "max_rel_err_vs_grouped": max(r[2] for r in rows),
                "top5": [(us, c) for us, c, _ in rows[:5]]}
         print(json.dumps(rec))

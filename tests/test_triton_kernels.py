@@ -273,7 +273,7 @@ def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, w
         gate, up = torch.nn.functional.linear(x, shared_w13).chunk(2, dim=-1)
         ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
             torch.nn.functional.silu(gate) * up, shared_w2)
-    tiles = dict(up_n=16, up_k=32, down_n=32, down_k=16)
+    tiles = dict(up_n=16, up_k=32, down_n=32)
     ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
@@ -342,3 +342,16 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, mon
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+
+
+def test_moe_gemv_switch(monkeypatch):
+    from lamina.kernels.selection import moe_gemv_max_tokens
+    from lamina.kernels.triton_moe_gemv import GEMV_MAX_TOKENS
+
+    monkeypatch.delenv("LAMINA_MOE_GEMV", raising=False)
+    assert moe_gemv_max_tokens() == GEMV_MAX_TOKENS
+    monkeypatch.setenv("LAMINA_MOE_GEMV", "0")
+    assert moe_gemv_max_tokens() == 0
+    monkeypatch.setenv("LAMINA_MOE_GEMV", "yes")
+    with pytest.raises(ValueError, match="LAMINA_MOE_GEMV"):
+        moe_gemv_max_tokens()

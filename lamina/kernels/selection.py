@@ -51,6 +51,19 @@ def decode_gemv_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "1"
 
 
+def moe_gemv_max_tokens() -> int:
+    """Up to how many tokens the Triton fused MoE runs its decode GEMV kernels
+    (`lamina.kernels.triton_moe_gemv`) rather than the grouped GEMM: `LAMINA_MOE_GEMV=1` (the
+    default) allows the GEMV path, `0` keeps every step on the grouped GEMM (for A/B runs); read
+    at model build time."""
+    from lamina.kernels.triton_moe_gemv import GEMV_MAX_TOKENS
+
+    wanted = os.environ.get("LAMINA_MOE_GEMV", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_MOE_GEMV = {wanted!r} must be 0 or 1")
+    return GEMV_MAX_TOKENS if wanted == "1" else 0
+
+
 def is_one_token_decode(meta) -> bool:
     """A step whose every request has exactly one new token and keeps no per-position states
     (host ints of the plan only): what the Triton decode kernels handle."""

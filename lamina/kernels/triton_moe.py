@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.triton_moe_gemv import GEMV_MAX_TOKENS, fused_moe_gemv
+from lamina.kernels.triton_moe_gemv import GEMV_MAX_INTER, GEMV_MAX_TOKENS, fused_moe_gemv
 
 __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
 
@@ -234,6 +234,7 @@ def fused_moe(
     expert_start: int = 0,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict | None = None,
+    gemv_max_tokens: int = GEMV_MAX_TOKENS,
 ) -> torch.Tensor:
     """Same contract as `grouped_experts`: x `[T, H]`; w13 `[E_local, 2I, H]` (gate rows then up
     rows); w2 `[E_local, H, I]`; topk_weights `[T, k]`; topk_ids `[T, k]` global ids (experts of
@@ -243,7 +244,7 @@ def fused_moe(
     same two launches: every token's extra row, weighted by sigmoid(gate_logit) (its intermediate
     size must be the routed experts' I, and every routed expert must be local: no EP).
 
-    Up to `GEMV_MAX_TOKENS` tokens (decode) the two GEMV kernels of `triton_moe_gemv` run instead
+    Up to `gemv_max_tokens` tokens (decode; at most GEMV_MAX_TOKENS, 0 = never) the two GEMV kernels of `triton_moe_gemv` run instead
     (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
     keeps the grouped path."""
     num_tokens, top_k = topk_ids.shape
@@ -252,7 +253,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden)
-    if num_tokens <= GEMV_MAX_TOKENS and config is None:  # decode: two GEMV launches (triton_moe_gemv)
+    if num_tokens <= min(gemv_max_tokens, GEMV_MAX_TOKENS) and inter <= GEMV_MAX_INTER and config is None:  # decode: triton_moe_gemv
         return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")

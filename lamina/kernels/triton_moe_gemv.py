@@ -9,13 +9,15 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes
    `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`;
 2. down: one program per (token, tile of BLOCK_N output rows) streams all slots' `down` rows in
-   one loop and sums `(weight_slot * act[t, slot]) @ down_e^T` in float32, writing `[T, H]` in
-   the output dtype: the k-slot sum happens in registers (one rounding, no atomics:
-   deterministic).
+   one loop (a step per slot, the whole intermediate dim in one tile) and sums
+   `weight_slot * (act[t, slot] @ down_e^T)` in float32, writing `[T, H]` in the output dtype:
+   the k-slot sum happens in registers (one rounding, no atomics: deterministic).
 
-Products are summed elementwise in float32 (GEMV, memory bound: no tensor cores needed). Experts
-of other EP ranks (ids outside this rank's range) contribute zero. Nothing syncs and every shape
-is fixed by `T` and the weights: capturable in a CUDA graph.
+The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
+pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
+elementwise GEMV loop does not get; compute is free here, the weights' bytes are the cost.
+Experts of other EP ranks (ids outside this rank's range) contribute zero. Nothing syncs and every
+shape is fixed by `T` and the weights: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GEMV_MAX_TOKENS", "fused_moe_gemv"]
+__all__ = ["GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
 # shared expert is read once per token); beyond, the grouped GEMM reads each expert once per tile.
@@ -50,6 +52,7 @@ def _gemv_gate_up_kernel(
     hidden, inter, expert_start, num_local_experts,
     stride_xt, stride_we, stride_wn, stride_swn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)  # token * SLOTS + slot
     token = row // SLOTS
@@ -61,20 +64,21 @@ def _gemv_gate_up_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < inter
         offs_k = tl.arange(0, BLOCK_K)
-        # Elementwise products accumulate in [N, K] registers; one cross-lane reduction at the end.
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        first = tl.arange(0, 16)[:, None] == 0  # the token sits in row 0 of a 16-row tl.dot tile
+        acc_gate = tl.zeros([16, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([16, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < hidden
-            xk = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
-            mask = n_ok[:, None] & k_ok[None, :]
-            gate_w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=mask, other=0.0)  # [N, K]
-            up_w = tl.load(base + (offs_n[:, None] + inter) * stride_n + k[None, :], mask=mask, other=0.0)
-            acc_gate += gate_w.to(tl.float32) * xk[None, :]
-            acc_up += up_w.to(tl.float32) * xk[None, :]
-        gate = tl.sum(acc_gate, axis=1)  # [N]
-        up = tl.sum(acc_up, axis=1)
+            a = tl.load(x_ptr + token * stride_xt + k[None, :] + tl.zeros([16, 1], tl.int32), mask=first & k_ok[None, :],
+                        other=0.0)  # [16, K]
+            mask = k_ok[:, None] & n_ok[None, :]
+            gate_w = tl.load(base + offs_n[None, :] * stride_n + k[:, None], mask=mask, other=0.0)  # [K, N]
+            up_w = tl.load(base + (offs_n[None, :] + inter) * stride_n + k[:, None], mask=mask, other=0.0)
+            acc_gate += tl.dot(a, gate_w, input_precision=PRECISION)
+            acc_up += tl.dot(a, up_w, input_precision=PRECISION)
+        gate = tl.sum(acc_gate, axis=0)  # [N]: rows 1..15 are zero
+        up = tl.sum(acc_up, axis=0)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(act_ptr + row * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
@@ -84,36 +88,42 @@ def _gemv_down_kernel(
     act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, out_ptr,
     hidden, inter, expert_start, num_local_experts,
     stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    k_blocks = tl.cdiv(inter, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    # One loop over every (slot, k block): the loads of the next expert's rows pipeline behind the
-    # current one's instead of restarting per slot. Each slot's routing weight (or the shared
-    # expert's sigmoid gate) scales its activations before the product, so the k-slot sum and the
-    # reduction over the intermediate dim are one [N, K] accumulator reduced once at the end.
-    for step in range(0, SLOTS * k_blocks):
-        slot = tl.full([], 0, tl.int32) + step // k_blocks  # a tensor, compiled or interpreted
-        k = (step % k_blocks) * BLOCK_K + offs_k
+    offs_i = tl.arange(0, BLOCK_I)  # the whole intermediate dim: one loop step per slot
+    first = tl.arange(0, 16)[:, None] == 0
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    # One loop over the slots, so the next expert's rows stream in behind the current one's; each
+    # slot's product is weighted (routing weight, or the shared expert's sigmoid gate) in float32
+    # and summed in the same accumulator: the k-slot sum never leaves registers.
+    for slot in range(0, SLOTS):
         base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
                                  stride_we, TOP_K)
-        stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
+        is_shared = (tl.full([], 0, tl.int32) + slot) == TOP_K
+        stride_n = tl.where(is_shared, stride_swn, stride_wn)
         routed_weight = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
         shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
-        weight = tl.where(slot == TOP_K, 1.0 / (1.0 + tl.exp(-shared_logit)), routed_weight)
-        k_ok = k < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads nothing
-        a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
-        w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * (a * weight)[None, :]
-    tl.store(out_ptr + token * stride_ot + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+        weight = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed_weight)
+        i_ok = offs_i < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads nothing
+        a = tl.load(act_ptr + (token * SLOTS + slot) * inter + offs_i[None, :] + tl.zeros([16, 1], tl.int32),
+                    mask=first & i_ok[None, :], other=0.0)  # [16, I]
+        w = tl.load(base + offs_n[None, :] * stride_n + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # [I, N]
+        acc += tl.where(ok, weight, 0.0) * tl.dot(a, w, input_precision=PRECISION)
+    out = tl.sum(acc, axis=0)  # [N]: rows 1..15 are zero
+    tl.store(out_ptr + token * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # Tile sizes at the Qwen3.5-35B-A3B shape on an H200 (benchmarks/tune_gemv.py).
-GEMV_CONFIG = dict(up_n=8, up_k=512, down_n=8, down_k=256, up_warps=4, down_warps=8, up_stages=3, down_stages=4)
+GEMV_CONFIG = dict(up_n=32, up_k=256, down_n=16, up_warps=4, down_warps=4, up_stages=3, down_stages=3)
+
+# The down kernel holds a slot's whole intermediate row block in one tile; wider experts (TP
+# splits make them narrower) take the grouped-GEMM path.
+GEMV_MAX_INTER = 1024
 
 
 def fused_moe_gemv(
@@ -134,6 +144,8 @@ def fused_moe_gemv(
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
+    if inter > GEMV_MAX_INTER:
+        raise ValueError(f"fused_moe_gemv: intermediate size {inter} > GEMV_MAX_INTER = {GEMV_MAX_INTER}")
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     cfg = dict(GEMV_CONFIG)
@@ -144,17 +156,18 @@ def fused_moe_gemv(
     slots = top_k + (shared is not None)
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _gemv_gate_up_kernel[(num_tokens * slots, triton.cdiv(inter, cfg["up_n"]))](
         x, topk_ids, w13, shared_w13, act, hidden, inter, expert_start, num_local_experts,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
-        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"],
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
         num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
     _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, cfg["down_n"]))](
         act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out, hidden, inter, expert_start, num_local_experts,
         w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
-        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=max(16, triton.next_power_of_2(inter)),
+        PRECISION=precision, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
     )
     return out

@@ -15,6 +15,8 @@ Layouts (see lamina.parallel.layout):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,9 +92,10 @@ class SparseMoE(nn.Module):
         )  # [E_local, H, I_local]
         self.kernels = kernel_set(device if device is not None else ctx.device)
         if self.kernels == "triton":
+            from lamina.kernels.selection import moe_gemv_max_tokens
             from lamina.kernels.triton_moe import fused_moe
 
-            self.experts_kernel = fused_moe
+            self.experts_kernel = functools.partial(fused_moe, gemv_max_tokens=moe_gemv_max_tokens())
         else:
             self.experts_kernel = grouped_experts
         self.has_shared_expert = shared_expert_intermediate_size > 0
