@@ -4,8 +4,13 @@
 #   bash benchmarks/gpu_iter.sh     (device tool; results under $OUT)
 set -x
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# wheels carried in .whl/ (e.g. fla-core, newer transformers), when there are any
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -x 2>&1 | tail -4
+nvidia-smi --query-gpu=name,memory.used --format=csv
 timeout 170 python3 benchmarks/tune_gemv.py --only moe --out $OUT/tune_gemv.json 2>&1 | grep -v "^skip" | python3 -c "
 import sys, json
 for line in sys.stdin:

@@ -89,10 +89,13 @@ def tune_moe(dev, results):
                 trial({**base, "up_n": up_n, "up_k": up_k, "up_warps": warps, "up_stages": stages})
             best_up = min(rows, key=lambda r: r[0])[1]
             for down_n, warps, stages in itertools.product((8, 16, 32, 64), (4, 8), (2, 3, 4)):
-                trial({**best_up, "down_n": down_n, "down_warps": warps, "down_stages": stages})
+                trial({**best_up, "down_split": False, "down_n": down_n, "down_warps": warps, "down_stages": stages})
+            for down_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (2, 4, 8), (1, 2)):
+                trial({**best_up, "down_split": True, "down_n": down_n, "down_warps": warps, "down_stages": stages})
             best_batch1 = min(rows, key=lambda r: r[0])[1]
         else:
             trial(dict(GEMV_CONFIG))
+            trial({**GEMV_CONFIG, "down_split": not GEMV_CONFIG["down_split"]})
             trial(best_batch1)
         rows.sort(key=lambda r: r[0])
         rec = {"op": "moe", "batch": batch, "bytes": nbytes, "l2": f"cold ({ROTATIONS} routings rotated)",

@@ -273,9 +273,12 @@ def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, w
         gate, up = torch.nn.functional.linear(x, shared_w13).chunk(2, dim=-1)
         ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
             torch.nn.functional.silu(gate) * up, shared_w2)
-    tiles = dict(up_n=16, up_k=32, down_n=32)
-    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    for down_split in (True, False):  # the slot-parallel down kernel (default) and the slot loop
+        tiles = dict(up_n=16, up_k=32, down_n=32, down_split=down_split)
+        ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        again = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
+        assert torch.equal(ours, again)  # the split kernel's tickets were reset: same sum, same bits
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
 
 

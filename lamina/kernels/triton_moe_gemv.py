@@ -8,10 +8,13 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 1. gate/up: one program per (token, slot, tile of BLOCK_N intermediate rows) reads its expert id
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes
    `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`;
-2. down: one program per (token, tile of BLOCK_N output rows) streams all slots' `down` rows in
-   one loop (a step per slot, the whole intermediate dim in one tile) and sums
-   `weight_slot * (act[t, slot] @ down_e^T)` in float32, writing `[T, H]` in the output dtype:
-   the k-slot sum happens in registers (one rounding, no atomics: deterministic).
+2. down (default, `down_split`): one program per (token, tile of BLOCK_N output rows, slot)
+   computes `weight_slot * (act[t, slot] @ down_e^T)` in float32 over the whole intermediate dim;
+   the last program of a (token, tile) sums the slots' partials in slot order and writes `[T, H]`
+   in the output dtype (one rounding; an atomic ticket only decides who sums, the order is
+   fixed: deterministic). The looping variant (`down_split=False`: one program per (token, tile)
+   stepping through the slots) keeps the sum in registers but waits on each slot's expert id
+   before its weight load, which profiled at ~1 TB/s on an H200.
 
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
@@ -118,8 +121,70 @@ def _gemv_down_kernel(
     tl.store(out_ptr + token * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _gemv_down_split_kernel(
+    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, partial_ptr, counter_ptr, out_ptr,
+    hidden, inter, expert_start, num_local_experts,
+    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_I: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (token, tile of BLOCK_N output rows, slot): every slot's rows load at once
+    (the looping kernel above waits on each slot's expert id before its weight load). Each program
+    writes its weighted float32 partial; the last program of a (token, tile) to finish (an atomic
+    ticket) sums the SLOTS partials in slot order and writes the output, then resets the ticket.
+    The sum's order is fixed whichever program comes last: deterministic."""
+    token = tl.program_id(0)
+    tile = tl.program_id(1)
+    slot = tl.program_id(2)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_i = tl.arange(0, BLOCK_I)
+    first = tl.arange(0, 16)[:, None] == 0
+    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
+                             stride_we, TOP_K)
+    is_shared = (tl.full([], 0, tl.int32) + slot) == TOP_K
+    stride_n = tl.where(is_shared, stride_swn, stride_wn)
+    routed_weight = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
+    shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
+    weight = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed_weight)
+    i_ok = offs_i < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads nothing
+    a = tl.load(act_ptr + (token * SLOTS + slot) * inter + offs_i[None, :] + tl.zeros([16, 1], tl.int32),
+                mask=first & i_ok[None, :], other=0.0)  # [16, I]
+    w = tl.load(base + offs_n[None, :] * stride_n + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
+                other=0.0)  # [I, N]
+    part = tl.sum(tl.dot(a, w, input_precision=PRECISION), axis=0) * tl.where(ok, weight, 0.0)  # [N]
+    row = partial_ptr + (token * SLOTS) * hidden  # partials [T, SLOTS, H]
+    tl.store(row + slot * hidden + offs_n, part, mask=n_ok)
+    ticket = counter_ptr + token * tl.num_programs(1) + tile
+    done = tl.atomic_add(ticket, 1, sem="acq_rel")  # release our partial, acquire the others'
+    if done == SLOTS - 1:
+        offs_s = tl.arange(0, SLOTS_P2)
+        parts = tl.load(row + offs_s[:, None] * hidden + offs_n[None, :],
+                        mask=(offs_s[:, None] < SLOTS) & n_ok[None, :], other=0.0, cache_modifier=".cg")  # [S, N]
+        tl.store(out_ptr + token * stride_ot + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 tickets of the split down kernel, one per (token, output tile), kept per device:
+    each call leaves them zero again, so a captured graph replays on the same buffer. Sized on the
+    first (eager, warm-up) call of a shape; not grown during a graph capture."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_moe_gemv: run one eager call of this shape before capturing a graph")
+        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
+
+
 # Tile sizes at the Qwen3.5-35B-A3B shape on an H200 (benchmarks/tune_gemv.py).
-GEMV_CONFIG = dict(up_n=32, up_k=256, down_n=16, up_warps=4, down_warps=4, up_stages=3, down_stages=3)
+GEMV_CONFIG = dict(up_n=32, up_k=256, down_n=16, up_warps=4, down_warps=4, up_stages=3, down_stages=3,
+                   down_split=True)
 
 # The down kernel holds a slot's whole intermediate row block in one tile; wider experts (TP
 # splits make them narrower) take the grouped-GEMM path.
@@ -164,10 +229,22 @@ def fused_moe_gemv(
         num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
-    _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, cfg["down_n"]))](
+    block_i = max(16, triton.next_power_of_2(inter))
+    tiles = triton.cdiv(hidden, cfg["down_n"])
+    if cfg["down_split"]:
+        partial = torch.empty(num_tokens, slots, hidden, dtype=torch.float32, device=x.device)  # [T, slots, H]
+        _gemv_down_split_kernel[(num_tokens, tiles, slots)](
+            act, topk_ids, topk_weights, w2, shared_w2, shared_logit, partial, _tickets(x.device, num_tokens * tiles),
+            out, hidden, inter, expert_start, num_local_experts,
+            w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+            TOP_K=top_k, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), BLOCK_N=cfg["down_n"], BLOCK_I=block_i,
+            PRECISION=precision, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+        )
+        return out
+    _gemv_down_kernel[(num_tokens, tiles)](
         act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out, hidden, inter, expert_start, num_local_experts,
         w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
-        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=max(16, triton.next_power_of_2(inter)),
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=block_i,
         PRECISION=precision, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
     )
     return out
