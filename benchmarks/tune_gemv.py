@@ -85,12 +85,13 @@ def tune_moe(dev, results):
         if batch == 1:  # gate/up tiles with the default down tiles, then down tiles with the best gate/up
             base = dict(GEMV_CONFIG)
             trial(base)
-            for up_n, up_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):
+            # (a wider sweep, (16, 32, 64) x (128, 256, 512) x (4, 8) x (3, 4), found 32-64 x 256, 4 warps)
+            for up_n, up_k, warps, stages in itertools.product((32, 64), (256,), (4,), (3, 4)):
                 trial({**base, "up_n": up_n, "up_k": up_k, "up_warps": warps, "up_stages": stages})
             best_up = min(rows, key=lambda r: r[0])[1]
-            for down_n, warps, stages in itertools.product((8, 16, 32, 64), (4, 8), (2, 3, 4)):
+            for down_n, warps, stages in itertools.product((16, 32), (4,), (2, 3)):
                 trial({**best_up, "down_split": False, "down_n": down_n, "down_warps": warps, "down_stages": stages})
-            for down_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (2, 4, 8), (1, 2)):
+            for down_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (2, 4, 8), (1,)):
                 trial({**best_up, "down_split": True, "down_n": down_n, "down_warps": warps, "down_stages": stages})
             best_batch1 = min(rows, key=lambda r: r[0])[1]
         else:
