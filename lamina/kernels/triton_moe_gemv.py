@@ -8,11 +8,11 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 1. gate/up: one program per (token, slot, tile of BLOCK_N intermediate rows) reads its expert id
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes
    `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`;
-2. down (default, `down_split`): one program per (token, tile of BLOCK_N output rows, slot)
+2. down (`down_split`, the one-token default): one program per (token, tile of BLOCK_N output rows, slot)
    computes `weight_slot * (act[t, slot] @ down_e^T)` in float32 over the whole intermediate dim;
    the last program of a (token, tile) sums the slots' partials in slot order and writes `[T, H]`
    in the output dtype (one rounding; an atomic ticket only decides who sums, the order is
-   fixed: deterministic). The looping variant (`down_split=False`: one program per (token, tile)
+   fixed: deterministic). The looping variant (`down_split=False`, the default for 2-4 tokens: one program per (token, tile)
    stepping through the slots) keeps the sum in registers but waits on each slot's expert id
    before its weight load, which profiled at ~1 TB/s on an H200.
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
+__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
 # shared expert is read once per token); beyond, the grouped GEMM reads each expert once per tile.
@@ -183,8 +183,12 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 
 
 # Tile sizes at the Qwen3.5-35B-A3B shape on an H200 (benchmarks/tune_gemv.py).
+# L2-cold, 2026-12-01 (benchmarks/results/tune_gemv_h200.json): at one token the slot-split down
+# kernel and wider gate/up tiles win (26.6 us vs 28.6 for the loop); at 2 and 4 tokens the split
+# kernel's 2.3k-4.6k programs lose to the slot loop (77 vs 64 us at 4 tokens).
 GEMV_CONFIG = dict(up_n=32, up_k=256, down_n=16, up_warps=4, down_warps=4, up_stages=3, down_stages=3,
-                   down_split=True)
+                   down_split=False)
+GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, down_split=True, down_warps=2, down_stages=1)
 
 # The down kernel holds a slot's whole intermediate row block in one tile; wider experts (TP
 # splits make them narrower) take the grouped-GEMM path.
@@ -213,7 +217,7 @@ def fused_moe_gemv(
         raise ValueError(f"fused_moe_gemv: intermediate size {inter} > GEMV_MAX_INTER = {GEMV_MAX_INTER}")
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
-    cfg = dict(GEMV_CONFIG)
+    cfg = dict(GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()

@@ -70,12 +70,24 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx, dtype=dtype, device=device)
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """hidden: the residual stream, R [T, H] (or S [ceil(T/tp), H] under SP); returns the same layout."""
+    def forward(
+        self, hidden: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
+        pending: torch.Tensor | None = None, *, defer_residual: bool = False,
+    ):
+        """hidden: the residual stream, R [T, H] (or S [ceil(T/tp), H] under SP); returns the same layout.
+
+        `pending`: the previous layer's block output not yet added to `hidden` (same layout); it is
+        added inside this layer's input norm (one fused launch on the Triton kernel set).
+        `defer_residual`: return `(hidden, out)` without the final residual add, for the next
+        layer (or the final norm) to fuse."""
         ctx, num_tokens = self.ctx, meta.num_tokens
         stream = layout.S if ctx.sp else layout.R
         layout.expect(hidden, stream, ctx, f"decoder layer {self.layer_idx} input")
-        normed = self.input_layernorm(hidden)
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
+            layout.tag(hidden, stream, ctx)
         if ctx.sp:
             normed = layout.all_gather_tokens(layout.tag(normed, layout.S, ctx), num_tokens, ctx)
         else:
@@ -91,12 +103,15 @@ class HybridDecoderLayer(nn.Module):
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, update)  # residual add fused with the norm
         normed = layout.tag(normed, stream, ctx)
         if isinstance(self.mlp, SparseMoE) and self.mlp.output_layout == layout.S:
-            return layout.tag(hidden + self.mlp(normed, meta), stream, ctx)  # EP + SP: MoE on the shard
-        if ctx.sp:
-            normed = layout.all_gather_tokens(normed, num_tokens, ctx)
-        out = self.mlp(normed, meta) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)
-        out = layout.tag(out, layout.P, ctx)
-        out = layout.reduce_scatter_tokens(out, num_tokens, ctx) if ctx.sp else layout.all_reduce(out, ctx)
+            out = layout.tag(self.mlp(normed, meta), stream, ctx)  # EP + SP: MoE on the shard, complete rows
+        else:
+            if ctx.sp:
+                normed = layout.all_gather_tokens(normed, num_tokens, ctx)
+            out = self.mlp(normed, meta) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)
+            out = layout.tag(out, layout.P, ctx)
+            out = layout.reduce_scatter_tokens(out, num_tokens, ctx) if ctx.sp else layout.all_reduce(out, ctx)
+        if defer_residual:
+            return layout.tag(hidden, stream, ctx), layout.tag(out, stream, ctx)
         return layout.tag(hidden + out, stream, ctx)
 
 
@@ -177,12 +192,20 @@ class Qwen3NextForCausalLM(nn.Module):
         else:
             layout.tag(hidden, self.stream_layout, self.ctx)
         cos, sin = self.rotary.cos_sin(meta.positions)
+        # Each layer's block output is added to the stream inside the next norm (fused on Triton).
+        pending = None
         for layer in self.layers.values():
-            hidden = layer(hidden, meta, cos, sin)
+            hidden, pending = layer(hidden, meta, cos, sin, pending, defer_residual=True)
         if self.is_last_stage:
-            hidden = layout.tag(self.norm(hidden), self.stream_layout, self.ctx)
+            if pending is None:  # a stage without layers
+                hidden = self.norm(hidden)
+            else:
+                hidden = self.norm.add_and_norm(hidden, pending)[1]
+            hidden = layout.tag(hidden, self.stream_layout, self.ctx)
             if self.ctx.sp:
                 hidden = layout.all_gather_tokens(hidden, meta.num_tokens, self.ctx)
+        elif pending is not None:
+            hidden = layout.tag(hidden + pending, self.stream_layout, self.ctx)  # the next stage's input: complete
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

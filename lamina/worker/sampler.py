@@ -157,6 +157,8 @@ class SamplingBatch:
                 tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
         """
         bsz = len(params_list)
+        if vocab_size >= 1 << 24:
+            raise ValueError(f"vocab_size = {vocab_size}: top-k travels as float32, exact only below 2**24")
         if len(output_lens) != bsz:
             raise ValueError(f"output_lens has {len(output_lens)} entries, expected {bsz}")
         if generators is None:
@@ -213,14 +215,21 @@ class SamplingBatch:
             bitmask_rows = to_device([r for r, _ in masked], device, torch.int64)
             bitmask = to_device(np.stack([np.asarray(m, dtype=np.int32) for _, m in masked]), device, torch.int32)
 
+        # One upload for the per-row numbers (a decode step's host time is mostly copies like
+        # these): [5, B] float32 rows temperature, top_p, min_p, top_k (exact below 2^24), greedy.
+        packed = to_device([temps, top_ps, min_ps, top_ks, greedy], device, torch.float32).reshape(5, bsz)  # [5, B]
+        if ban_rows:
+            bans = to_device([ban_rows, ban_cols], device, torch.int64)  # [2, M]
+        else:
+            bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
         return cls(
-            temperature=to_device(temps, device, torch.float32),
-            top_k=to_device(top_ks, device, torch.int64),
-            top_p=to_device(top_ps, device, torch.float32),
-            min_p=to_device(min_ps, device, torch.float32),
-            greedy=to_device(greedy, device, torch.bool),
-            ban_rows=to_device(ban_rows, device, torch.int64),
-            ban_cols=to_device(ban_cols, device, torch.int64),
+            temperature=packed[0],
+            top_k=packed[3].to(torch.int64),
+            top_p=packed[1],
+            min_p=packed[2],
+            greedy=packed[4] != 0,
+            ban_rows=bans[0],
+            ban_cols=bans[1],
             vocab_size=vocab_size,
             all_greedy=not sampling_rows,
             any_greedy=any(greedy),

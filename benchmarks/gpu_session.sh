@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device run (H200) of this session's checks and figures; results under $OUT.
+#   bash benchmarks/gpu_session.sh [tests|latency|prefill|profile ...]   (default: all of them)
+# Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
+set -x
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+python3 -c "from lamina.kernels.fla_prefill import fla_import_error as e; print('fla:', e() or 'ok')"
+PARTS=${*:-tests latency prefill profile}
+L="python3 -m lamina.entrypoints.cli bench latency --dtype bfloat16"
+for part in $PARTS; do
+  case $part in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_prefill.py tests/test_gpu_engine.py 2>&1 | tail -15
+      python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_gdn_prefill.py 2>&1 | tail -6 ;;
+    latency)
+      $L --batch-size 1 16 64 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs.json 2>&1 | tail -6
+      LAMINA_MOE_GEMV=0 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs_grouped_moe.json 2>&1 | tail -3 ;;
+    prefill)
+      python3 benchmarks/bench_gdn_prefill.py --output-json $OUT/gdn_prefill.json 2>&1 | tail -12
+      for p in reference fla; do
+        LAMINA_GDN_PREFILL=$p $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+          --output-json $OUT/prefill_8k_$p.json 2>&1 | tail -3
+      done ;;
+    profile)
+      python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b1.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:22]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
+  esac
+done
