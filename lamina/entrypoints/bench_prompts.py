@@ -65,7 +65,10 @@ def choose_source(args, card: dict, server_tokenizer: bool | None) -> PromptSour
 
 
 def _vocab_size(args, card: dict) -> int:
-    vocab = getattr(args, "vocab_size", None) or card.get("vocab_size")
+    given = getattr(args, "vocab_size", None)
+    if given is not None and given < 1:
+        raise ValueError(f"--vocab-size must be >= 1, got {given}")
+    vocab = given or card.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         raise ValueError("without a tokenizer the prompts are random ids of [0, vocab_size), and the server's "
                          "/v1/models entry has no vocab_size (lamina serve reports it): pass --vocab-size N")

@@ -289,9 +289,16 @@ TABLE = ("concurrency", "request_rate", "num_prompts", "completed", "failed", "i
          "output_tok_per_s", "total_tok_per_s")
 
 
-def run_serve_bench(args) -> int:
+def serve_table(records: list[dict]) -> str:
+    """The markdown table `lamina bench serve` prints (benchmarks/gpu_serve.sh joins several runs' records)."""
     from lamina.entrypoints.bench import markdown_table
 
+    rows = [{**r, "concurrency": "no limit" if r["concurrency"] is None else r["concurrency"],
+             **{f"{n}_p99_ms": r[f"{n}_ms_percentiles"]["p99"] for n in LATENCIES}} for r in records]
+    return markdown_table(rows, TABLE)
+
+
+def run_serve_bench(args) -> int:
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if any(c is not None and c < 1 for c in args.max_concurrency) or not args.request_rate > 0:
@@ -299,9 +306,7 @@ def run_serve_bench(args) -> int:
     if args.plot and all(c is None for c in args.max_concurrency):
         raise ValueError("--plot draws output tok/s against --max-concurrency: give at least one value")
     records = asyncio.run(_bench(args))
-    rows = [{**r, "concurrency": "no limit" if r["concurrency"] is None else r["concurrency"],
-             **{f"{n}_p99_ms": r[f"{n}_ms_percentiles"]["p99"] for n in LATENCIES}} for r in records]
-    print(markdown_table(rows, TABLE))
+    print(serve_table(records))
     for r in records:
         if r["failed"]:
             print(f"lamina bench serve: {r['failed']} of {r['num_prompts']} requests failed at concurrency "
