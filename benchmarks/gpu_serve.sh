@@ -24,7 +24,9 @@ URL="http://127.0.0.1:$PORT"
 
 # The server's imports. Missing ones: installed from .whl/*.whl when there are wheels (as gpu_final.sh does).
 MODULES="fastapi uvicorn pydantic prometheus_client xgrammar httpx numpy"
-missing() { $PY -c "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))" $MODULES; }
+missing() {
+  $PY -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" $MODULES
+}
 MISSING=$(missing)
 if [ -n "$MISSING" ] && ls .whl/*.whl >/dev/null 2>&1; then
   echo "[gpu_serve] missing: $MISSING; installing .whl/*.whl into /tmp/site"
