@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina import LLM, SamplingParams  # noqa: E402
-from lamina.entrypoints.bench import _preset_dir  # noqa: E402
+from lamina.entrypoints.presets import preset_dir  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    path = _preset_dir("qwen3.5-35b-a3b", args.layers)
+    path = preset_dir("qwen3.5-35b-a3b", args.layers)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=512,
               max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager)
     engine = llm.engine

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lamina.entrypoints.bench import _preset_dir, transformers_decode  # noqa: E402
+from lamina.entrypoints.bench import transformers_decode  # noqa: E402
+from lamina.entrypoints.presets import preset_dir  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    path = _preset_dir("qwen3.5-35b-a3b", args.layers)
+    path = preset_dir("qwen3.5-35b-a3b", args.layers)
     record = transformers_decode(str(path), args.batch, args.input_len, args.output_len, torch.device("cuda"), torch.bfloat16)
     record.update(batch_size=args.batch, layers=args.layers, input_len=args.input_len, output_len=args.output_len,
                   command=" ".join(["python", *sys.argv]))

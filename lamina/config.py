@@ -17,6 +17,9 @@ _DTYPES = {
 class EngineArgs:
     model: str | None = None  # None: the built-in demo model (lamina/demo_model)
     tokenizer: str | None = None
+    # vLLM's name: load no tokenizer. Prompts must be token ids; outputs carry token ids and empty
+    # text; stop strings, bad_words and structured output (which need one) are refused.
+    skip_tokenizer_init: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"
     max_model_len: int | None = None

@@ -38,7 +38,8 @@ def test_bench_serve_sweeps_concurrency(server, tmp_path, capsys):
     for r in records:
         assert set(SHARED_KEYS) <= set(r)
         assert r["kind"] == "serve" and r["command"] == "lamina " + " ".join(argv)
-        assert r["model"] == MODEL_NAME and r["gpu"] is None and r["dtype"] is None
+        assert r["model"] == MODEL_NAME and r["gpu"] == "cpu" and r["dtype"] == "float32"  # from /v1/models
+        assert r["prompt_source"].startswith("tokenizer ")
         assert r["hbm_roofline_fraction"] is None and r["baseline"] is None and r["speedup_vs_baseline"] is None
         assert r["num_prompts"] == r["completed"] == 6 and r["failed"] == 0 and r["request_rate"] == "inf"
         assert r["output_tokens"] == 4 * 6 and r["input_tokens"] == 8 * 6  # ignore_eos; token-id prompts are exact

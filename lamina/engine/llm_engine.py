@@ -185,9 +185,19 @@ class LLMEngine:
         return max_num_seqs * per_request
 
     # ---- requests ------------------------------------------------------------------------
+    @property
+    def no_tokenizer_reason(self) -> str:
+        """Why there is no tokenizer, for error messages (empty when there is one)."""
+        if self.tokenizer is not None:
+            return ""
+        if self.args.skip_tokenizer_init:
+            return "the engine runs without a tokenizer (skip_tokenizer_init)"
+        return "this model has no tokenizer"
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+            raise ValueError(f"{self.no_tokenizer_reason}: text prompts cannot be tokenized; pass token ids "
+                             "({'prompt_token_ids': [...]}, or a list of ints)")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -210,7 +220,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
+            raise ValueError(f"stop strings need a tokenizer ({self.no_tokenizer_reason}): use stop_token_ids instead")
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size

@@ -40,7 +40,7 @@ class EngineSetup:
     parallel_config: ParallelConfig
     plan: ParallelPlan
     max_model_len: int
-    tokenizer: Any  # None: no tokenizer files (token-id prompts only)
+    tokenizer: Any  # None: no tokenizer files, or skip_tokenizer_init (token-id prompts only)
     eos_token_ids: tuple[int, ...]
     spec_config: SpeculativeConfig | None
     mtp_prefix: str | None  # where the checkpoint keeps its MTP tensors (speculative decoding)
@@ -78,7 +78,10 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     max_model_len = _max_model_len(args, cfg)
     # The model's own config (spellings normalised by read_model_config) so that transformers
     # does not re-read a config.json its version may refuse.
-    tokenizer = load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
+    if args.skip_tokenizer_init:
+        tokenizer = None
+    else:
+        tokenizer = load_tokenizer(args.tokenizer or args.model, None if args.tokenizer else hf_config)
     eos_token_ids = _eos_token_ids(cfg, model_path, tokenizer)
     spec_config = SpeculativeConfig.parse(args.speculative_config)
     mtp_prefix = None

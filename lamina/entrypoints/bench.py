@@ -10,7 +10,8 @@ measured in the same run. throughput: N prompts offline, total and output tok/s.
 
 Each run prints a markdown table, writes one JSON record per row (`--output-json`) and, where
 matplotlib is installed, a PNG of output tok/s against batch size with the roofline drawn.
-Without `--model`, `--preset qwen3.5-35b-a3b` writes that model's text config (dummy weights).
+Without `--model`, `--preset qwen3.5-35b-a3b` writes that model's text config (dummy weights;
+the presets are in lamina/entrypoints/presets.py).
 Every record carries the keys of SHARED_KEYS (None where a kind has no such figure).
 """
 
@@ -21,23 +22,12 @@ import json
 import random
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-PRESETS = {
-    # Qwen3.5-35B-A3B text model (40 layers: 30 gated delta net, 10 gated attention).
-    "qwen3.5-35b-a3b": dict(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, eos_token_id=248044, tie_word_embeddings=False,
-    ),
-}
-
+from lamina.entrypoints.presets import DEFAULT_PRESET, preset_dir, preset_names
 
 # The keys every bench record has, whatever its kind (None where the kind has no such figure).
 # concurrency: requests in flight at most (latency: the batch size; throughput: the engine's
@@ -69,7 +59,7 @@ def _add_offline_args(p) -> None:
 
     cli.add_engine_args(p)
     b = p.add_argument_group("benchmark")
-    b.add_argument("--preset", default="qwen3.5-35b-a3b", choices=sorted(PRESETS),
+    b.add_argument("--preset", default=DEFAULT_PRESET, choices=preset_names(),
                    help="config written when --model is not given (weights: --load-format dummy)")
     b.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="latency: batch sizes to sweep")
@@ -80,21 +70,6 @@ def _add_offline_args(p) -> None:
     b.add_argument("--plot", default=None, help="latency: write a PNG of tok/s against batch size")
     b.add_argument("--compare", choices=["transformers"], default=None,
                    help="latency: also time transformers' generate on the same config in this run")
-
-
-def _preset_dir(preset: str, num_layers: int | None) -> Path:
-    from transformers import Qwen3_5MoeTextConfig
-
-    fields = dict(PRESETS[preset])
-    if num_layers is not None:
-        fields["num_hidden_layers"] = num_layers
-    n = fields["num_hidden_layers"]
-    fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
-    config = Qwen3_5MoeTextConfig(**fields)
-    config.architectures = ["Qwen3_5MoeForCausalLM"]
-    path = Path(tempfile.mkdtemp(prefix="lamina-bench-"))
-    config.save_pretrained(path)
-    return path
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -380,7 +355,7 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def run_bench(args) -> int:
-    model_path = args.model or str(_preset_dir(args.preset, args.num_layers))
+    model_path = args.model or str(preset_dir(args.preset, args.num_layers))
     if args.model is None:
         args.load_format = "dummy"
     records = run_latency(args, model_path) if args.kind == "latency" else run_throughput(args, model_path)

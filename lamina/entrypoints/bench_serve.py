@@ -15,7 +15,10 @@ wall time, and mean, median, p90 and p99 of each latency. A markdown table is pr
 (one per concurrency) go to `--output-json`, and with matplotlib installed `--plot` draws output
 tok/s against concurrency. Random ids are drawn from the tokenizer's base vocabulary without its
 special tokens: the tokenizer is `--tokenizer`, else the server's model directory (the `root` of
-its /v1/models entry) when it is readable from here.
+its /v1/models entry) when it is readable from here. Without a tokenizer (`--tokenizer none`,
+`--skip-tokenizer-init`, or a server started with `--skip-tokenizer-init` or `--preset`) they are
+drawn from [0, vocab_size) of the server's /v1/models entry and sent as token ids to
+/v1/completions; see lamina/entrypoints/bench_prompts.py.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lamina.entrypoints.bench_prompts import PromptSource, choose_source, make_prompts, server_has_tokenizer
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
@@ -41,7 +46,11 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS)
     g.add_argument("--model", default=None, help="model name to send (default: the first id of /v1/models)")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory (default: the server's model directory, if readable here)")
+                   help="tokenizer directory (default: the server's model directory, if readable here); 'none': "
+                        "random ids of [0, vocab_size) as token-id prompts")
+    g.add_argument("--skip-tokenizer-init", action="store_true", help="the same as --tokenizer none")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="without a tokenizer: draw ids from [0, N) (default: the server's reported vocab_size)")
     g.add_argument("--api-key", default=os.environ.get("LAMINA_API_KEY"), help="bearer key (default: $LAMINA_API_KEY)")
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
@@ -72,7 +81,7 @@ class Result:
 
 
 def _has_content(choice: dict) -> bool:
-    if choice.get("text"):
+    if choice.get("text") or choice.get("token_ids"):  # token ids: a server without a tokenizer
         return True
     delta = choice.get("delta") or {}
     return any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
@@ -122,9 +131,11 @@ async def _request(client, url: str, payload: dict) -> Result:
     return res
 
 
-def _payload(args, model: str, prompt: list[int] | str) -> dict:
+def _payload(args, model: str, prompt: list[int] | str, token_ids: bool = False) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0,
             "max_tokens": args.output_len, "ignore_eos": args.ignore_eos}
+    if token_ids:  # no tokenizer: the chunks carry token ids, not text
+        body["return_token_ids"] = True
     if args.endpoint.endswith("/chat/completions"):
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -161,25 +172,6 @@ async def _server_card(client, args) -> dict:
     return chosen
 
 
-def _load_tokenizer(args, card: dict):
-    from transformers import AutoTokenizer
-
-    path = args.tokenizer or card.get("root")
-    if not path or (args.tokenizer is None and not Path(path).is_dir()):
-        raise ValueError(f"the server's model directory ({path!r}) is not readable here: pass --tokenizer, the "
-                         "served model's tokenizer directory (the random prompts need its vocabulary)")
-    return AutoTokenizer.from_pretrained(path)
-
-
-def make_prompts(tokenizer, num: int, input_len: int, seed: int, as_text: bool) -> list[list[int] | str]:
-    """`num` prompts of `input_len` random ids of the base vocabulary, special tokens excluded."""
-    special = set(tokenizer.all_special_ids)
-    ids = [t for t in range(tokenizer.vocab_size) if t not in special]
-    rng = random.Random(seed)
-    prompts = [[rng.choice(ids) for _ in range(input_len)] for _ in range(num)]
-    return [tokenizer.decode(p) for p in prompts] if as_text else prompts
-
-
 def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent: all at 0, or a Poisson process of `rate`/s."""
     if math.isinf(rate):
@@ -192,7 +184,8 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def _run_one(client, args, model: str, prompts, concurrency: int | None) -> tuple[list[Result], float]:
+async def _run_one(client, args, model: str, prompts, concurrency: int | None,
+                   token_ids: bool = False) -> tuple[list[Result], float]:
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     times = arrival_times(len(prompts), args.request_rate, args.seed)
     start = time.perf_counter()
@@ -200,9 +193,9 @@ async def _run_one(client, args, model: str, prompts, concurrency: int | None) -
     async def one(prompt, at: float) -> Result:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         if limit is None:
-            return await _request(client, args.endpoint, _payload(args, model, prompt))
+            return await _request(client, args.endpoint, _payload(args, model, prompt, token_ids))
         async with limit:
-            return await _request(client, args.endpoint, _payload(args, model, prompt))
+            return await _request(client, args.endpoint, _payload(args, model, prompt, token_ids))
 
     results = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, times)))
     return list(results), time.perf_counter() - start
@@ -218,7 +211,8 @@ def _stats(values: list[float]) -> tuple[float | None, dict]:
                               "p99": float(np.percentile(ms, 99))}
 
 
-def summarize(args, model: str, results: list[Result], duration: float, concurrency: int | None) -> dict:
+def summarize(args, model: str, results: list[Result], duration: float, concurrency: int | None,
+              card: dict | None = None, source: PromptSource | None = None) -> dict:
     from lamina.entrypoints.bench import command_line, with_shared_keys
 
     done = [r for r in results if r.ok]
@@ -230,7 +224,8 @@ def summarize(args, model: str, results: list[Result], duration: float, concurre
         "itl": [gap for r in done for gap in r.itl],
     }
     record = {
-        "kind": "serve", "command": command_line(args), "gpu": None, "model": model, "dtype": None,
+        "kind": "serve", "command": command_line(args), "gpu": (card or {}).get("device_name"), "model": model,
+        "dtype": (card or {}).get("dtype"), "prompt_source": source.describe() if source else None,
         "base_url": args.base_url, "endpoint": args.endpoint, "concurrency": concurrency,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "num_prompts": len(results), "completed": len(done), "failed": len(results) - len(done),
@@ -255,16 +250,18 @@ async def _bench(args) -> list[dict]:
         if limit and args.input_len + args.output_len > limit:
             raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} is more than the "
                              f"server's max_model_len {limit}")
-        tokenizer = _load_tokenizer(args, card)
+        source = choose_source(args, card, await server_has_tokenizer(client))
         as_text = args.endpoint.endswith("/chat/completions")
-        prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed, as_text)
-        probe = await _request(client, args.endpoint, _payload(args, model, prompts[0]))  # checks and warms up
+        prompts = make_prompts(source, args.num_prompts, args.input_len, args.seed, as_text)
+        ids = not source.has_tokenizer
+        print(f"lamina bench serve: {model} at {args.base_url}, prompts: {source.describe()}", file=sys.stderr)
+        probe = await _request(client, args.endpoint, _payload(args, model, prompts[0], ids))  # checks and warms up
         if not probe.ok:
             raise ValueError(f"the test request to {args.base_url}{args.endpoint} failed: {probe.error}")
         records = []
         for concurrency in args.max_concurrency:
-            results, duration = await _run_one(client, args, model, prompts, concurrency)
-            records.append(summarize(args, model, results, duration, concurrency))
+            results, duration = await _run_one(client, args, model, prompts, concurrency, ids)
+            records.append(summarize(args, model, results, duration, concurrency, card, source))
         return records
 
 
@@ -292,9 +289,16 @@ TABLE = ("concurrency", "request_rate", "num_prompts", "completed", "failed", "i
          "output_tok_per_s", "total_tok_per_s")
 
 
-def run_serve_bench(args) -> int:
+def serve_table(records: list[dict]) -> str:
+    """The markdown table `lamina bench serve` prints (benchmarks/gpu_serve.sh joins several runs' records)."""
     from lamina.entrypoints.bench import markdown_table
 
+    rows = [{**r, "concurrency": "no limit" if r["concurrency"] is None else r["concurrency"],
+             **{f"{n}_p99_ms": r[f"{n}_ms_percentiles"]["p99"] for n in LATENCIES}} for r in records]
+    return markdown_table(rows, TABLE)
+
+
+def run_serve_bench(args) -> int:
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if any(c is not None and c < 1 for c in args.max_concurrency) or not args.request_rate > 0:
@@ -302,9 +306,7 @@ def run_serve_bench(args) -> int:
     if args.plot and all(c is None for c in args.max_concurrency):
         raise ValueError("--plot draws output tok/s against --max-concurrency: give at least one value")
     records = asyncio.run(_bench(args))
-    rows = [{**r, "concurrency": "no limit" if r["concurrency"] is None else r["concurrency"],
-             **{f"{n}_p99_ms": r[f"{n}_ms_percentiles"]["p99"] for n in LATENCIES}} for r in records]
-    print(markdown_table(rows, TABLE))
+    print(serve_table(records))
     for r in records:
         if r["failed"]:
             print(f"lamina bench serve: {r['failed']} of {r['num_prompts']} requests failed at concurrency "

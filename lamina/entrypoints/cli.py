@@ -15,6 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model, lamina/demo_model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids, outputs carry token ids and empty text, "
+                        "stop strings are refused")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -64,7 +67,8 @@ def parallel_kwargs(args: argparse.Namespace) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        tokenizer=args.tokenizer, skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
@@ -94,8 +98,12 @@ def _generate(args: argparse.Namespace) -> int:
         from lamina.engine.mp_executor import run_headless_node
 
         return run_headless_node(EngineArgs(model=args.model, **engine_kwargs(args)))
-    if not args.prompt:
-        print("lamina generate: error: --prompt is required", file=sys.stderr)
+    token_prompts = [_token_ids(text) for text in args.prompt_token_ids]
+    if not args.prompt and not token_prompts:
+        print("lamina generate: error: --prompt or --prompt-token-ids is required", file=sys.stderr)
+        return 2
+    if args.chat and token_prompts:
+        print("lamina generate: error: --chat applies a chat template to text: use --prompt", file=sys.stderr)
         return 2
     model = args.model or str(ensure_default_model())
     params = SamplingParams(
@@ -106,18 +114,33 @@ def _generate(args: argparse.Namespace) -> int:
         if args.chat:
             outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
         else:
-            outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    for prompt, out in zip(args.prompt, outputs):
+            prompts = [*args.prompt, *({"prompt_token_ids": ids} for ids in token_prompts)]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+    for prompt, out in zip([*args.prompt, *token_prompts], outputs):
         completion = out.outputs[0]
         if args.json:
             print(json.dumps({
                 "prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
                 "finish_reason": completion.finish_reason,
             }))
+        elif isinstance(prompt, list):  # token ids in: the text, or the ids where there is no tokenizer
+            print(completion.text if tokenizer is not None else " ".join(map(str, completion.token_ids)))
         else:
             print(completion.text if args.chat else f"{prompt}{completion.text}")
+        if not args.json:
             print(f"[lamina] {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}", file=sys.stderr)
     return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-token-ids is empty: give at least one token id")
+    return ids
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -152,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_args(gen)
     s = gen.add_argument_group("sampling")
     s.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several; required on node 0)")
+    s.add_argument("--prompt-token-ids", action="append", default=[], metavar="IDS",
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; works without a tokenizer)")
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)

@@ -21,7 +21,8 @@ class LLM:
     `model=None` uses the built-in demo model (lamina/demo_model). Keyword arguments are the fields of
     `lamina.config.EngineArgs`, with vLLM's names: `device`, `dtype`, `max_model_len`,
     `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `seed`, `num_gpu_blocks_override`,
-    `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `load_format`,
+    `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `skip_tokenizer_init` (no
+    tokenizer: token-id prompts only, outputs with token ids and empty text), `load_format`,
     `ple_table_device`, `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
     `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
     `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:

@@ -160,6 +160,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg')} (got {shown}){more}", param
 
 
+def _engine_facts(engine: LLMEngine) -> dict:
+    """lamina's fields of a model card: the vocabulary size (token-id prompts draw from [0, vocab_size)),
+    the dtype the weights run in and the device's name (benchmark records carry both)."""
+    import torch
+
+    device = getattr(engine, "device", None)
+    dtype = getattr(engine, "dtype", None)
+    if device is not None and device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = None if device is None else device.type
+    return {"vocab_size": getattr(getattr(engine, "model_config", None), "vocab_size", None),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."), "device_name": device_name}
+
+
 def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEngine | None = None) -> FastAPI:
     state = ServerState(engine, config, async_engine)
 
@@ -230,9 +245,11 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
     async def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    facts = _engine_facts(engine)
+
     def model_cards() -> list[dict]:
         return [{"id": name, "object": "model", "created": state.serving.created, "owned_by": "lamina",
-                 "root": config.model_root, "max_model_len": engine.max_model_len}
+                 "root": config.model_root, "max_model_len": engine.max_model_len, **facts}
                 for name in config.served_model_names]
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)

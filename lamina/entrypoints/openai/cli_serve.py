@@ -46,6 +46,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: 8 MiB)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted (default: 30)")
+    s.add_argument("--preset", default=None, metavar="NAME",
+                   help="serve a built-in model shape with dummy (random) weights instead of a checkpoint, e.g. "
+                        "qwen3.5-35b-a3b (lamina/entrypoints/presets.py); no tokenizer: token-id prompts only")
+    s.add_argument("--num-layers", type=int, default=None, metavar="N", help="with --preset: override its layer count")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     add_chat_args(p)
@@ -88,6 +92,26 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def resolve_preset(args: argparse.Namespace, model_arg: str | None) -> str:
+    """`--preset NAME [--num-layers N]`: write the preset's config into a temporary directory (the MODEL
+    served), with dummy weights and no tokenizer. Errors name the valid presets."""
+    from lamina.entrypoints.presets import check_preset, preset_dir, preset_label
+
+    if args.preset is None:
+        raise ValueError("--num-layers goes with --preset (it overrides the preset's layer count)")
+    if model_arg:
+        raise ValueError(f"give MODEL ({model_arg!r}) or --preset {args.preset}, not both")
+    check_preset(args.preset)
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"--preset serves dummy weights; --load-format {args.load_format} does not apply")
+    path = str(preset_dir(args.preset, args.num_layers))
+    args.load_format = "dummy"
+    args.skip_tokenizer_init = True  # a preset has no tokenizer
+    print(f"[lamina] preset {preset_label(args.preset, args.num_layers)}: no tokenizer (token-id prompts to "
+          f"/v1/completions only), config in {path}", file=sys.stderr)
+    return path
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from lamina import LLM
     from lamina.entrypoints.cli import engine_kwargs
@@ -104,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model_arg = args.model_tag or args.model
+    if args.preset is not None or args.num_layers is not None:
+        model_arg = resolve_preset(args, model_arg)
     check_compat_args(args, model_arg)
     chat = ChatOptions(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                        reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template))
@@ -113,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_headless_node(EngineArgs(model=model_arg, **engine_kwargs(args)))
     model = model_arg or str(ensure_default_model())
-    names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
+    names = args.served_model_name or [args.preset or model_arg or DEFAULT_MODEL_NAME]
     sock = bind_socket(args.host, args.port)
     try:
         llm = LLM(model, **engine_kwargs(args))

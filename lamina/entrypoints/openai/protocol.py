@@ -112,6 +112,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     best_of: _int(ge=1, le=MAX_N) | None = None
     suffix: str | None = None
+    # vLLM's extra: each choice also carries `token_ids` (generated) and `prompt_token_ids`; always on
+    # when the server runs without a tokenizer (its text is empty then)
+    return_token_ids: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -252,6 +255,10 @@ class ModelCard(BaseModel):
     owned_by: str = "lamina"
     root: str | None = None
     max_model_len: int | None = None
+    # lamina's: what a client needs to make token-id prompts and to label its measurements
+    vocab_size: int | None = None
+    dtype: str | None = None
+    device_name: str | None = None
 
 
 class ModelList(BaseModel):

@@ -133,6 +133,30 @@ class OpenAIServing:
             raise APIError(400, str(e) or type(e).__name__, param=param) from e
 
     # ---- request checks ------------------------------------------------------------------
+    def require_tokenizer(self, what: str, param: str | None) -> None:
+        """400 `no_tokenizer` when the server runs without a tokenizer (skip_tokenizer_init, or none
+        next to the checkpoint) and the request asks for something that needs one."""
+        if self.tokenizer is not None:
+            return
+        reason = getattr(self.engine, "no_tokenizer_reason", "") or "this model has no tokenizer"
+        raise APIError(400, f"{what} needs a tokenizer, and {reason}; "
+                       "send token ids (a list of ints as prompt) to /v1/completions", param=param,
+                       code="no_tokenizer")
+
+    def check_tokenizer_needs(self, req) -> None:
+        """The request fields that need text: stop strings, bad words, structured output."""
+        if self.tokenizer is not None:
+            return
+        if req.stop:
+            self.require_tokenizer("stop (stop strings; use stop_token_ids)", "stop")
+        if req.bad_words:
+            self.require_tokenizer("bad_words", "bad_words")
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            value = getattr(req, name, None)
+            if value is not None and not (name == "response_format" and value.type == "text"):
+                self.require_tokenizer(f"{name} (structured output)", name)
+
     def check_unsupported(self, req) -> None:
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not returned by this server; on /v1/completions send echo = true "

@@ -95,6 +95,7 @@ def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, sta
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     model = serving.resolve_model(req.model)
+    serving.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
     serving.check_unsupported(req)
     _check_chat_options(req)
     options = chat_options(serving)

@@ -84,7 +84,11 @@ class _Choice:
         self.generate = generate  # False for echo with max_tokens = 0: the generated token is dropped
         self.builder = _LogprobsBuilder(serving, req.logprobs) if req.logprobs is not None else None
         self.echo_logprobs = req.echo and req.logprobs is not None
+        # token ids in the answer: asked for, or the only output there is without a tokenizer
+        self.with_ids = bool(req.return_token_ids) or serving.tokenizer is None
         self.sent_chars = 0
+        self.sent_ids = 0
+        self.sent_prompt_ids = False
         self.echoed = False
         self.done = False
 
@@ -108,6 +112,20 @@ class _Choice:
         logprobs = self.builder.take(completion.token_ids, completion.logprobs) if self.builder else None
         return delta, logprobs
 
+    def token_id_fields(self, completion, *, final: bool) -> dict[str, Any]:
+        """`prompt_token_ids` (once) and the generated ids not sent yet (all of them when `final`),
+        when this choice returns token ids; nothing otherwise."""
+        if not self.with_ids:
+            return {}
+        ids = list(completion.token_ids) if self.generate and completion is not None else []
+        fields: dict[str, Any] = {}
+        if not self.sent_prompt_ids:
+            self.sent_prompt_ids = True
+            fields["prompt_token_ids"] = self.prompt_ids
+        fields["token_ids"] = ids if final else ids[self.sent_ids:]
+        self.sent_ids = len(ids)
+        return fields
+
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
@@ -120,6 +138,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         raise APIError(400, "max_tokens = 0 needs echo = true (the prompt alone is the answer)", param="max_tokens")
     n = req.n or 1
     prompts = _prompts(req.prompt)
+    if any(isinstance(p, str) for p in prompts):
+        serving.require_tokenizer("a text prompt", "prompt")
+    serving.check_tokenizer_needs(req)
     if len(prompts) * max(n, req.best_of or 1) > MAX_BATCH_PROMPTS:
         raise APIError(400, f"{len(prompts)} prompts x {max(n, req.best_of or 1)} completions is more than "
                        f"{MAX_BATCH_PROMPTS} sequences in one request", param="n")
@@ -165,6 +186,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
                 "index": choice.index, "text": choice.echo_text + text, "logprobs": logprobs,
                 "finish_reason": "length" if echo_only else completion.finish_reason,
                 "stop_reason": None if echo_only else completion.stop_reason,
+                **choice.token_id_fields(completion, final=True),
             })
             completion_tokens += 0 if echo_only else len(completion.token_ids)
         prompt_tokens += len(output.prompt_token_ids)
@@ -214,10 +236,12 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
                         text = choice.echo_text + text
                         if echo_logprobs is not None:
                             logprobs = _merge_logprobs(echo_logprobs, logprobs) if logprobs else echo_logprobs
-                    if not text and not finished and not (logprobs and logprobs["tokens"]):
+                    ids = choice.token_id_fields(completion, final=False)
+                    news = text or (logprobs and logprobs["tokens"]) or ids.get("token_ids") or "prompt_token_ids" in ids
+                    if not news and not finished:
                         continue
                     body = {"index": choice.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": None}
+                            "finish_reason": None, **ids}
                     if finished:
                         choice.done = True
                         body["finish_reason"] = "length" if echo_only else completion.finish_reason

@@ -53,8 +53,11 @@ class DetokenizeResponse(BaseModel):
 def _tokenizer(serving: OpenAIServing, route: str):
     tokenizer = serving.tokenizer
     if tokenizer is None:
-        raise APIError(400, f"{route} needs a tokenizer, and this model has none (no tokenizer files next to the "
-                       "checkpoint, and no --tokenizer); send token ids to /v1/completions instead",
+        if getattr(serving.engine, "args", None) is not None and serving.engine.args.skip_tokenizer_init:
+            why = "the server runs without one (--skip-tokenizer-init)"
+        else:
+            why = "this model has none (no tokenizer files next to the checkpoint, and no --tokenizer)"
+        raise APIError(400, f"{route} needs a tokenizer, and {why}; send token ids to /v1/completions instead",
                        code="no_tokenizer")
     return tokenizer
 
