@@ -144,14 +144,20 @@ def test_prefill_selection_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("fla_error", [None, "ModuleNotFoundError: No module named 'fla'"])
-def test_prefill_selection_on_cuda(monkeypatch, fla_error):
-    """Whether fla imports is all that differs (faked here, so this runs without a GPU)."""
-    from lamina.kernels import fla_prefill
+def test_prefill_selection_on_cuda(monkeypatch, caplog, fla_error):
+    """Whether fla imports is all that differs (faked here, so this runs without a GPU); auto says
+    once why it falls back."""
+    from lamina.kernels import fla_prefill, selection
 
     monkeypatch.setattr(fla_prefill, "fla_import_error", lambda: fla_error)
     monkeypatch.delenv("LAMINA_GDN_PREFILL", raising=False)
-    auto = gdn_prefill_kernels("cuda", "triton")
+    selection._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="lamina.kernels.selection"):
+        auto = gdn_prefill_kernels("cuda", "triton")
+        assert gdn_prefill_kernels("cuda", "triton") == auto
     assert auto == GdnPrefillKernels("fla" if fla_error is None else "reference", "triton")
+    warnings = [r.getMessage() for r in caplog.records if "fla-core does not import" in r.getMessage()]
+    assert len(warnings) == (0 if fla_error is None else 1)
     assert gdn_prefill_kernels("cuda:0", "reference") == GdnPrefillKernels("reference", "reference")
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "fla")
     if fla_error is None:

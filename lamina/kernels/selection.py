@@ -19,11 +19,15 @@ the Triton set); `reference` keeps both on the torch references.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 KERNEL_SETS = ("auto", "reference", "triton")
 GDN_PREFILL_CHOICES = ("auto", "fla", "reference")
@@ -115,6 +119,14 @@ def gdn_prefill_kernels(device: torch.device | str | None, kernels: str) -> GdnP
     if device.type == "cuda" and kernels == "triton":
         from lamina.kernels.fla_prefill import fla_import_error
 
-        if fla_import_error() is None:
+        error = fla_import_error()
+        if error is None:
             return GdnPrefillKernels("fla", conv)
+        _warn_once(f"fla-core does not import ({error}): the gated delta rule of prefill steps runs the torch "
+                   f"reference (slower); pip install 'fla-core>=0.6' for its chunked kernel")
     return GdnPrefillKernels("reference", conv)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
