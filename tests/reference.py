@@ -11,8 +11,12 @@ from lamina.sampling_params import SamplingParams
 from lamina.step_plan import ScheduledChunk, StepPlan
 
 
-_MODELING_MODULES = ("qwen3_next.modeling_qwen3_next", "qwen3_5_moe.modeling_qwen3_5_moe", "qwen4_exp.modeling_qwen4_exp")
-_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+_MODELING_MODULES = (
+    "qwen3_next.modeling_qwen3_next", "qwen3_5_moe.modeling_qwen3_5_moe", "qwen4_exp.modeling_qwen4_exp",
+)
+_KERNEL_FUNCS = (
+    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update",
+)
 
 
 def torch_only_transformers() -> None:
