@@ -188,6 +188,29 @@ def test_layer_reads_the_choice_when_built(qwen3_5_moe_dir, monkeypatch):
         LLM(str(qwen3_5_moe_dir), device="cpu", dtype="float32", show_progress=False)
 
 
+def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_dir, monkeypatch):
+    """The engine on the Triton kernel set (on the CPU: the interpreter) with prompts chunked by a
+    small token budget, so prefill chunks and decodes share steps and conv states carry over through
+    the pool between chunks: greedy tokens and logprobs equal the reference kernels'."""
+    from lamina import LLM, SamplingParams
+
+    if DEVICE == "cuda":  # there the delta rule takes fla too (tf32 for float32): the gpu test below
+        pytest.skip("on CUDA: test_engine_greedy_with_fla_prefill")
+    prompts = [[5, 17, 300, 8, 9, 10, 11], [9] * 11, [40, 41]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    runs = {}
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("LAMINA_KERNELS", kernels)
+        with LLM(str(qwen3_5_moe_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
+                 max_num_seqs=3, max_num_batched_tokens=5) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[kernels] = [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs])
+                         for o in outs]
+    for (ref_ids, ref_lp), (ids, lp) in zip(runs["reference"], runs["triton"]):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+
+
 # ---- fla-core's chunked delta rule (GPU) -------------------------------------------------------
 
 
