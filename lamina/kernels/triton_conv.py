@@ -131,6 +131,6 @@ def causal_conv1d_prefill(
         _conv_prefill_state_kernel[(num_reqs, triton.cdiv(channels, block_c))](
             x, state_pool, query_start_loc, slots, keep, channels,
             x.stride(0), state_pool.stride(0), state_pool.stride(1),
-            STATE_LEN=kernel - 1, BLOCK_S=triton.next_power_of_2(kernel - 1), BLOCK_C=block_c,
+            STATE_LEN=kernel - 1, BLOCK_S=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=block_c,
         )
     return out
