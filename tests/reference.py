@@ -2,15 +2,44 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import torch
 
 from lamina.sampling_params import SamplingParams
 from lamina.step_plan import ScheduledChunk, StepPlan
 
 
+_MODELING_MODULES = (
+    "qwen3_next.modeling_qwen3_next", "qwen3_5_moe.modeling_qwen3_5_moe", "qwen4_exp.modeling_qwen4_exp",
+)
+_KERNEL_FUNCS = (
+    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update",
+)
+
+
+def torch_only_transformers() -> None:
+    """Point transformers' Qwen hybrid modeling back at its own torch delta rule and conv.
+
+    transformers binds fla-core's (and causal-conv1d's) kernels in place of these functions whenever
+    the package imports, whatever device the tensors are on: on a GPU machine with fla installed
+    the CPU float32 reference would hand CPU tensors to GPU Triton kernels. The wrappers keep the
+    torch function as `__wrapped__`. Idempotent."""
+    for name in _MODELING_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{name}")
+        except ImportError:
+            continue
+        for func in _KERNEL_FUNCS:
+            if hasattr(module, func):
+                setattr(module, func, inspect.unwrap(getattr(module, func)))
+
+
 def load_reference(path):
     import transformers
 
+    torch_only_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(path, dtype=torch.float32)

@@ -8,16 +8,29 @@
 `triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
 under Triton's interpreter (`TRITON_INTERPRET=1` must be set before Triton is imported): slow, but
 it lets CI run the engine end to end on the fast kernels at tiny shapes.
+
+Prefill and mixed steps of the gated delta net (`gdn_prefill_kernels`): `LAMINA_GDN_PREFILL=
+auto|fla|reference` (read at model build time). `fla` runs the delta rule on fla-core's chunked
+kernel (`lamina.kernels.fla_prefill`) and the causal conv on lamina's Triton prefill conv
+(`lamina.kernels.triton_conv`); `auto` (the default) takes fla on CUDA when the Triton kernel set is
+on and fla imports, else the delta-rule reference (the conv then still takes the Triton kernel under
+the Triton set); `reference` keeps both on the torch references.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 KERNEL_SETS = ("auto", "reference", "triton")
+GDN_PREFILL_CHOICES = ("auto", "fla", "reference")
 
 
 def kernel_set(device: torch.device | str | None) -> str:
@@ -68,3 +81,52 @@ def is_one_token_decode(meta) -> bool:
     """A step whose every request has exactly one new token and keeps no per-position states
     (host ints of the plan only): what the Triton decode kernels handle."""
     return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and meta.state_capture is None
+
+
+@dataclass(frozen=True)
+class GdnPrefillKernels:
+    """The gated delta net's kernels for steps that are not a one-token decode."""
+
+    delta_rule: str  # "fla" (fla-core's chunk_gated_delta_rule) or "reference"
+    conv: str  # "triton" (lamina.kernels.triton_conv) or "reference"
+
+
+def gdn_prefill_kernels(device: torch.device | str | None, kernels: str) -> GdnPrefillKernels:
+    """Prefill kernels of a gated delta net built on `device` with the kernel set `kernels`
+    (`kernel_set`'s answer), from `LAMINA_GDN_PREFILL`; read once, when the layer is built."""
+    wanted = os.environ.get("LAMINA_GDN_PREFILL", "auto")
+    if wanted not in GDN_PREFILL_CHOICES:
+        raise ValueError(f"LAMINA_GDN_PREFILL = {wanted!r} is not one of {', '.join(GDN_PREFILL_CHOICES)}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if wanted == "reference":
+        return GdnPrefillKernels("reference", "reference")
+    if wanted == "fla":
+        if device.type != "cuda":
+            raise ValueError(
+                f"LAMINA_GDN_PREFILL = 'fla' needs a CUDA device, not {device.type!r} (fla-core's kernels run "
+                f"on GPUs only); use one of auto, reference there"
+            )
+        from lamina.kernels.fla_prefill import fla_import_error
+
+        error = fla_import_error()
+        if error is not None:
+            raise ValueError(
+                f"LAMINA_GDN_PREFILL = 'fla' but fla-core does not import ({error}); install it with "
+                f"pip install 'fla-core>=0.6' (or pip install -e '.[gpu]'), or use one of auto, reference"
+            )
+        return GdnPrefillKernels("fla", "triton")
+    conv = "triton" if kernels == "triton" else "reference"
+    if device.type == "cuda" and kernels == "triton":
+        from lamina.kernels.fla_prefill import fla_import_error
+
+        error = fla_import_error()
+        if error is None:
+            return GdnPrefillKernels("fla", conv)
+        _warn_once(f"fla-core does not import ({error}): the gated delta rule of prefill steps runs the torch "
+                   f"reference (slower); pip install 'fla-core>=0.6' for its chunked kernel")
+    return GdnPrefillKernels("reference", conv)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)

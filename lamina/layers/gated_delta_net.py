@@ -9,6 +9,12 @@ Recurrent state lives in two per-layer tensors indexed by the request's state sl
 `conv_state [num_slots, conv_dim_per_rank, K-1]` and `ssm_state [num_slots, Hv_per_rank, Dk, Dv]`
 (float32). A request whose first chunk is in this step starts from zeros. Under speculative
 verification the states after chosen tokens are kept too (lamina.layers.spec_state).
+
+Kernels (chosen when the layer is built, lamina.kernels.selection): a one-token decode step on the
+Triton set runs `triton_decode`'s conv and delta rule on the pools in place. Other steps (prefill
+chunks, mixed prefill + decode) run the conv on `triton_conv` and the delta rule on fla-core
+(`fla_prefill`) where `gdn_prefill_kernels` picked them, else on the torch references, which also
+take every speculative verification step (fla cannot report the states after inner tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.kernels.selection import is_one_token_decode, kernel_set
+from lamina.kernels.selection import gdn_prefill_kernels, is_one_token_decode, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
@@ -81,6 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # bound by the runner
         self.ssm_state: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
+        self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
 
     # ---- loading -------------------------------------------------------------------------
@@ -137,9 +144,18 @@ class GatedDeltaNet(nn.Module):
 
         slots = meta.state_slots
         keep = meta.has_initial_state
-        conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
-        mixed_qkv, conv_out = conv_with_capture(self.conv_state, mixed_qkv, self.conv_weight, conv_in, meta)
-        self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
+        fast = meta.state_capture is None  # verification steps keep per-token states: references only
+        if fast and self.prefill_kernels.conv == "triton":
+            from lamina.kernels.triton_conv import causal_conv1d_prefill
+
+            mixed_qkv = causal_conv1d_prefill(
+                mixed_qkv, self.conv_weight, self.conv_state, slots, keep, meta.query_start_loc,
+                meta.token_request_index,
+            )  # [T, C]; the pool's conv states updated in place
+        else:
+            conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
+            mixed_qkv, conv_out = conv_with_capture(self.conv_state, mixed_qkv, self.conv_weight, conv_in, meta)
+            self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
 
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
@@ -147,6 +163,13 @@ class GatedDeltaNet(nn.Module):
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         g, beta = self._gates(b, a)
 
+        if fast and self.prefill_kernels.delta_rule == "fla":
+            from lamina.kernels.fla_prefill import gated_delta_rule_prefill_fla
+
+            core = gated_delta_rule_prefill_fla(
+                query, key, value, g, beta, self.ssm_state, slots, keep, meta.query_start_loc,
+            )  # [T, Hv, Dv]; the pool's recurrent states updated
+            return self._output(core, z, num_tokens)
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]
         core, state_out, *captured = gated_delta_rule_varlen(
             query, key, value, g, beta, state_in, meta.query_start_loc, meta.max_query_len, use_qk_l2norm=True,
