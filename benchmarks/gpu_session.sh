@@ -10,24 +10,25 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 python3 -c "from lamina.kernels.fla_prefill import fla_import_error as e; print('fla:', e() or 'ok')"
-PARTS=${*:-tests latency prefill profile}
+PARTS=${*:-latency profile prefill tests}
 L="python3 -m lamina.entrypoints.cli bench latency --dtype bfloat16"
+exec 3>&1
 for part in $PARTS; do
+  exec > >(tee -a $OUT/$part.log >&3) 2>&1  # each part's output lands in $OUT even if the run is cut short
   case $part in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_prefill.py tests/test_gpu_engine.py 2>&1 | tail -15
-      python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_gdn_prefill.py 2>&1 | tail -6 ;;
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -x --durations=8 -m gpu tests/test_gdn_prefill.py tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tail -40 ;;
     latency)
-      $L --batch-size 1 16 64 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs.json 2>&1 | tail -6
-      LAMINA_MOE_GEMV=0 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs_grouped_moe.json 2>&1 | tail -3 ;;
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs.json 2>&1 | tail -6
+      LAMINA_GDN_PREFILL=reference LAMINA_MOE_GEMV=0 timeout 50 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_graphs_grouped_moe.json 2>&1 | tail -3 ;;
     prefill)
-      python3 benchmarks/bench_gdn_prefill.py --output-json $OUT/gdn_prefill.json 2>&1 | tail -12
+      timeout 90 python3 benchmarks/bench_gdn_prefill.py --output-json $OUT/gdn_prefill.json 2>&1 | tail -12
       for p in reference fla; do
-        LAMINA_GDN_PREFILL=$p $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        LAMINA_GDN_PREFILL=$p timeout 70 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
           --output-json $OUT/prefill_8k_$p.json 2>&1 | tail -3
       done ;;
     profile)
-      python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
+      timeout 70 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
 import json; d=json.load(open('$OUT/profile_b1.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
