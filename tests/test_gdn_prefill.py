@@ -129,18 +129,23 @@ def test_triton_conv_prefill_refuses_bad_input():
 # ---- selection ---------------------------------------------------------------------------------
 
 
+BF16 = torch.bfloat16
+
+
 def test_prefill_selection_on_cpu(monkeypatch):
     monkeypatch.delenv("LAMINA_GDN_PREFILL", raising=False)
-    assert gdn_prefill_kernels("cpu", "reference") == GdnPrefillKernels("reference", "reference")
-    assert gdn_prefill_kernels("cpu", "triton") == GdnPrefillKernels("reference", "triton")  # the interpreter
+    assert gdn_prefill_kernels("cpu", "reference", BF16) == GdnPrefillKernels("reference", "reference")
+    assert gdn_prefill_kernels("cpu", "triton", BF16) == GdnPrefillKernels("reference", "triton")  # the interpreter
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
-    assert gdn_prefill_kernels("cpu", "triton") == GdnPrefillKernels("reference", "reference")
+    assert gdn_prefill_kernels("cpu", "triton", BF16) == GdnPrefillKernels("reference", "reference")
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "fla")
     with pytest.raises(ValueError, match=r"LAMINA_GDN_PREFILL = 'fla' needs a CUDA device, not 'cpu'.*auto, reference"):
-        gdn_prefill_kernels("cpu", "reference")
+        gdn_prefill_kernels("cpu", "reference", BF16)
+    with pytest.raises(ValueError, match=r"'fla' needs bfloat16 or float16 activations, not torch.float32"):
+        gdn_prefill_kernels("cuda", "triton", torch.float32)
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "flash")
     with pytest.raises(ValueError, match=r"LAMINA_GDN_PREFILL = 'flash' is not one of auto, fla, reference"):
-        gdn_prefill_kernels("cpu", "reference")
+        gdn_prefill_kernels("cpu", "reference", BF16)
 
 
 @pytest.mark.parametrize("fla_error", [None, "ModuleNotFoundError: No module named 'fla'"])
@@ -153,18 +158,20 @@ def test_prefill_selection_on_cuda(monkeypatch, caplog, fla_error):
     monkeypatch.delenv("LAMINA_GDN_PREFILL", raising=False)
     selection._warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="lamina.kernels.selection"):
-        auto = gdn_prefill_kernels("cuda", "triton")
-        assert gdn_prefill_kernels("cuda", "triton") == auto
+        auto = gdn_prefill_kernels("cuda", "triton", BF16)
+        assert gdn_prefill_kernels("cuda", "triton", BF16) == auto
     assert auto == GdnPrefillKernels("fla" if fla_error is None else "reference", "triton")
+    # float32 models keep the reference delta rule (fla's kernels need 16-bit activations)
+    assert gdn_prefill_kernels("cuda", "triton", torch.float32) == GdnPrefillKernels("reference", "triton")
     warnings = [r.getMessage() for r in caplog.records if "fla-core does not import" in r.getMessage()]
     assert len(warnings) == (0 if fla_error is None else 1)
-    assert gdn_prefill_kernels("cuda:0", "reference") == GdnPrefillKernels("reference", "reference")
+    assert gdn_prefill_kernels("cuda:0", "reference", BF16) == GdnPrefillKernels("reference", "reference")
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "fla")
     if fla_error is None:
-        assert gdn_prefill_kernels("cuda", "reference") == GdnPrefillKernels("fla", "triton")
+        assert gdn_prefill_kernels("cuda", "reference", BF16) == GdnPrefillKernels("fla", "triton")
     else:
         with pytest.raises(ValueError, match=r"LAMINA_GDN_PREFILL = 'fla' but fla-core does not import \(Module.*fla-core"):
-            gdn_prefill_kernels("cuda", "triton")
+            gdn_prefill_kernels("cuda", "triton", BF16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer without CUDA")
@@ -301,7 +308,7 @@ def test_triton_conv_prefill_bf16_at_real_width(lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_engine_greedy_with_fla_prefill(tmp_path, monkeypatch, dtype):
     """The engine with the fla prefill (prompts chunked and batched with decodes, so states carry
     over through the pool in mixed steps): greedy tokens agree with transformers in float32 on the

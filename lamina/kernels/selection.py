@@ -91,15 +91,26 @@ class GdnPrefillKernels:
     conv: str  # "triton" (lamina.kernels.triton_conv) or "reference"
 
 
-def gdn_prefill_kernels(device: torch.device | str | None, kernels: str) -> GdnPrefillKernels:
+# fla-core's chunked kernels run in 16-bit activations; in float32 one of them asked for 288 KiB
+# of shared memory on an H200 (227 KiB there), so float32 models keep the torch reference.
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gdn_prefill_kernels(device: torch.device | str | None, kernels: str, dtype: torch.dtype) -> GdnPrefillKernels:
     """Prefill kernels of a gated delta net built on `device` with the kernel set `kernels`
-    (`kernel_set`'s answer), from `LAMINA_GDN_PREFILL`; read once, when the layer is built."""
+    (`kernel_set`'s answer) and activations of `dtype`, from `LAMINA_GDN_PREFILL`; read once,
+    when the layer is built."""
     wanted = os.environ.get("LAMINA_GDN_PREFILL", "auto")
     if wanted not in GDN_PREFILL_CHOICES:
         raise ValueError(f"LAMINA_GDN_PREFILL = {wanted!r} is not one of {', '.join(GDN_PREFILL_CHOICES)}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     if wanted == "reference":
         return GdnPrefillKernels("reference", "reference")
+    if wanted == "fla" and dtype not in FLA_DTYPES:
+        raise ValueError(
+            f"LAMINA_GDN_PREFILL = 'fla' needs bfloat16 or float16 activations, not {dtype} (fla-core's "
+            f"chunked kernels exceed the GPU's shared memory in float32); use one of auto, reference"
+        )
     if wanted == "fla":
         if device.type != "cuda":
             raise ValueError(
@@ -116,7 +127,7 @@ def gdn_prefill_kernels(device: torch.device | str | None, kernels: str) -> GdnP
             )
         return GdnPrefillKernels("fla", "triton")
     conv = "triton" if kernels == "triton" else "reference"
-    if device.type == "cuda" and kernels == "triton":
+    if device.type == "cuda" and kernels == "triton" and dtype in FLA_DTYPES:
         from lamina.kernels.fla_prefill import fla_import_error
 
         error = fla_import_error()

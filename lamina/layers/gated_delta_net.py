@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # bound by the runner
         self.ssm_state: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
-        self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels)
+        self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
 
     # ---- loading -------------------------------------------------------------------------
