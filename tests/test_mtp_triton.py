@@ -48,12 +48,17 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
              max_num_seqs=4, **spec, **kw) as llm:
         runner = llm.engine.executor.runner
         if graphs and DEVICE == "cpu":
-            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True)
-        assert (getattr(runner, "verify_graphs", None) is not None) == (graphs and k > 0)
+            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len,
+                                                num_speculative_tokens=k, static_off_cuda=True)
+        assert (runner.verify_graphs is not None) == (graphs and k > 0)
+        if runner.verify_graphs is not None:
+            replay = runner.verify_graphs.run
+            monkeypatch.setattr(runner.verify_graphs, "run", lambda chunks, q, cap: calls.append(-q) or replay(chunks, q, cap))
         if override is not None:
             llm.engine.draft_override = override
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [q for q in calls if q > 1]
+    replays = [-q for q in calls if q < 0]
+    return [list(o.outputs[0].token_ids) for o in outs], [q for q in calls if q > 1], replays
 
 
 def _planted(reference):
@@ -69,13 +74,46 @@ def _planted(reference):
     return override
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
-def test_mtp_greedy_on_triton_verify_kernels(mtp_dir, monkeypatch, graphs):
-    plain, _ = _run(mtp_dir, monkeypatch, kernels="reference")
-    for k in (1, 3):
-        ref_mtp, ref_calls = _run(mtp_dir, monkeypatch, kernels="reference", k=k)
-        assert ref_mtp == plain and not ref_calls
-        ours, calls = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=graphs, override=_planted(plain))
-        assert ours == plain, f"K={k}"
-        # verification steps ran on the Q-token kernels (fewer drafts near max_tokens)
-        assert k + 1 in calls and max(calls) == k + 1
+_PLAIN: list = []
+
+
+def _plain(path, monkeypatch):
+    """Plain (no MTP) greedy tokens on the reference kernels, computed once."""
+    if not _PLAIN:
+        _PLAIN.append(_run(path, monkeypatch, kernels="reference")[0])
+    return _PLAIN[0]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_on_triton_verify_kernels(mtp_dir, monkeypatch, k):
+    """Eager: the reference kernels' MTP run and the Triton one (planted drafts, partly accepted)
+    both give plain decoding's greedy tokens; verification steps run the Q-token kernels."""
+    plain = _plain(mtp_dir, monkeypatch)
+    ref_mtp, ref_calls, _ = _run(mtp_dir, monkeypatch, kernels="reference", k=k)
+    assert ref_mtp == plain and not ref_calls
+    ours, calls, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain))
+    assert ours == plain
+    assert k + 1 in calls and max(calls) == k + 1 and not replays  # fewer drafts near max_tokens
+
+
+@pytest.mark.parametrize("k", [2])
+def test_mtp_greedy_through_verify_graph_buffers(mtp_dir, monkeypatch, k):
+    """The verification graphs' static buffers, padding (3 requests run as 4) and persistent
+    capture rows (replayed as CUDA graphs on a GPU; run eagerly from the same buffers here)."""
+    plain = _plain(mtp_dir, monkeypatch)
+    ours, calls, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True, override=_planted(plain))
+    assert ours == plain
+    assert k + 1 in replays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k):
+    """On CUDA: verification steps replayed from CUDA graphs give exactly the eager Triton run's
+    tokens (the same kernels, drafts planted so that acceptance is partial)."""
+    plain = _plain(mtp_dir, monkeypatch)
+    eager, eager_calls, no_replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain))
+    graphed, _, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True, override=_planted(plain))
+    assert k + 1 in eager_calls and not no_replays
+    assert k + 1 in replays
+    assert graphed == eager
