@@ -69,6 +69,12 @@ class VerifyGraphs:
         self.max_batch = max_batch
         self.max_queries = min(num_speculative_tokens + 1, MAX_DECODE_QUERY_LEN)
         self.verify_batch = max_verify_batch(max_batch)
+        if self.max_queries > 1 and self.verify_batch < max_batch:
+            logger.warning(
+                "MTP verify graphs (K+1 = %d tokens per request) are captured up to batch %d of max_num_seqs = %d "
+                "(LAMINA_VERIFY_GRAPH_MAX_BATCH; their state capture buffers grow with it): larger verification "
+                "steps run eagerly", self.max_queries, self.verify_batch, max_batch,
+            )
         self.max_blocks = max_blocks_per_seq
         self.spare_state_slot = spare_state_slot
         self.max_tokens = max(max_batch, self.verify_batch * self.max_queries)
