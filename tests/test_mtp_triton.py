@@ -51,12 +51,23 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len,
                                                 num_speculative_tokens=k, static_off_cuda=True)
         assert (runner.verify_graphs is not None) == (graphs and k > 0)
+        owned = set()  # state slots of the requests replayed from the verify graphs
         if runner.verify_graphs is not None:
             replay = runner.verify_graphs.run
-            monkeypatch.setattr(runner.verify_graphs, "run", lambda chunks, q, cap: calls.append(-q) or replay(chunks, q, cap))
+
+            def replaying(chunks, q, capture):
+                calls.append(-q)
+                owned.update(c.state_slot for c in chunks)
+                return replay(chunks, q, capture)
+
+            monkeypatch.setattr(runner.verify_graphs, "run", replaying)
         if override is not None:
             llm.engine.draft_override = override
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        if owned:  # padding rows wrote no state: every other slot is still zeros (Q = 1 may write the spare)
+            for pool in (t for m in runner.model.state_modules() for t in m.state_tensors()):
+                for slot in set(range(pool.shape[0])) - owned - {runner.spare_state_slot}:
+                    assert not pool[slot].any(), f"state slot {slot} written"
     replays = [-q for q in calls if q < 0]
     return [list(o.outputs[0].token_ids) for o in outs], [q for q in calls if q > 1], replays
 

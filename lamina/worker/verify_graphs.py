@@ -197,11 +197,7 @@ class VerifyGraphs:
             vocab = self.model.compute_logits(hidden[:1]).shape[-1]
             self.logits_out = torch.empty((self.max_tokens, vocab), dtype=torch.float32, device=self.device)
         self.hidden_out[:rows].copy_(hidden)
-        lm_head = getattr(self.model, "lm_head", None)
-        if lm_head is not None and self.model.ctx.tp_size == 1:  # one pass: the head's output converted into the buffer
-            self.logits_out[:rows].copy_(lm_head.forward_local(hidden))
-        else:
-            self.logits_out[:rows].copy_(self.model.compute_logits(hidden))
+        self.model.compute_logits(hidden, out=self.logits_out[:rows])
 
     # ---- replay ------------------------------------------------------------------------------
     def queries_for(self, chunks) -> int | None:
@@ -254,8 +250,8 @@ class VerifyGraphs:
             self._forward(queries, size)
         else:
             graph.replay()
-        if capture is not None:
-            capture.kept = self.buffers.kept()
+        if capture is not None:  # what the layers wrote into the persistent rows (none without state pools)
+            capture.kept = self.buffers.kept() if self.buffers is not None else []
         max_seq_len = max(c.end_position for c in chunks)
         token_ids, meta = self._meta(queries, num_reqs, capture, max_seq_len)
         rows = num_reqs * queries
