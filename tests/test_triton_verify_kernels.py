@@ -167,3 +167,50 @@ def test_causal_conv1d_verify_steps_and_captures(queries, kernel):
     torch.testing.assert_close(out[rows], ref_out[rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, expected_pool, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(capture, expected_capture, atol=1e-6, rtol=1e-6)
+
+
+# ---- the Qwen3.5-35B-A3B widths (GPU only) ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("queries", [2, 4])
+def test_verify_kernels_at_real_width(queries):
+    """bf16 activations at the 35B shapes: attention 16 q / 2 kv heads of 256, delta rule 16 k / 32 v
+    heads of 128, conv over 8192 channels; 64 requests with contexts up to 2000 tokens."""
+    bsz, page = 64, 16
+    seq_lens = torch.randint(queries, 2000, (bsz,), generator=_gen(0)).to(DEVICE)
+    max_pages = -(-2000 // page)
+    k_cache = _rand(bsz * max_pages, page, 2, 256, seed=1, dtype=torch.bfloat16)
+    v_cache = _rand(bsz * max_pages, page, 2, 256, seed=2, dtype=torch.bfloat16)
+    tables = torch.randperm(bsz * max_pages, generator=_gen(3)).to(DEVICE).view(bsz, max_pages)  # [B, pages]
+    q = _rand(bsz * queries, 16, 256, seed=4, dtype=torch.bfloat16)
+    qsl = torch.arange(bsz + 1, device=DEVICE) * queries
+    ref = paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, queries, 2000, 256**-0.5).float()
+    ours = paged_verify_attention(q, k_cache, v_cache, tables, seq_lens, 256**-0.5, queries).float()
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+
+    tokens = bsz * queries
+    qk = _rand(tokens, 2, 16, 128, seed=5, dtype=torch.bfloat16)
+    v = _rand(tokens, 32, 128, seed=6, dtype=torch.bfloat16)
+    g, beta = -torch.rand(tokens, 32, generator=_gen(7)).to(DEVICE), torch.rand(tokens, 32, generator=_gen(8)).to(DEVICE)
+    pool = _rand(bsz + 1, 32, 128, 128, seed=9, scale=0.1)
+    slots, keep = torch.arange(bsz, device=DEVICE), torch.ones(bsz, dtype=torch.bool, device=DEVICE)
+    ref_out, ref_states = _step_reference(qk[:, 0], qk[:, 1], v, g, beta, pool[:bsz].clone(), queries)
+    capture = torch.empty(bsz * (queries - 1), 32, 128, 128, device=DEVICE)
+    out = gated_delta_rule_verify(qk[:, 0], qk[:, 1], v, g, beta, pool, slots, keep, queries, capture=capture)
+    assert ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item() < 1e-2
+    torch.testing.assert_close(pool[:bsz], ref_states[:, -1], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(capture.view(bsz, queries - 1, 32, 128, 128), ref_states[:, :-1], atol=1e-3, rtol=1e-3)
+
+    x = _rand(tokens, 8192, seed=10, dtype=torch.bfloat16)
+    weight = _rand(8192, 4, seed=11, dtype=torch.bfloat16)
+    conv_pool = _rand(bsz, 8192, 3, seed=12, dtype=torch.bfloat16)
+    req = torch.arange(bsz, device=DEVICE).repeat_interleave(queries)
+    off = torch.arange(queries, device=DEVICE).repeat(bsz)
+    ref_y, ref_final, ref_cap = causal_conv1d_varlen(x, weight, conv_pool.clone(), qsl, queries, capture=(req, off))
+    conv_capture = torch.empty(bsz * (queries - 1), 8192, 3, dtype=torch.bfloat16, device=DEVICE)
+    y = causal_conv1d_verify(x, weight, conv_pool, slots, keep, queries, capture=conv_capture)
+    torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(conv_pool, ref_final)
+    torch.testing.assert_close(conv_capture.view(bsz, queries - 1, 8192, 3),
+                               ref_cap.view(bsz, queries, 8192, 3)[:, :-1])
