@@ -128,3 +128,38 @@ def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k):
     assert k + 1 in eager_calls and not no_replays
     assert k + 1 in replays
     assert graphed == eager
+
+
+def test_decode_query_len_from_host_ints():
+    from types import SimpleNamespace
+
+    from lamina.kernels.selection import decode_query_len, is_one_token_decode
+    from lamina.layers.metadata import StateCapture
+
+    cpu = torch.device("cpu")
+
+    def meta(lens, capture=None):
+        return SimpleNamespace(num_reqs=len(lens), num_tokens=sum(lens), max_query_len=max(lens, default=0),
+                               state_capture=capture)
+
+    verify = StateCapture.from_host([0, 0, 1, 1], [0, 1, 0, 1], cpu)  # two requests, K = 2 each
+    assert decode_query_len(meta([1, 1, 1])) == 1 and is_one_token_decode(meta([1, 1, 1]))
+    assert decode_query_len(meta([3, 3], verify)) == 3 and not is_one_token_decode(meta([3, 3], verify))
+    assert decode_query_len(meta([3, 3])) is None  # Q > 1 without drafts: prefill chunks
+    assert decode_query_len(meta([3, 2], verify)) is None  # ragged
+    assert decode_query_len(meta([3, 3], StateCapture.from_host([0, 0, 1], [0, 1, 0], cpu))) is None
+    assert decode_query_len(meta([3, 3], StateCapture.from_host([0, 1, 0, 1], [0, 0, 1, 1], cpu))) is None
+    assert decode_query_len(meta([9] * 2, StateCapture.from_host([0] * 8 + [1] * 8, list(range(8)) * 2, cpu))) is None
+    assert decode_query_len(meta([])) is None
+
+
+def test_verify_graph_batch_cap(monkeypatch):
+    from lamina.worker.verify_graphs import max_verify_batch
+
+    monkeypatch.delenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", raising=False)
+    assert max_verify_batch(256) == 64 and max_verify_batch(8) == 8
+    monkeypatch.setenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", "16")
+    assert max_verify_batch(256) == 16
+    monkeypatch.setenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", "lots")
+    with pytest.raises(ValueError, match="LAMINA_VERIFY_GRAPH_MAX_BATCH"):
+        max_verify_batch(4)

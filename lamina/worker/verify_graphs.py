@@ -151,7 +151,8 @@ class VerifyGraphs:
 
     # ---- capture -----------------------------------------------------------------------------
     def sizes(self, queries: int) -> list[int]:
-        return capture_sizes(self.max_batch if queries == 1 else self.verify_batch)
+        batch = self.max_batch if queries == 1 else self.verify_batch
+        return capture_sizes(batch) if batch > 0 else []
 
     @torch.inference_mode()
     def capture(self) -> None:
