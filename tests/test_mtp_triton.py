@@ -32,7 +32,7 @@ def mtp_dir(tmp_path_factory, qwen3_5_moe_dir):
                               fused_experts=True)
 
 
-def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, override=None, **kw):
+def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, override=None, prompts=PROMPTS, **kw):
     """Greedy tokens, and how many verification launches (delta rule with Q > 1) ran."""
     monkeypatch.setenv("LAMINA_KERNELS", kernels)
     calls = []
@@ -63,7 +63,7 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
             monkeypatch.setattr(runner.verify_graphs, "run", replaying)
         if override is not None:
             llm.engine.draft_override = override
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
         if owned:  # padding rows wrote no state: every other slot is still zeros (Q = 1 may write the spare)
             for pool in (t for m in runner.model.state_modules() for t in m.state_tensors()):
                 for slot in set(range(pool.shape[0])) - owned - {runner.spare_state_slot}:
@@ -72,11 +72,11 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
     return [list(o.outputs[0].token_ids) for o in outs], [q for q in calls if q > 1], replays
 
 
-def _planted(reference):
+def _planted(reference, prompts=PROMPTS):
     """Drafts = the plain continuation, with the second draft spoiled (partial acceptance)."""
 
     def override(request, proposed):
-        ahead = reference[PROMPTS.index(list(request.prompt_token_ids))][len(request.output_token_ids):]
+        ahead = reference[prompts.index(list(request.prompt_token_ids))][len(request.output_token_ids):]
         drafts = (ahead + [0] * len(proposed))[: len(proposed)]
         if len(drafts) > 1:
             drafts[1] = (drafts[1] + 1) % 900
@@ -85,14 +85,15 @@ def _planted(reference):
     return override
 
 
-_PLAIN: list = []
+_PLAIN: dict = {}
 
 
-def _plain(path, monkeypatch):
-    """Plain (no MTP) greedy tokens on the reference kernels, computed once."""
-    if not _PLAIN:
-        _PLAIN.append(_run(path, monkeypatch, kernels="reference")[0])
-    return _PLAIN[0]
+def _plain(path, monkeypatch, prompts=PROMPTS):
+    """Plain (no MTP) greedy tokens on the reference kernels, computed once per prompt list."""
+    key = tuple(map(tuple, prompts))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(path, monkeypatch, kernels="reference", prompts=prompts)[0]
+    return _PLAIN[key]
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -121,10 +122,14 @@ def test_mtp_greedy_through_verify_graph_buffers(mtp_dir, monkeypatch, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k):
     """On CUDA: verification steps replayed from CUDA graphs give exactly the eager Triton run's
-    tokens (the same kernels, drafts planted so that acceptance is partial)."""
-    plain = _plain(mtp_dir, monkeypatch)
-    eager, eager_calls, no_replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain))
-    graphed, _, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True, override=_planted(plain))
+    tokens (the same kernels, drafts planted so that acceptance is partial). Four requests: a
+    capture size, so both runs multiply matrices of the same shapes."""
+    prompts = PROMPTS + [[700, 3, 3, 8, 1]]
+    plain = _plain(mtp_dir, monkeypatch, prompts)
+    eager, eager_calls, no_replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain, prompts),
+                                          prompts=prompts)
+    graphed, _, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True,
+                               override=_planted(plain, prompts), prompts=prompts)
     assert k + 1 in eager_calls and not no_replays
     assert k + 1 in replays
     assert graphed == eager
