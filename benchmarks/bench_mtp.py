@@ -2,6 +2,7 @@
 batch 1 and 64, on a real-width random config (Qwen3.5-35B-A3B shape, few layers + 1 MTP layer).
 
     python benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --out mtp.json   # GPU, bf16 (docs/PERFORMANCE.md)
+    python benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --enforce-eager --out mtp_eager.json  # no graphs
     python benchmarks/bench_mtp.py --device cpu --tiny                          # a quick CPU smoke run
 
 Weights are seeded random (`load_format="dummy"`), so drafts are mostly rejected: the figure is
@@ -140,7 +141,7 @@ def compare(reference: dict, logprobs: dict, out: dict) -> dict:
 
 def bench_batch(
     path: Path, device: str, dtype: str, batch: int, new_tokens: int, vocab: int, max_k: int,
-    profile_dir: str | None = None,
+    profile_dir: str | None = None, enforce_eager: bool = False,
 ) -> list[dict]:
     """One plain engine (the baseline) and one engine built with K = max_k, switched between
     fixed k = 0..max_k and the auto policy: every row of a batch size comes from the same two
@@ -149,12 +150,12 @@ def bench_batch(
     prompts = [{"prompt_token_ids": [rng.randrange(0, vocab - 1) for _ in range(64)]} for _ in range(batch)]
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     common = dict(device=device, dtype=dtype, load_format="dummy",
-                  max_model_len=1024, max_num_seqs=batch, show_progress=False)
+                  max_model_len=1024, max_num_seqs=batch, show_progress=False, enforce_eager=enforce_eager)
     rows = []
     llm = LLM(str(path), **common)
     llm.generate(prompts, warm, use_tqdm=False)
     plain, reference = timed_run(llm, prompts, new_tokens)
-    rows.append({"mode": "plain", "k": 0, "batch": batch, **plain})
+    rows.append({"mode": "plain", "k": 0, "batch": batch, "cuda_graphs": llm.engine.cuda_graphs, **plain})
     # the plain run again, untimed, with top-20 logprobs: judges any later difference
     with_lp = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=20),
                            use_tqdm=False)
@@ -170,10 +171,14 @@ def bench_batch(
     llm = LLM(str(path), speculative_config=spec, **common)
     llm.generate(prompts, warm, use_tqdm=False)
     policy = llm.engine.spec_policy
+    verify = llm.engine.executor.runner.verify_graphs
+    graph_info = {"cuda_graphs": llm.engine.cuda_graphs,
+                  "verify_graphs": len(verify.graphs) if verify is not None else 0,
+                  "verify_capture_gib": verify.buffers.nbytes / 2**30 if verify is not None and verify.buffers else 0.0}
     for mode, k in [("fixed", k) for k in range(max_k + 1)] + [("auto", max_k)]:
         policy.set_policy(mode, k)
         row, out = timed_run(llm, prompts, new_tokens)
-        rows.append({"mode": f"mtp-{mode}", "k": k, "batch": batch, **compare(reference, logprobs, out), **row})
+        rows.append({"mode": f"mtp-{mode}", "k": k, "batch": batch, **graph_info, **compare(reference, logprobs, out), **row})
 
     def oracle(request, proposed):  # the plain run's next tokens: every draft is right
         ahead = reference[tuple(request.prompt_token_ids)][len(request.output_token_ids):][: len(proposed)]
@@ -183,7 +188,7 @@ def bench_batch(
     for mode, k in [("fixed", k) for k in range(1, max_k + 1)] + [("auto", max_k)]:
         policy.set_policy(mode, k)
         row, out = timed_run(llm, prompts, new_tokens)
-        rows.append({"mode": f"oracle-{mode}", "k": k, "batch": batch, **compare(reference, logprobs, out), **row})
+        rows.append({"mode": f"oracle-{mode}", "k": k, "batch": batch, **graph_info, **compare(reference, logprobs, out), **row})
     llm.engine.draft_override = None
     if profile_dir is not None:  # one decode step at fixed k = 1 under torch.profiler
         policy.set_policy("fixed", min(1, max_k))
@@ -211,13 +216,16 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--profile-dir", default=None, help="also write an operator table of k=1 steps here")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (plain decode and MTP verification steps run eagerly)")
     args = parser.parse_args()
     shape = TINY if args.tiny else REAL
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     path = write_config(Path(tempfile.mkdtemp()) / "cfg", shape, args.layers)
     rows, plain_runs = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
-        batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir)
+        batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir,
+                                                    args.enforce_eager)
         rows += batch_rows
         plain_runs.append((batch, reference, logprobs))
     # Plain decoding alone, across batch sizes: the first prompts of every batch are the same, so
@@ -230,7 +238,7 @@ def main() -> None:
     result = {"device": args.device, "plain_across_batch_sizes": across, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "torch": torch.__version__, "dtype": dtype,
               "config": ("tiny" if args.tiny else "Qwen3.5-35B-A3B shape") + f", {args.layers} layers + 1 MTP layer",
-              "command": " ".join(sys.argv), "rows": rows}
+              "enforce_eager": args.enforce_eager, "command": " ".join(sys.argv), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -109,7 +109,10 @@ class LLMEngine:
             raise
         self.cuda_graphs = False
         if self.parallel_config.is_single_rank and not args.enforce_eager:
-            self.cuda_graphs = self.executor.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+            k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+            self.cuda_graphs = self.executor.runner.capture_decode_graphs(
+                max_num_seqs, self.max_model_len, num_speculative_tokens=k,
+            )
         self.num_replicas = self.plan.dp
         self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
         self.schedulers = [
@@ -181,8 +184,18 @@ class LLMEngine:
         if spec is None:
             return 0
         k = spec.num_speculative_tokens
-        per_request = k * self.executor.state_bytes_per_slot() + k * self.model_config.vocab_size * 4
-        return max_num_seqs * per_request
+        per_slot = self.executor.state_bytes_per_slot()
+        per_request = k * per_slot + k * self.model_config.vocab_size * 4
+        # CUDA graphs of verification steps keep their captured states in persistent buffers
+        # besides (lamina.worker.verify_graphs): max_verify_batch * K more states.
+        graph_rows = 0
+        if self.parallel_config.is_single_rank and not self.args.enforce_eager and self.device.type == "cuda":
+            from lamina.worker.cuda_graphs import model_is_capturable
+            from lamina.worker.verify_graphs import max_verify_batch
+
+            if model_is_capturable(self.executor.runner.model):
+                graph_rows = max_verify_batch(max_num_seqs) * k
+        return max_num_seqs * per_request + graph_rows * per_slot
 
     # ---- requests ------------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Which kernel set a layer uses, chosen once when the model is built, never per tensor value.
 
 - `reference`: the plain torch kernels of this package (CPU, CI, the oracle).
-- `triton`: lamina's Triton kernels (`triton_decode`, `triton_moe`) for the one-token decode step
+- `triton`: lamina's Triton kernels (`triton_decode`, `triton_verify`, `triton_moe`) for decode
+  steps of a uniform Q tokens per request (`decode_query_len`: plain decode, MTP verification)
   and the routed experts; everything else stays on the reference kernels.
 
 `LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
@@ -77,10 +78,30 @@ def moe_gemv_max_tokens() -> int:
     return GEMV_MAX_TOKENS if wanted == "1" else 0
 
 
+MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)
+
+
+def decode_query_len(meta) -> int | None:
+    """Q when every request of the step has the same number Q <= 8 of new tokens and none is a
+    prefill chunk: Q = 1 (plain decode, no per-position states kept) or Q = K + 1 (speculative
+    verification: each request's last token and K drafts, keeping the states after tokens
+    0..K-1 in the request-major layout of `StateCapture.per_request`). None otherwise. What the
+    Triton decode kernels (`triton_decode`, `triton_verify`) handle; decided from host ints of
+    the plan only, never from tensor values."""
+    num_reqs, q = meta.num_reqs, meta.max_query_len
+    if num_reqs <= 0 or not 1 <= q <= MAX_DECODE_QUERY_LEN or meta.num_tokens != num_reqs * q:
+        return None
+    capture = meta.state_capture
+    if q == 1:
+        return 1 if capture is None else None
+    # Q > 1 tokens per request are decode tokens only when each request verifies Q - 1 drafts.
+    return q if capture is not None and capture.per_request(num_reqs) == q - 1 else None
+
+
 def is_one_token_decode(meta) -> bool:
     """A step whose every request has exactly one new token and keeps no per-position states
-    (host ints of the plan only): what the Triton decode kernels handle."""
-    return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and meta.state_capture is None
+    (host ints of the plan only): what the one-token Triton decode kernels handle."""
+    return decode_query_len(meta) == 1
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lamina.kernels.paged_attention import paged_attention, write_kv_cache
-from lamina.kernels.selection import is_one_token_decode, kernel_set
+from lamina.kernels.selection import decode_query_len, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
@@ -90,8 +90,9 @@ class GatedAttention(nn.Module):
         selection in `paged_attention`'s padded layout (see there)."""
         layout.expect(x, layout.R, self.ctx, "GatedAttention input")
         num_tokens = meta.num_tokens
-        if self.kernels == "triton" and key_mask is None and self.qkv_rows is not None and is_one_token_decode(meta):
-            return self._decode_fused(x, meta, cos, sin)
+        queries = decode_query_len(meta) if self.kernels == "triton" and key_mask is None else None
+        if queries is not None and self.qkv_rows is not None:
+            return self._decode_fused(x, meta, cos, sin, queries)
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
         gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
@@ -110,10 +111,13 @@ class GatedAttention(nn.Module):
         attn = attn * torch.sigmoid(gate)
         return self.o_proj(attn)
 
-    def _decode_fused(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One token per request on the Triton kernels: one GEMV for q/gate, k and v; q/k norm,
-        rotary and the cache write in one launch; attention with the output gate in another."""
-        from lamina.kernels.triton_decode import paged_decode_attention
+    def _decode_fused(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor, queries: int,
+    ) -> torch.Tensor:
+        """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: MTP
+        verification, causal inside the Q): one GEMV for q/gate, k and v; q/k norm, rotary and the
+        cache write in one launch; attention with the output gate in another."""
+        from lamina.kernels.triton_verify import paged_verify_attention
         from lamina.kernels.triton_qk_prep import qk_norm_rope_cache
 
         num_tokens, heads, kv_heads, dim = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
@@ -127,7 +131,8 @@ class GatedAttention(nn.Module):
             query_gate[..., :dim], key, value, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             self.q_norm.zero_centred, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache,
         )  # [T, H, D]
-        attn = paged_decode_attention(
-            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, gate=query_gate[..., dim:],
+        attn = paged_verify_attention(
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, queries,
+            gate=query_gate[..., dim:],
         )  # [T, H, D], gated
         return self.o_proj(attn.reshape(num_tokens, heads * dim))

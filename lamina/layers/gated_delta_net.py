@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.kernels.selection import gdn_prefill_kernels, is_one_token_decode, kernel_set
+from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
@@ -134,10 +134,11 @@ class GatedDeltaNet(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "recurrent state not bound"
         layout.expect(x, layout.R, self.ctx, "GatedDeltaNet input")
         num_tokens = meta.num_tokens
-        if self.kernels == "triton" and is_one_token_decode(meta):
+        queries = decode_query_len(meta) if self.kernels == "triton" else None
+        if queries is not None:
             projected = F.linear(x, self.in_proj_rows)  # [T, conv_dim + value_dim + 2*Hv]: one GEMV
             mixed_qkv, z, b, a = projected.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-            return self._decode_in_place(mixed_qkv, z, b, a, meta)
+            return self._decode_in_place(mixed_qkv, z, b, a, meta, queries)
         qkvz = self.in_proj_qkvz(x)  # [T, 2*key_dim + 2*value_dim]
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)  # [T, Hv] each
@@ -191,19 +192,32 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core, z).reshape(num_tokens, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(core)
 
-    def _decode_in_place(self, mixed_qkv, z, b, a, meta: ForwardMetadata) -> torch.Tensor:
-        """One token per request on the Triton kernels: conv and delta rule read and write the
-        state pools at the requests' slots in place (no gather / scatter of states)."""
-        from lamina.kernels.triton_decode import causal_conv1d_decode, gated_delta_rule_decode
+    def _decode_in_place(self, mixed_qkv, z, b, a, meta: ForwardMetadata, queries: int) -> torch.Tensor:
+        """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: verification):
+        conv and delta rule read and write the state pools at the requests' slots in place (no
+        gather / scatter of states); under verification they also write the states after tokens
+        0..Q-2 into the step's capture rows (lamina.layers.spec_state)."""
+        from lamina.kernels.triton_verify import causal_conv1d_verify, gated_delta_rule_verify
 
         num_tokens = meta.num_tokens
         slots, keep = meta.state_slots, meta.has_initial_state
-        mixed_qkv = causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots, keep)  # [T, C]
+        capture = meta.state_capture
+        conv_rows = ssm_rows = None
+        if capture is not None:  # decode_query_len: Q - 1 captured tokens per request, request-major
+            count = meta.num_reqs * (queries - 1)
+            conv_rows, ssm_rows = capture.rows(self.conv_state, count), capture.rows(self.ssm_state, count)
+        mixed_qkv = causal_conv1d_verify(
+            mixed_qkv, self.conv_weight, self.conv_state, slots, keep, queries, capture=conv_rows,
+        )  # [T, C]
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        core = gated_delta_rule_decode(
-            query, key, value, a, b, self.ssm_state, slots, keep, a_log=self.A_log, dt_bias=self.dt_bias,
+        core = gated_delta_rule_verify(
+            query, key, value, a, b, self.ssm_state, slots, keep, queries, a_log=self.A_log, dt_bias=self.dt_bias,
+            capture=ssm_rows,
         )  # [T, Hv, Dv]: the gates are computed in the kernel from the raw projections a, b
+        if capture is not None:
+            capture.keep(self.conv_state, conv_rows)
+            capture.keep(self.ssm_state, ssm_rows)
         return self._output(core, z, num_tokens)

@@ -26,10 +26,34 @@ class StateCapture:
     offset_host: tuple[int, ...]
     # (state pool [num_slots, ...], its states after the captured tokens [R, ...]) per layer state
     kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Where the layers put the captured rows: persistent rows per state pool (the verification
+    # CUDA graphs' buffers, lamina.layers.spec_state.CaptureBuffers), or None: fresh tensors.
+    buffers: object | None = None
 
     @classmethod
-    def from_host(cls, req: list[int], offset: list[int], device: torch.device) -> StateCapture:
-        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset))
+    def from_host(
+        cls, req: list[int], offset: list[int], device: torch.device, buffers: object | None = None,
+    ) -> StateCapture:
+        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset),
+                   buffers=buffers)
+
+    def per_request(self, num_reqs: int) -> int | None:
+        """n when every one of the step's `num_reqs` requests captures its tokens 0..n-1 and the
+        list is request-major (row b*n + i is token i of request b): the layout the Q-token
+        kernels write (lamina.kernels.triton_verify); None otherwise. Host ints only."""
+        if num_reqs <= 0 or len(self.req_host) % num_reqs:
+            return None
+        n = len(self.req_host) // num_reqs
+        uniform = self.req_host == tuple(b for b in range(num_reqs) for _ in range(n)) and self.offset_host == tuple(
+            range(n)
+        ) * num_reqs
+        return n if uniform and n > 0 else None
+
+    def rows(self, pool: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` capture rows `[count, ...]` for the state pool `pool` (not yet kept)."""
+        if self.buffers is not None:
+            return self.buffers.rows(pool, count)
+        return torch.empty((count, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
 
     @property
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:

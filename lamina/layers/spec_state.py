@@ -49,3 +49,36 @@ def conv_with_capture(
     if capture is not None:
         capture.keep(pool, result[2])
     return result[0], result[1]
+
+
+class CaptureBuffers:
+    """Persistent capture rows for every state pool of a model: where verification steps replayed
+    as CUDA graphs keep their per-position states (a graph's outputs must live at fixed addresses).
+    `rows` capture rows per pool, `[rows, ...]` in the pool's dtype; a step of B requests verifying
+    K drafts each uses rows 0..B*K-1 (row b*K + i: the state after token i of request b)."""
+
+    def __init__(self, pools: list[torch.Tensor], rows: int):
+        self.pools = list(pools)
+        self.capacity = rows
+        self.buffers = [torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in self.pools]
+
+    @staticmethod
+    def bytes_for(pools: list[torch.Tensor], rows: int) -> int:
+        return sum(rows * (p.numel() // max(1, p.shape[0])) * p.element_size() for p in pools)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def rows(self, pool: torch.Tensor, count: int) -> torch.Tensor:
+        """The first `count` rows for `pool` (one of the pools this was built for)."""
+        if count > self.capacity:
+            raise ValueError(f"{count} capture rows needed, {self.capacity} allocated")
+        for p, buffer in zip(self.pools, self.buffers):
+            if p is pool:
+                return buffer[:count]
+        raise KeyError("no capture buffer for this state pool")
+
+    def kept(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`StateCapture.kept` of a step replayed from a graph: every pool with its rows."""
+        return list(zip(self.pools, self.buffers))

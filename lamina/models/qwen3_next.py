@@ -208,10 +208,15 @@ class Qwen3NextForCausalLM(nn.Module):
             hidden = layout.tag(hidden + pending, self.stream_layout, self.ctx)  # the next stage's input: complete
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [N, hidden] -> logits [N, vocab] in float32 (gathered over TP)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden [N, hidden] -> logits [N, vocab] in float32 (gathered over TP);
+        `out`: a float32 `[N, vocab]` tensor to write them into (one conversion pass, no temporary,
+        on one TP rank: the verify graphs' persistent logits)."""
         local = self.lm_head.forward_local(hidden)
-        return self.ctx.tp.all_gather(local, dim=-1).float()
+        if out is not None and self.ctx.tp_size == 1:
+            return out.copy_(local)
+        logits = self.ctx.tp.all_gather(local, dim=-1).float()
+        return logits if out is None else out.copy_(logits)
 
     # ---- cache binding -------------------------------------------------------------------
     def paged_cache_modules(self) -> list[nn.Module]:

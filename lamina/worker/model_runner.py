@@ -47,6 +47,7 @@ class ModelRunner:
         self.spare_state_bytes = 0
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
+        self.verify_graphs = None  # lamina.worker.verify_graphs.VerifyGraphs (MTP), once captured
         self.request_groups = request_groups_enabled()
         self.spec = None
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
@@ -96,20 +97,36 @@ class ModelRunner:
             for cache in tensors:  # [num_blocks or num_slots, ...]
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> bool:
-        """Capture CUDA graphs of the one-token decode step for padded batch sizes up to
-        `max_batch` (single-rank CUDA runs whose decode kernels are graph-safe, without MTP).
-        Returns whether graphs were captured. `static_off_cuda` (tests): on the CPU, run decode
-        steps through the graphs' static buffers and padding, eagerly."""
+    def capture_decode_graphs(
+        self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0, static_off_cuda: bool = False,
+    ) -> bool:
+        """Capture CUDA graphs of decode steps for padded batch sizes up to `max_batch` (single-rank
+        CUDA runs whose decode kernels are graph-safe): one-token steps without MTP; with MTP the
+        target's step of Q = 1..K+1 tokens per request (lamina.worker.verify_graphs, K =
+        `num_speculative_tokens`). Returns whether graphs were captured. `static_off_cuda`
+        (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly."""
         from lamina.worker import cuda_graphs
 
         if self.device.type != "cuda" and not static_off_cuda:
             return False
-        if self.spec is not None or not cuda_graphs.model_is_capturable(self.model):
+        if not cuda_graphs.model_is_capturable(self.model):
             return False
+        max_blocks = -(-max_model_len // self.block_size)
+        if self.spec is not None:
+            if self.spec.mtp is None:
+                return False
+            from lamina.worker.verify_graphs import VerifyGraphs
+
+            graphs = VerifyGraphs(
+                self.model, device=self.device, max_batch=max_batch, num_speculative_tokens=num_speculative_tokens,
+                block_size=self.block_size, max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
+            )
+            graphs.capture()
+            self.verify_graphs = graphs
+            return True
         graphs = cuda_graphs.DecodeGraphs(
             self.model, device=self.device, max_batch=max_batch, block_size=self.block_size,
-            max_blocks_per_seq=-(-max_model_len // self.block_size), spare_state_slot=self.spare_state_slot,
+            max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
         )
         graphs.capture(cuda_graphs.capture_sizes(max_batch))
         self.decode_graphs = graphs
@@ -221,6 +238,13 @@ class ModelRunner:
             with torch.inference_mode():
                 logits = self.decode_graphs.run(plan.chunks)  # [B, vocab]
                 return self.sample(logits, plan.chunks)
+        if self.spec is not None and self.spec.mtp is not None:
+            queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
+            if queries is not None:  # the target's step replayed from a graph, then verify and draft
+                with torch.inference_mode():
+                    capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
+                    hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
+                    return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits)
         hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
             return self.verify_and_propose(plan, hidden, inputs)

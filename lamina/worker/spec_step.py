@@ -51,9 +51,10 @@ class SpecDecodeStep:
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
 
     # ---- states ----------------------------------------------------------------------------
-    def capture_for(self, plan: StepPlan) -> StateCapture | None:
+    def capture_for(self, plan: StepPlan, buffers=None) -> StateCapture | None:
         """The tokens of this step whose states verification keeps, and where the layers put
-        them (None: no drafts)."""
+        them (None: no drafts); `buffers`: the verify graphs' persistent capture rows
+        (lamina.layers.spec_state.CaptureBuffers) when the step replays a graph."""
         self._captured = {}
         req: list[int] = []
         offset: list[int] = []
@@ -64,7 +65,7 @@ class SpecDecodeStep:
                 first = c.num_tokens - 1 - k  # the request's last accepted token
                 req += [i] * k
                 offset += range(first, first + k)
-        self._capture = StateCapture.from_host(req, offset, self.device) if req else None
+        self._capture = StateCapture.from_host(req, offset, self.device, buffers) if req else None
         return self._capture
 
     def commit(self, plan: StepPlan) -> None:
@@ -94,11 +95,13 @@ class SpecDecodeStep:
     # ---- last stage --------------------------------------------------------------------------
     def finish_step(
         self, plan: StepPlan, stage_output: torch.Tensor, token_ids: torch.Tensor, meta: ForwardMetadata,
-        block_size: int,
+        block_size: int, logits: torch.Tensor | None = None,
     ) -> dict[str, SampledToken]:
         """Verify this step's drafts, emit tokens and propose the next drafts. `token_ids` [T] and
         `meta` are the step's inputs (the ones `stage_output` was computed from); `block_size` that
-        of the paged caches. Returns the per-request results on TP rank 0 (an empty dict elsewhere)."""
+        of the paged caches; `logits`: optionally the LM head's output at every row `[T, V]`
+        already computed (a verification graph's). Returns the per-request results on TP rank 0
+        (an empty dict elsewhere)."""
         model = self.model
         chunks = plan.chunks
         is_sampler = model.ctx.tp_rank == 0
@@ -117,7 +120,10 @@ class SpecDecodeStep:
         bonus = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
         if num:
             rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
-            logits = model.compute_logits(stage_output.index_select(0, to_device(rows, self.device)))  # [R, V]
+            if logits is None:
+                logits = model.compute_logits(stage_output.index_select(0, to_device(rows, self.device)))  # [R, V]
+            elif len(rows) != logits.shape[0]:  # every row verified (R == T, rows in order) needs no selection
+                logits = logits.index_select(0, to_device(rows, self.device))  # [T, V] -> [R, V]
             if is_sampler:
                 verified = self._verify(logits, sampled, drafts_k, token_ids, rows)
                 num_accepted = verified.num_accepted

@@ -1,0 +1,259 @@
+"""CUDA graphs of speculative decoding's target step, by (Q tokens per request, padded batch size).
+
+Under MTP every decode step runs the target over Q = k + 1 tokens per request (the last accepted
+token and k drafts; k = 0 while no drafts are proposed) and then verifies and drafts eagerly
+(lamina.worker.spec_step). This captures the target's forward and its LM head over all B*Q rows
+for each Q in 1..K+1 and each capture size; a step of B requests replays the graph of the
+smallest size >= B. What the eager verification and the drafter read afterwards lives in
+persistent buffers: the final hidden states `[rows, H]` and the logits of every position
+`[rows, V]` (one pair of buffers shared by all graphs: only the graph just replayed is read),
+and for Q > 1 the states after tokens 0..Q-2 of every request for the rollback
+(`CaptureBuffers`, one per state pool; row b*(Q-1) + i, the layout StateCapture commits from).
+
+Inputs live in one persistent int64 device buffer (per token: ids, positions, KV slots; per
+request: context length, state slot, whether the state carries over; block tables), filled from a
+pinned host copy with one upload per step. Padding rows B..Bc-1: no KV write (slot -1), context
+length Q, and no state: for Q = 1 the one-token kernels write a spare state slot that no request
+owns (as the plain decode graphs do), for Q > 1 the Q-token kernels skip rows with state slot -1,
+so padding writes no state and no capture row.
+
+Memory: the capture buffers hold max_verify_batch * K states of every recurrent layer
+(`verify_buffer_bytes`), so verify graphs (Q > 1) are captured only up to `max_verify_batch`
+requests (`LAMINA_VERIFY_GRAPH_MAX_BATCH`, default 64); larger verification steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from lamina.layers.metadata import ForwardMetadata, StateCapture
+from lamina.layers.spec_state import CaptureBuffers
+from lamina.worker.cuda_graphs import capture_sizes
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
+_REQUEST_FIELDS = ("seq_lens", "state_slots", "keep")
+DEFAULT_MAX_VERIFY_BATCH = 64
+
+
+def max_verify_batch(max_batch: int) -> int:
+    """Largest batch of the verify graphs (Q > 1): `LAMINA_VERIFY_GRAPH_MAX_BATCH` (default 64)."""
+    wanted = os.environ.get("LAMINA_VERIFY_GRAPH_MAX_BATCH", str(DEFAULT_MAX_VERIFY_BATCH))
+    if not wanted.isdigit():
+        raise ValueError(f"LAMINA_VERIFY_GRAPH_MAX_BATCH = {wanted!r} must be a non-negative integer")
+    return min(max_batch, int(wanted))
+
+
+def verify_buffer_bytes(model, max_batch: int, num_speculative_tokens: int) -> int:
+    """Bytes of the verify graphs' state capture buffers (every state pool of the model must be
+    bound): max_verify_batch * K rows of every recurrent state."""
+    pools = [t for m in model.state_modules() for t in m.state_tensors()]
+    return CaptureBuffers.bytes_for(pools, max_verify_batch(max_batch) * num_speculative_tokens)
+
+
+class VerifyGraphs:
+    def __init__(
+        self, model, *, device: torch.device, max_batch: int, num_speculative_tokens: int, block_size: int,
+        max_blocks_per_seq: int, spare_state_slot: int,
+    ):
+        from lamina.kernels.selection import MAX_DECODE_QUERY_LEN
+
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_queries = min(num_speculative_tokens + 1, MAX_DECODE_QUERY_LEN)
+        self.verify_batch = max_verify_batch(max_batch)
+        if self.max_queries > 1 and self.verify_batch < max_batch:
+            logger.warning(
+                "MTP verify graphs (K+1 = %d tokens per request) are captured up to batch %d of max_num_seqs = %d "
+                "(LAMINA_VERIFY_GRAPH_MAX_BATCH; their state capture buffers grow with it): larger verification "
+                "steps run eagerly", self.max_queries, self.verify_batch, max_batch,
+            )
+        self.max_blocks = max_blocks_per_seq
+        self.spare_state_slot = spare_state_slot
+        self.max_tokens = max(max_batch, self.verify_batch * self.max_queries)
+        # Flat layout: per-token fields (max_tokens each), per-request fields (max_batch each), tables.
+        self._requests_at = len(_TOKEN_FIELDS) * self.max_tokens
+        self._tables_at = self._requests_at + len(_REQUEST_FIELDS) * max_batch
+        total = self._tables_at + max_batch * max_blocks_per_seq
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros(total, dtype=torch.long, device=device)
+        rows = torch.arange(max_batch + 1, device=device)  # [max_batch + 1]
+        self._qsl = {q: rows * q for q in range(1, self.max_queries + 1)}  # query_start_loc per Q
+        self._token_req = {q: rows[:-1].repeat_interleave(q) for q in range(1, self.max_queries + 1)}  # [max_batch*Q]
+        pools = [t for m in model.state_modules() for t in m.state_tensors()]
+        self.buffers = None
+        if self.max_queries > 1 and pools and self.verify_batch > 0:
+            self.buffers = CaptureBuffers(pools, self.verify_batch * (self.max_queries - 1))
+        self.hidden_out: torch.Tensor | None = None  # [max_tokens, H], allocated at the first warm-up
+        self.logits_out: torch.Tensor | None = None  # [max_tokens, V] float32
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._captures: dict[tuple[int, int], StateCapture] = {}
+        self.pool = None
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def _token_field(self, buffer, name: str, count: int):
+        start = _TOKEN_FIELDS.index(name) * self.max_tokens
+        return buffer[start : start + count]
+
+    def _request_field(self, buffer, name: str, count: int):
+        start = self._requests_at + _REQUEST_FIELDS.index(name) * self.max_batch
+        return buffer[start : start + count]
+
+    def _tables(self, buffer, count: int):
+        return buffer[self._tables_at : self._tables_at + count * self.max_blocks].reshape(count, self.max_blocks)
+
+    def _capture_for(self, queries: int, size: int) -> StateCapture | None:
+        """The StateCapture a graph of (queries, size) is built with: every request keeps tokens
+        0..Q-2, written into the persistent buffers."""
+        if queries == 1:
+            return None
+        if (queries, size) not in self._captures:
+            req = [b for b in range(size) for _ in range(queries - 1)]
+            offset = list(range(queries - 1)) * size
+            self._captures[(queries, size)] = StateCapture.from_host(req, offset, self.device, buffers=self.buffers)
+        return self._captures[(queries, size)]
+
+    def _meta(self, queries: int, size: int, capture: StateCapture | None, max_seq_len: int | None = None):
+        """Views of the device buffer for `size` requests of `queries` tokens (built inside the
+        captured region, so the `keep` -> bool conversion is part of the graph)."""
+        buf, tokens = self.inputs, size * queries
+        meta = ForwardMetadata(
+            num_tokens=tokens, num_reqs=size, max_query_len=queries,
+            max_seq_len=max_seq_len if max_seq_len is not None else self.max_blocks * self.block_size,
+            positions=self._token_field(buf, "positions", tokens), query_start_loc=self._qsl[queries][: size + 1],
+            seq_lens=self._request_field(buf, "seq_lens", size), slot_mapping=self._token_field(buf, "slot_mapping", tokens),
+            block_tables=self._tables(buf, size), state_slots=self._request_field(buf, "state_slots", size),
+            has_initial_state=self._request_field(buf, "keep", size) != 0,
+            token_request_index=self._token_req[queries][:tokens], state_capture=capture, allow_groups=False,
+        )
+        return self._token_field(buf, "token_ids", tokens), meta
+
+    def _fill_padding(self, queries: int, start: int, stop: int) -> None:
+        """Requests start..stop-1 of the host buffer become padding rows."""
+        host = self.host_np
+        tokens = self._token_field(host, "token_ids", stop * queries)
+        tokens[start * queries :] = 0
+        positions = self._token_field(host, "positions", stop * queries)
+        positions[start * queries :] = np.tile(np.arange(queries), stop - start)
+        self._token_field(host, "slot_mapping", stop * queries)[start * queries :] = -1
+        self._request_field(host, "seq_lens", stop)[start:] = queries
+        self._request_field(host, "state_slots", stop)[start:] = self.spare_state_slot if queries == 1 else -1
+        self._request_field(host, "keep", stop)[start:] = 0
+        self._tables(host, stop)[start:] = 0
+
+    # ---- capture -----------------------------------------------------------------------------
+    def sizes(self, queries: int) -> list[int]:
+        batch = self.max_batch if queries == 1 else self.verify_batch
+        return capture_sizes(batch) if batch > 0 else []
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every (Q, size), largest first so that smaller graphs reuse the memory pool. Off CUDA
+        (tests on the CPU) nothing is captured: `run` executes the same static-buffer forward
+        eagerly, so packing, padding and the persistent outputs are tested without a GPU."""
+        keys = sorted(((q, s) for q in range(1, self.max_queries + 1) for s in self.sizes(q)),
+                      key=lambda qs: (qs[0] * qs[1], qs[0]), reverse=True)
+        if self.device.type != "cuda":
+            self._fill_padding(keys[0][0], 0, keys[0][1])
+            self.inputs.copy_(self.host)
+            self._forward(*keys[0])  # allocates the output buffers
+            self.graphs = {key: None for key in keys}
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for queries, size in keys:
+                self._fill_padding(queries, 0, size)
+                self.inputs.copy_(self.host)
+                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    self._forward(queries, size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self._forward(queries, size)
+                self.pool = graph.pool()
+                self.graphs[(queries, size)] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "MTP graphs: %d captured (Q = 1..%d; verify graphs up to batch %d), state capture buffers %.2f GiB, "
+            "output buffers %.2f GiB", len(self.graphs), self.max_queries, self.verify_batch,
+            (self.buffers.nbytes if self.buffers is not None else 0) / 2**30,
+            (self.hidden_out.numel() * self.hidden_out.element_size() + self.logits_out.numel() * 4) / 2**30,
+        )
+
+    def _forward(self, queries: int, size: int) -> None:
+        token_ids, meta = self._meta(queries, size, self._capture_for(queries, size))
+        hidden = self.model(token_ids, meta, None)  # [size*Q, H]
+        rows = size * queries
+        if self.hidden_out is None:  # first warm-up, outside any graph
+            self.hidden_out = torch.empty((self.max_tokens, hidden.shape[-1]), dtype=hidden.dtype, device=self.device)
+            vocab = self.model.compute_logits(hidden[:1]).shape[-1]
+            self.logits_out = torch.empty((self.max_tokens, vocab), dtype=torch.float32, device=self.device)
+        self.hidden_out[:rows].copy_(hidden)
+        self.model.compute_logits(hidden, out=self.logits_out[:rows])
+
+    # ---- replay ------------------------------------------------------------------------------
+    def queries_for(self, chunks) -> int | None:
+        """Q when the step can replay a graph: every chunk samples, verifies Q - 1 drafts (Q
+        tokens), scores no prompt position, and the batch fits a captured size."""
+        if not chunks:
+            return None
+        queries = chunks[0].num_tokens
+        if not 1 <= queries <= self.max_queries or self.size_for(queries, len(chunks)) is None:
+            return None
+        if all(c.num_tokens == queries and c.num_draft_tokens == queries - 1 and c.sample and not c.num_prompt_tokens
+               for c in chunks):
+            return queries
+        return None
+
+    def size_for(self, queries: int, num_reqs: int) -> int | None:
+        fitting = [s for (q, s) in self.graphs if q == queries and s >= num_reqs]
+        return min(fitting) if fitting else None
+
+    def run(self, chunks, queries: int, capture: StateCapture | None):
+        """Replay (queries, padded size) for a step of `len(chunks)` requests of `queries` tokens.
+        `capture`: the step's StateCapture (spec_step.capture_for, built on `self.buffers`): its
+        kept states become the capture buffers. Returns (hidden [B*Q, H], logits [B*Q, V],
+        token ids [B*Q], the step's metadata for B requests), views of persistent buffers."""
+        num_reqs = len(chunks)
+        size = self.size_for(queries, num_reqs)
+        host = self.host_np
+        tokens = self._token_field(host, "token_ids", size * queries).reshape(size, queries)  # [Bc, Q]
+        positions = self._token_field(host, "positions", size * queries).reshape(size, queries)  # [Bc, Q]
+        slot_mapping = self._token_field(host, "slot_mapping", size * queries).reshape(size, queries)  # [Bc, Q]
+        seq_lens = self._request_field(host, "seq_lens", size)
+        state_slots = self._request_field(host, "state_slots", size)
+        keep = self._request_field(host, "keep", size)
+        tables = self._tables(host, size)
+        offsets = np.arange(queries)
+        for row, chunk in enumerate(chunks):
+            table = chunk.block_table
+            pos = chunk.start_position + offsets  # [Q]
+            tokens[row] = chunk.token_ids
+            positions[row] = pos
+            slot_mapping[row] = np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size
+            seq_lens[row] = chunk.end_position
+            state_slots[row] = chunk.state_slot
+            keep[row] = chunk.start_position > 0
+            tables[row, : len(table)] = table
+        self._fill_padding(queries, num_reqs, size)
+        self.inputs.copy_(self.host, non_blocking=True)
+        graph = self.graphs[(queries, size)]
+        if graph is None:
+            self._forward(queries, size)
+        else:
+            graph.replay()
+        if capture is not None:  # what the layers wrote into the persistent rows (none without state pools)
+            capture.kept = self.buffers.kept() if self.buffers is not None else []
+        max_seq_len = max(c.end_position for c in chunks)
+        token_ids, meta = self._meta(queries, num_reqs, capture, max_seq_len)
+        rows = num_reqs * queries
+        return self.hidden_out[:rows], self.logits_out[:rows], token_ids, meta
