@@ -27,6 +27,16 @@ for part in $PARTS; do
         LAMINA_GDN_PREFILL=$p timeout 70 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
           --output-json $OUT/prefill_8k_$p.json 2>&1 | tail -3
       done ;;
+    gputests)  # every GPU-marked test of the kernels, graphs, fla prefill and MTP verification
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 -m gpu tests/test_gdn_prefill.py \
+        tests/test_triton_verify_kernels.py tests/test_mtp_triton.py tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tail -30 ;;
+    mtp)  # MTP K=1..3 step costs at batch 1, verify graphs vs eager
+      for mode in graphs eager; do
+        flag=$([ $mode = eager ] && echo --enforce-eager)
+        timeout 80 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 $flag --out $OUT/mtp_${mode}_b1.json 2>&1 | tail -8
+      done ;;
+    serve)
+      PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
     profile)
       timeout 70 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
