@@ -360,3 +360,21 @@ def test_moe_gemv_switch(monkeypatch):
     monkeypatch.setenv("LAMINA_MOE_GEMV", "yes")
     with pytest.raises(ValueError, match="LAMINA_MOE_GEMV"):
         moe_gemv_max_tokens()
+
+
+def test_gemv_tiles_fit_shared_memory():
+    """The one-token gate/up tile asked for 288 KiB of shared memory in float32 on an H200 (limit
+    227 KiB); the tiles narrow to fit, keeping the tuned bf16 tiles as they are."""
+    from lamina.kernels.triton_moe_gemv import GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN, _fit_shared_memory
+
+    def needed(cfg, element_size):
+        return (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
+
+    assert needed(GEMV_CONFIG_ONE_TOKEN, 4) == 294912  # what Triton reported on the H200
+    for base in (GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN):
+        bf16 = dict(base)
+        _fit_shared_memory(bf16, 2)
+        assert bf16 == base
+        fp32 = dict(base)
+        _fit_shared_memory(fp32, 4)
+        assert needed(fp32, 4) <= 227 * 1024 and fp32["up_n"] >= 16

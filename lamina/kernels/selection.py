@@ -112,8 +112,9 @@ class GdnPrefillKernels:
     conv: str  # "triton" (lamina.kernels.triton_conv) or "reference"
 
 
-# fla-core's chunked kernels run in 16-bit activations; in float32 one of them asked for 288 KiB
-# of shared memory on an H200 (227 KiB there), so float32 models keep the torch reference.
+# fla-core runs for 16-bit activations. Float32 models are the precision baseline (parallel layouts
+# are compared with one GPU in float32) and keep the torch reference: fla's float32 path passed the
+# kernel test on an H200 but has not run in the engine there.
 FLA_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -129,8 +130,8 @@ def gdn_prefill_kernels(device: torch.device | str | None, kernels: str, dtype: 
         return GdnPrefillKernels("reference", "reference")
     if wanted == "fla" and dtype not in FLA_DTYPES:
         raise ValueError(
-            f"LAMINA_GDN_PREFILL = 'fla' needs bfloat16 or float16 activations, not {dtype} (fla-core's "
-            f"chunked kernels exceed the GPU's shared memory in float32); use one of auto, reference"
+            f"LAMINA_GDN_PREFILL = 'fla' needs bfloat16 or float16 activations, not {dtype} (float32 models "
+            f"keep the reference delta rule, their precision baseline); use one of auto, reference"
         )
     if wanted == "fla":
         if device.type != "cuda":

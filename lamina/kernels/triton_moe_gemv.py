@@ -195,6 +195,23 @@ GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, down_split=True, down_warps=2
 GEMV_MAX_INTER = 1024
 
 
+# Shared memory of the gate/up kernel: (up_stages - 1) buffers of the gate and up weight tiles
+# [up_k, up_n] and the 16-row token tile [16, up_k] (what Triton asked for on an H200: 288 KiB for
+# the one-token tiles in float32, over the 227 KiB there; 144 KiB in bf16).
+SHARED_MEMORY_LIMIT = 227 * 1024
+
+
+def _fit_shared_memory(cfg: dict, element_size: int) -> None:
+    """Narrow the gate/up tile (then cut its stages) until it fits the GPU's shared memory."""
+    def needed() -> int:
+        return (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
+
+    while needed() > SHARED_MEMORY_LIMIT and cfg["up_n"] > 16:
+        cfg["up_n"] //= 2
+    while needed() > SHARED_MEMORY_LIMIT and cfg["up_stages"] > 2:
+        cfg["up_stages"] -= 1
+
+
 def fused_moe_gemv(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -219,6 +236,8 @@ def fused_moe_gemv(
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     cfg = dict(GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
+    if config is None:
+        _fit_shared_memory(cfg, x.element_size())
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
