@@ -10,7 +10,7 @@ import uvicorn
 
 from lamina.engine.llm_engine import LLMEngine
 from lamina.entrypoints.openai.app import ServerConfig, build_app
-from lamina.entrypoints.openai.cli_serve import LaminaServer
+from lamina.entrypoints.openai.uvicorn_server import LaminaServer
 
 MODEL_NAME = "tiny"
 

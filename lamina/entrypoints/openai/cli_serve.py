@@ -13,8 +13,6 @@ import os
 import socket
 import sys
 
-import uvicorn
-
 from lamina.entrypoints.openai.serve_flags import (
     add_chat_args, add_compat_args, check_compat_args, repair_served_model_name,
 )
@@ -56,24 +54,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_compat_args(p)
     p.set_defaults(func=run_serve)
     return p
-
-
-class LaminaServer(uvicorn.Server):
-    """uvicorn's server with a drain before its own shutdown (which waits for open connections)."""
-
-    def __init__(self, config: uvicorn.Config, state):
-        super().__init__(config)
-        self.lamina_state = state
-
-    async def shutdown(self, sockets=None) -> None:
-        for server in getattr(self, "servers", []):
-            server.close()  # no new connections while draining
-        await self.lamina_state.drain(give_up=lambda: self.force_exit)  # a second Ctrl-C stops waiting
-        await super().shutdown(sockets=sockets)
-        # uvicorn re-raises a captured SIGTERM after serving; the drain is done, so exit normally
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -153,6 +133,10 @@ def run_serve(args: argparse.Namespace) -> int:
             chat=chat,
         )
         app = build_app(llm.engine, config)
+        import uvicorn  # the server stack loads only for `lamina serve` (bench / generate run without it)
+
+        from lamina.entrypoints.openai.uvicorn_server import LaminaServer
+
         uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
                                    access_log=not args.no_access_log, timeout_graceful_shutdown=5)
         server = LaminaServer(uv_config, app.state.lamina)
