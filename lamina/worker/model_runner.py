@@ -121,7 +121,13 @@ class ModelRunner:
                 self.model, device=self.device, max_batch=max_batch, num_speculative_tokens=num_speculative_tokens,
                 block_size=self.block_size, max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
             )
-            graphs.capture()
+            try:
+                graphs.capture()
+            except (RuntimeError, MemoryError) as error:  # new on the GPU: say how to run without it
+                raise RuntimeError(
+                    f"capturing the MTP verification CUDA graphs failed ({type(error).__name__}: {error}); "
+                    f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
+                ) from error
             self.verify_graphs = graphs
             return True
         graphs = cuda_graphs.DecodeGraphs(
