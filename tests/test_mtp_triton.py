@@ -22,8 +22,8 @@ from lamina.kernels import triton_verify  # noqa: E402
 from tests import tiny_checkpoints as tc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PROMPTS = [[5, 17, 300], [9] * 11, list(range(40, 61))]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+PROMPTS = [[5, 17, 300], [9] * 6, list(range(40, 49))]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
