@@ -201,7 +201,7 @@ def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_dir, monk
     the pool between chunks: greedy tokens and logprobs equal the reference kernels'."""
     from lamina import LLM, SamplingParams
 
-    if DEVICE == "cuda":  # there the delta rule takes fla too (tf32 for float32): the gpu test below
+    if DEVICE == "cuda":  # the CUDA engine run of the prefill kernels is the bf16 gpu test below
         pytest.skip("on CUDA: test_engine_greedy_with_fla_prefill")
     prompts = [[5, 17, 300, 8, 9, 10, 11], [9] * 11, [40, 41]]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
