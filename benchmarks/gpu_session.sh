@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
-#   bash benchmarks/gpu_session.sh [tests|latency|prefill|profile ...]   (default: all of them)
+#   bash benchmarks/gpu_session.sh [tests|latency|async|prefill|profile|profile64|gputests|mtp|serve ...]
+#   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
 export PYTHONUNBUFFERED=1
@@ -27,6 +28,16 @@ for part in $PARTS; do
         LAMINA_GDN_PREFILL=$p timeout 70 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
           --output-json $OUT/prefill_8k_$p.json 2>&1 | tail -3
       done ;;
+    async)  # asynchronous scheduling on / off in the same run; concurrency 16 / 64 at 1024 in, 256 out
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 --output-json $OUT/latency_async.json 2>&1 | tail -6
+      LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 16 64 --input-len 128 --output-len 64 --no-async-scheduling --output-json $OUT/latency_sync.json 2>&1 | tail -6
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 16 64 --input-len 1024 --output-len 256 --output-json $OUT/latency_1024.json 2>&1 | tail -5 ;;
+    profile64)
+      timeout 70 python3 benchmarks/profile_decode.py --batch 64 --out $OUT/profile_b64.json > $OUT/profile_b64.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b64.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
     gputests)  # every GPU-marked test of the kernels, graphs, fla prefill and MTP verification
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 -m gpu tests/test_gdn_prefill.py \
         tests/test_triton_verify_kernels.py tests/test_mtp_triton.py tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tail -30 ;;

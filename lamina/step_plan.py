@@ -13,11 +13,15 @@ from typing import Any
 
 from lamina.sampling_params import SamplingParams
 
+# Asynchronous scheduling: a token sampled by the step still running on the device, not yet known
+# on the host. The runner takes it from that step's sampled ids on the device (never a vocab id).
+PENDING_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledChunk:
     request_id: str
-    token_ids: list[int]  # the tokens computed in this step
+    token_ids: list[int]  # the tokens computed in this step (PENDING_TOKEN_ID: sampled by the step in flight)
     start_position: int  # tokens of this request already in the cache
     block_table: list[int]
     state_slot: int

@@ -340,10 +340,14 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, monkeypatch):
     """Greedy tokens and logprobs on the Triton kernel set (eager, or through the decode graphs'
-    static buffers with padded batch sizes: 3 requests run as 4) equal the reference kernels'."""
+    static buffers with padded batch sizes: 3 requests run as 4), with asynchronous scheduling,
+    equal the reference kernels' (synchronous)."""
     prompts = [[5, 17, 300], [9] * 11, list(range(40, 61))]
     ref = _greedy(qwen3_5_moe_dir, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, max_num_seqs=5)
-    ours = _greedy(qwen3_5_moe_dir, prompts, graphs=graphs, kernels="triton", monkeypatch=monkeypatch, max_num_seqs=5)
+    # overlapped (asynchronous scheduling): pending tokens are filled in on the device, in the
+    # graphs' static input buffer or the eager step's token ids
+    ours = _greedy(qwen3_5_moe_dir, prompts, graphs=graphs, kernels="triton", monkeypatch=monkeypatch, max_num_seqs=5,
+                   async_scheduling=True)
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)

@@ -34,5 +34,9 @@ class InProcessExecutor:
     def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
         return [self.runner.execute(plans[0])]
 
+    def launch(self, plan: StepPlan):
+        """Queue the step on the device; its tokens come from the returned handle's `result()`."""
+        return self.runner.launch(plan)
+
     def shutdown(self) -> None:
         self.runner = None

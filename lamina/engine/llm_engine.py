@@ -10,6 +10,7 @@ import time
 import torch
 
 from lamina.config import EngineArgs
+from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_scheduling
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
@@ -77,6 +78,12 @@ class LLMEngine:
                 f"{self.spec_config.num_speculative_tokens + 1})"
             )
         model_options = setup.model_options()
+        self.async_scheduling = resolve_async_scheduling(
+            args.async_scheduling, device_type=self.device.type, single_rank=self.parallel_config.is_single_rank,
+            speculative=self.spec_config is not None,
+            token_history_len=model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0,
+        )
+        self._inflight = None  # asynchronous scheduling: (plans, launched step, start time) of the step in flight
 
         self.load_report = None
         if self.parallel_config.is_single_rank:
@@ -359,7 +366,7 @@ class LLMEngine:
             self.schedulers[replica].finish(state.request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        return self._inflight is not None or any(s.has_unfinished() for s in self.schedulers)
 
     @property
     def num_waiting(self) -> int:
@@ -383,15 +390,45 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that got a new token."""
+        """Run one step; returns an output for every request that got a new token. With asynchronous
+        scheduling, launches the next step and returns the outputs of the one before it."""
         started = time.perf_counter()
+        plans = self._plan_step()
+        if self.async_scheduling:
+            return self._step_overlapped(plans, started)
+        if plans is None:
+            return []
+        return self._finish_step(plans, self.executor.execute_replicas(plans), started)
+
+    def _step_overlapped(self, plans, started: float) -> list[RequestOutput]:
+        launched = None
+        if plans is not None:
+            handle = self.executor.launch(plans[0])
+            self.scheduler.on_step_done(plans[0])  # computed as planned; sampled tokens pending
+            for chunk in plans[0].chunks:
+                if chunk.sample:
+                    self._states[chunk.request_id].request.num_pending_tokens += 1
+            launched = (plans, handle, started)
+        outputs = self._finish_inflight() if self._inflight is not None else []
+        self._inflight = launched
+        if launched is not None and not plan_may_overlap(plans, self.structured.has):
+            outputs += self._finish_inflight()
+        return outputs
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        plans, handle, started = self._inflight
+        self._inflight = None
+        return self._finish_step(plans, [handle.result()], started, advanced=True)
+
+    def _plan_step(self):
+        """This step's plans (one per replica), or None when there is nothing to run."""
         num_drafts = self._decide_num_draft_tokens()
         plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
         self._note_waits(plans, time.monotonic())
         if all(p.is_empty for p in plans):
             if any(p.finished_request_ids or p.has_copies for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state, copy caches
-            return []
+            return None
         self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)
         self.step_token_counts.append(counts)
@@ -405,10 +442,15 @@ class LLMEngine:
             for p in plans:
                 p.dp_num_tokens = counts
                 p.dp_num_samples = samples
-        sampled_by_replica = self.executor.execute_replicas(plans)
+        return plans
+
+    def _finish_step(self, plans, sampled_by_replica, started: float, advanced: bool = False) -> list[RequestOutput]:
+        """Advance the schedulers (unless done at launch) and turn the sampled tokens into outputs."""
+        num_drafts = plans[0].num_draft_tokens
         outputs, verifications = [], []
         for replica, plan in enumerate(plans):
-            self.schedulers[replica].on_step_done(plan, sampled_by_replica[replica])
+            if not advanced:
+                self.schedulers[replica].on_step_done(plan, sampled_by_replica[replica])
             outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications)
         if self.spec_policy is not None:
             self.spec_policy.observe(verifications)
@@ -473,6 +515,7 @@ class LLMEngine:
             elif state.metrics.last_token_time is not None:
                 state.metrics.inter_token_latencies.append(now - state.metrics.last_token_time)
             state.metrics.last_token_time = now
+            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)  # this step's token, now known
             # Speculative decoding emits the accepted drafts, then the target's own token.
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
@@ -576,6 +619,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self._inflight = None
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None

@@ -38,6 +38,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    # Asynchronous scheduling: tokens sampled by a step still in flight, not yet appended
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -46,6 +48,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the request will have once the step in flight reports (what the next step extends)."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

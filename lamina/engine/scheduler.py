@@ -23,6 +23,12 @@ first token independently. A sibling the cache cannot take at fork time (no slot
 `max_num_seqs` reached) is released to the front of the queue and prefills the prompt itself;
 so is every sibling when the source ends before the fork. A preempted source prefills again
 (its siblings keep waiting); a preempted sibling recomputes by itself.
+
+Asynchronous scheduling (the engine plans step N+1 while step N runs on the device): a request
+whose step-N chunk samples carries that token as pending (`Request.num_pending_tokens`) until
+the engine appends it. The next chunk then computes it as `PENDING_TOKEN_ID`, which the runner
+replaces on the device with the id step N sampled; a request whose pending tokens reach its
+`max_tokens` is not scheduled again, and a preempted one is not re-admitted before they arrive.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.request import Request, RequestStatus
-from lamina.step_plan import ScheduledChunk, StepPlan
+from lamina.step_plan import PENDING_TOKEN_ID, ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class Scheduler:
         """Tokens the request computes before it may go on: `prompt[:-1]` for a fork source."""
         if request.request_id in self._forks:
             return request.num_prompt_tokens - 1
-        return request.num_tokens
+        return request.num_tokens_with_pending
 
     def _fork_ready(self) -> list[tuple[Request, list[tuple[int, int]], tuple[int, int]]]:
         """Fork every group whose source has computed `prompt[:-1]`: (sibling, block copies,
@@ -166,16 +172,17 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
-        sample = end == request.num_tokens
+        sample = end == request.num_tokens_with_pending
+        known = request.all_token_ids[start:end]
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + list(drafts),
+            token_ids=known + [PENDING_TOKEN_ID] * (num_new - len(known)) + list(drafts),
             start_position=start,
             block_table=list(self.cache.block_table(request.request_id)),
             state_slot=self.cache.state_slot(request.request_id),
             sample=sample,
             sampling_params=params,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=request.num_output_tokens_with_pending,
             history_token_ids=request.all_token_ids[max(0, start - self.config.token_history_len) : start],
             num_draft_tokens=len(drafts),
             next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
@@ -201,11 +208,18 @@ class Scheduler:
         )
         return request.spec_token_ids[: max(0, room)]
 
+    def _pending_at_limit(self, request: Request) -> bool:
+        """The request's pending tokens end it (max_tokens / max_model_len): it only waits for them."""
+        return request.num_pending_tokens > 0 and (
+            request.num_output_tokens_with_pending >= request.max_tokens
+            or request.num_tokens_with_pending >= self.config.max_model_len
+        )
+
     def _tokens_to_allocate(self, request: Request, num_new: int, lookahead: int) -> int:
         """KV positions the request needs: its chunk, plus the drafter's lookahead when it samples
         (never past max_model_len, except for what the chunk itself needs)."""
         end = request.num_computed_tokens + num_new
-        if lookahead <= 0 or end < request.num_tokens:
+        if lookahead <= 0 or end < request.num_tokens_with_pending:
             return end
         return max(end, min(end + lookahead, self.config.max_model_len))
 
@@ -222,7 +236,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(self._target(request) - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or self._pending_at_limit(request):
                 index += 1
                 continue
             drafts = self._drafts(request, num_new, budget - num_new)
@@ -249,6 +263,8 @@ class Scheduler:
         if not plan.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if request.num_pending_tokens:
+                    break  # preempted while its token was in flight: recompute once that token is known
                 num_new = min(self._target(request) - request.num_computed_tokens, budget)
                 if not self.cache.allocate(request.request_id, self._tokens_to_allocate(request, num_new, lookahead)):
                     break

@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan and launch the next step while the current one runs on the GPU "
+                        "(default: on for one GPU without speculative decoding)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
@@ -72,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
-        load_format=args.load_format, enforce_eager=args.enforce_eager, speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
+        load_format=args.load_format, enforce_eager=args.enforce_eager,
+        async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )
 

@@ -21,7 +21,9 @@ import torch
 
 from lamina.layers.metadata import ForwardMetadata
 
-_FIELDS = ("token_ids", "positions", "slot_mapping", "seq_lens", "state_slots", "keep")
+# `pending_row`: asynchronous scheduling, the row of the last step's sampled ids that holds this
+# row's token (-1: the token id is in `token_ids`); used before the replay, not by the graph.
+_FIELDS = ("token_ids", "positions", "slot_mapping", "seq_lens", "state_slots", "keep", "pending_row")
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -68,6 +70,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # Asynchronous scheduling writes the next step's rows while this one may still be queued:
+        # the host buffer is rewritten only once its last upload has run.
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- buffers ---------------------------------------------------------------------------
     def _field(self, buffer, name: str, rows: int):
@@ -84,7 +89,7 @@ class DecodeGraphs:
         """Rows start..stop-1 of the host buffer become padding rows."""
         host = self.host_np
         for name, value in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1),
-                            ("state_slots", self.spare_state_slot), ("keep", 0)):
+                            ("state_slots", self.spare_state_slot), ("keep", 0), ("pending_row", -1)):
             self._field(host, name, stop)[start:] = value
         self._tables(host, stop)[start:] = 0
         if self.history_len:
@@ -140,10 +145,14 @@ class DecodeGraphs:
         fitting = [s for s in self.graphs if s >= num_reqs]
         return min(fitting) if fitting else None
 
-    def run(self, chunks) -> torch.Tensor:
-        """Logits `[B, vocab]` of a decode step whose chunks each hold one token."""
+    def run(self, chunks, previous=None) -> torch.Tensor:
+        """Logits `[B, vocab]` of a decode step whose chunks each hold one token. A pending token
+        (asynchronous scheduling) is taken from `previous` (`PreviousTokens`) on the device."""
         num_reqs = len(chunks)
         size = self.size_for(num_reqs)
+        pending_rows = previous.source_rows(chunks, positions_per_chunk=True) if previous is not None else None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         host = self.host_np
         fields = {name: self._field(host, name, size) for name in _FIELDS}
         tables = self._tables(host, size)
@@ -161,7 +170,13 @@ class DecodeGraphs:
                 history = chunk.history_token_ids[-self.history_len :]
                 self._history(host, size)[row] = [-1] * (self.history_len - len(history)) + list(history)
         self._fill_padding(num_reqs, size)
+        if pending_rows is not None:
+            fields["pending_row"][:num_reqs] = pending_rows
         self.inputs.copy_(self.host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        if pending_rows is not None:
+            previous.fill(self._field(self.inputs, "token_ids", num_reqs), self._field(self.inputs, "pending_row", num_reqs))
         graph, logits = self.graphs[size]
         if graph is None:
             logits = self._forward(size)

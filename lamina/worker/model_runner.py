@@ -18,8 +18,9 @@ import torch
 from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.layers.metadata import ForwardMetadata
-from lamina.step_plan import SampledToken, ScheduledChunk, StepPlan
+from lamina.step_plan import PENDING_TOKEN_ID, SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
+from lamina.worker.pending_step import PendingSamples, PreviousTokens, ReadyStep
 from lamina.worker.prompt_logprobs import score_prompt_chunks
 from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.verify_graphs = None  # lamina.worker.verify_graphs.VerifyGraphs (MTP), once captured
         self.request_groups = request_groups_enabled()
+        self.previous = None  # PreviousTokens of the last launched step that sampled (pending tokens)
         self.spec = None
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
@@ -157,6 +159,9 @@ class ModelRunner:
         slot_mapping = block_tables[request_index, positions // bs] * bs + positions % bs if total else np.zeros(0, np.int64)
         seq_lens = starts + lens
         token_ids = [t for c in chunks for t in c.token_ids]
+        pending_rows = None
+        if PENDING_TOKEN_ID in token_ids:  # asynchronous scheduling: sampled by the last launched step
+            pending_rows = self._previous_tokens().source_rows(chunks)
         logits_rows = [int(query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
 
         history_len = getattr(self.model, "token_history_len", 0)
@@ -187,7 +192,15 @@ class ModelRunner:
             seq_lens_host=tuple(int(n) for n in seq_lens),
             allow_groups=self.request_groups,
         )
-        return StepInputs(to_device(token_ids, self.device), meta, logits_rows)
+        token_ids = to_device(token_ids, self.device)  # [T]
+        if pending_rows is not None:
+            self._previous_tokens().fill(token_ids, to_device(pending_rows, self.device))
+        return StepInputs(token_ids, meta, logits_rows)
+
+    def _previous_tokens(self) -> PreviousTokens:
+        if self.previous is None:
+            raise RuntimeError("a pending token in the plan, but no step has sampled on this runner yet")
+        return self.previous
 
     # ---- step ----------------------------------------------------------------------------
     def forget_finished(self, plan: StepPlan) -> None:
@@ -235,26 +248,36 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> PendingSamples | ReadyStep:
+        """Single-rank step, queued on the device: the sampled tokens are read by `result()`, so the
+        host may plan the next step meanwhile (its pending tokens come from this step's ids)."""
         self.forget_finished(plan)
         self.commit_spec_states(plan)
         self.apply_cache_copies(plan)
         if plan.is_empty:
-            return {}
+            return ReadyStep({})
         if self.spec is None and can_replay(self.decode_graphs, plan.chunks):
             with torch.inference_mode():
-                logits = self.decode_graphs.run(plan.chunks)  # [B, vocab]
-                return self.sample(logits, plan.chunks)
+                logits = self.decode_graphs.run(plan.chunks, self.previous)  # [B, vocab]
+                return self._sample_launch(logits, plan.chunks)
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:  # the target's step replayed from a graph, then verify and draft
                 with torch.inference_mode():
                     capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
                     hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
-                    return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits)
+                    return ReadyStep(self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits))
         hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
-            return self.verify_and_propose(plan, hidden, inputs)
-        return self.logits_and_sample(plan, hidden, inputs.logits_rows)
+            return ReadyStep(self.verify_and_propose(plan, hidden, inputs))
+        if any(c.num_prompt_tokens for c in plan.chunks) or not any(c.sample for c in plan.chunks):
+            return ReadyStep(self.logits_and_sample(plan, hidden, inputs.logits_rows))
+        with torch.inference_mode():
+            rows = to_device(inputs.logits_rows, self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
+            return self._sample_launch(logits, [c for c in plan.chunks if c.sample])
 
     def compute_logits_for_plan(self, plan: StepPlan) -> torch.Tensor:
         """Every position's logits of a plan [T, vocab] (tests compare them with transformers)."""
@@ -263,6 +286,11 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
+        return self._sample_launch(logits, chunks).result()
+
+    def _sample_launch(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> PendingSamples:
+        """Sample `chunks`' rows of `logits` on the device; the ids stay there for the next step's
+        pending tokens, and travel to the host without waiting."""
         batch = SamplingBatch.build(
             [c.sampling_params for c in chunks],
             [c.num_output_tokens for c in chunks],
@@ -275,6 +303,5 @@ class ModelRunner:
             token_bitmasks=[c.token_bitmask for c in chunks],
         )
         out = self.sampler(logits, batch)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs_lists()
-        return {c.request_id: SampledToken(t, lp) for c, t, lp in zip(chunks, token_ids, logprobs)}
+        self.previous = PreviousTokens(out.token_ids, {c.request_id: row for row, c in enumerate(chunks)})
+        return PendingSamples(chunks, out)

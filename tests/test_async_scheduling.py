@@ -1,0 +1,140 @@
+"""Asynchronous scheduling (lamina.engine.async_scheduling): step N+1 is planned and launched before
+step N's tokens are read back, with the pending tokens filled in on the device. Checked on the CPU
+(where the same code runs without any overlap in time): the tokens, finish reasons and logprobs of
+every kind of request equal those of the synchronous engine, the overlap really happened (plans
+carried pending tokens), and requests the overlap cannot serve (penalties, grammars, prompt
+logprobs) still get their exact tokens. The decode graphs' static buffers with pending tokens are
+covered in tests/test_triton_kernels.py (the engine test on the Triton kernels runs overlapped)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.engine.async_scheduling import resolve_async_scheduling
+from lamina.step_plan import PENDING_TOKEN_ID
+
+PROMPTS = [[5, 17, 300], [9] * 11, list(range(40, 61)), [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None, **kwargs):
+    """(token ids, finish reason, logprobs) per request, and how many pending tokens each launched plan had."""
+    pending = []
+    with LLM(str(path), device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap, **kwargs) as llm:
+        engine = llm.engine
+        assert engine.async_scheduling == overlap
+        launch = engine.executor.launch
+
+        def spy(plan):
+            pending.append(sum(t == PENDING_TOKEN_ID for c in plan.chunks for t in c.token_ids))
+            return launch(plan)
+
+        engine.executor.launch = spy
+        ids = [engine.add_request({"prompt_token_ids": p}, params) for p, params in requests]
+        finals, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            steps += 1
+            if steps == steps_before_abort:
+                engine.abort_request(ids[0])
+        assert not engine.has_unfinished_requests() and engine._inflight is None
+    results = []
+    for request_id in ids:
+        out = finals.get(request_id)
+        if out is None:
+            results.append(None)
+            continue
+        completions = [(c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs]
+        results.append(completions)
+    return results, pending
+
+
+def _assert_same(sync, overlapped):
+    for a, b in zip(sync, overlapped):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        for (ids_a, reason_a, lp_a), (ids_b, reason_b, lp_b) in zip(a, b):
+            assert ids_a == ids_b and reason_a == reason_b
+            if lp_a is not None:
+                for entry_a, entry_b in zip(lp_a, lp_b):
+                    assert entry_a.keys() == entry_b.keys()
+                    # batch sizes differ (a stopped request still rides one step): float32 GEMM rounding
+                    torch.testing.assert_close(list(entry_a.values()), list(entry_b.values()), atol=1e-4, rtol=0)
+
+
+def test_resolution_rules():
+    common = dict(single_rank=True, speculative=False, token_history_len=0)
+    assert resolve_async_scheduling(None, device_type="cuda", **common)
+    assert not resolve_async_scheduling(None, device_type="cpu", **common)
+    assert resolve_async_scheduling(True, device_type="cpu", **common)
+    assert not resolve_async_scheduling(False, device_type="cuda", **common)
+    assert not resolve_async_scheduling(None, device_type="cuda", **{**common, "speculative": True})
+    for bad in ({"single_rank": False}, {"speculative": True}, {"token_history_len": 4}):
+        with pytest.raises(ValueError, match="async_scheduling = True is not supported"):
+            resolve_async_scheduling(True, device_type="cuda", **{**common, **bad})
+
+
+def test_overlapped_engine_matches_synchronous(qwen3_5_moe_dir):
+    """Greedy with logprobs, seeded sampling, a stop token met mid-way (its request rides one more
+    step whose token is dropped), min_tokens, n=2 children forked from one prefill, and a request
+    with a penalty (its steps are not overlapped) - all in one batch."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
+    (base,), _ = _run(qwen3_5_moe_dir, [(PROMPTS[0], greedy)], overlap=False)
+    stop_at = base[0][0][2]  # the third greedy token of PROMPTS[0]
+    requests = [
+        (PROMPTS[0], greedy),
+        (PROMPTS[1], SamplingParams(temperature=0.8, seed=3, max_tokens=9, logprobs=1)),
+        (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[stop_at])),
+        (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=9, min_tokens=4, stop_token_ids=[stop_at])),
+        (PROMPTS[2], SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=6)),
+        (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5, frequency_penalty=0.3)),
+    ]
+    sync, _ = _run(qwen3_5_moe_dir, requests, overlap=False, max_num_seqs=8)
+    overlapped, pending = _run(qwen3_5_moe_dir, requests, overlap=True, max_num_seqs=8)
+    _assert_same(sync, overlapped)
+    assert sync[2][0][1] == "stop" and len(sync[2][0][0]) == 3
+    assert len(sync[3][0][0]) > 3
+    assert max(pending) > 0, "no step was planned ahead of its predecessor's tokens"
+
+
+def test_overlap_waits_for_host_tokens_where_needed(qwen3_5_moe_dir):
+    """A penalty request alone never overlaps (its sampler reads its tokens); a plain one does."""
+    penalty = SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    sync, _ = _run(qwen3_5_moe_dir, [(PROMPTS[1], penalty)], overlap=False)
+    overlapped, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], penalty)], overlap=True)
+    _assert_same(sync, overlapped)
+    assert max(pending) == 0
+    _, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], plain)], overlap=True)
+    assert pending == [0] + [1] * 5  # the prefill, then every decode step planned ahead
+
+
+def test_overlap_with_preemption_and_abort(qwen3_5_moe_dir):
+    """Few KV blocks force preemptions (recompute) while tokens are pending, and a request aborted
+    with a step in flight: the others' tokens equal the synchronous run's."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [(p, params) for p in PROMPTS]
+    options = dict(max_num_seqs=4, num_gpu_blocks_override=12, block_size=4, max_model_len=36)
+    sync, _ = _run(qwen3_5_moe_dir, requests, overlap=False, **options)
+    overlapped, _ = _run(qwen3_5_moe_dir, requests, overlap=True, **options)
+    _assert_same(sync, overlapped)
+    with LLM(str(qwen3_5_moe_dir), device="cpu", dtype="float32", show_progress=False, async_scheduling=True,
+             **options) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert llm.engine.num_preemptions > 0
+    sync, _ = _run(qwen3_5_moe_dir, requests, overlap=False, steps_before_abort=4)
+    overlapped, _ = _run(qwen3_5_moe_dir, requests, overlap=True, steps_before_abort=4)
+    assert overlapped[0] is None or overlapped[0][0][1] == "abort"
+    _assert_same(sync[1:], overlapped[1:])
