@@ -3,7 +3,8 @@
 - `reference`: the plain torch kernels of this package (CPU, CI, the oracle).
 - `triton`: lamina's Triton kernels (`triton_decode`, `triton_verify`, `triton_moe`) for decode
   steps of a uniform Q tokens per request (`decode_query_len`: plain decode, MTP verification)
-  and the routed experts; everything else stays on the reference kernels.
+  and the routed experts with their routing (`triton_router`, one launch up to 4 tokens:
+  `fused_router_max_tokens`); everything else stays on the reference kernels.
 
 `LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
 `triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
@@ -76,6 +77,21 @@ def moe_gemv_max_tokens() -> int:
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_MOE_GEMV = {wanted!r} must be 0 or 1")
     return GEMV_MAX_TOKENS if wanted == "1" else 0
+
+
+def fused_router_max_tokens(kernels: str) -> int:
+    """Up to how many tokens an MoE layer on the Triton kernel set routes in one launch (router
+    GEMV, softmax, top-k: `lamina.kernels.triton_router`) rather than the GEMV and
+    `route_softmax_topk`: `LAMINA_FUSED_ROUTER=1` (the default) allows it, `0` keeps the two
+    launches (for A/B runs); 0 on the reference kernels. Read at model build time."""
+    wanted = os.environ.get("LAMINA_FUSED_ROUTER", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_FUSED_ROUTER = {wanted!r} must be 0 or 1")
+    if kernels != "triton" or wanted == "0":
+        return 0
+    from lamina.kernels.triton_router import ROUTER_MAX_TOKENS
+
+    return ROUTER_MAX_TOKENS
 
 
 MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)

@@ -306,16 +306,16 @@ DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, w
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     row = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     ok = experts < num_experts
     logits = tl.load(logits_ptr + row * stride_l + experts, mask=ok, other=float("-inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
-    slots = tl.arange(0, TOP_K)
-    top_p = tl.zeros([TOP_K], tl.float32)
-    top_i = tl.zeros([TOP_K], tl.int32)
+    slots = tl.arange(0, K_PAD)  # tl.arange needs a power of 2 (Qwen4-Exp routes to 10 experts)
+    top_p = tl.zeros([K_PAD], tl.float32)
+    top_i = tl.zeros([K_PAD], tl.int32)
     remaining = tl.where(ok, probs, -1.0)
     for j in tl.static_range(TOP_K):  # k rounds of argmax: highest first, ties to the lower expert id
         best = tl.max(remaining, axis=0)
@@ -325,8 +325,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         remaining = tl.where(experts == idx, -1.0, remaining)
     if RENORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)
-    tl.store(weights_ptr + row * TOP_K + slots, top_p.to(weights_ptr.dtype.element_ty))
-    tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64))
+    tl.store(weights_ptr + row * TOP_K + slots, top_p.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
 
 
 def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
@@ -340,6 +340,7 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize,
         )
     return weights, ids

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.moe import grouped_experts
-from lamina.kernels.selection import kernel_set
+from lamina.kernels.selection import fused_router_max_tokens, kernel_set
 from lamina.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -91,6 +91,8 @@ class SparseMoE(nn.Module):
             requires_grad=False,
         )  # [E_local, H, I_local]
         self.kernels = kernel_set(device if device is not None else ctx.device)
+        # Up to this many tokens (decode) the router GEMV and the top-k are one Triton launch; 0: never.
+        self.fused_router_max_tokens = fused_router_max_tokens(self.kernels)
         if self.kernels == "triton":
             from lamina.kernels.selection import moe_gemv_max_tokens
             from lamina.kernels.triton_moe import fused_moe
@@ -155,7 +157,19 @@ class SparseMoE(nn.Module):
             self.w13.data.copy_(torch.cat([self._rows(gate, 1), self._rows(up, 1)], dim=1))
 
     # ---- forward -------------------------------------------------------------------------
+    def _route_in_one_launch(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """On the Triton set, up to `fused_router_max_tokens` tokens (decode): the router GEMV over
+        `rows` (the experts' rows, then any extra gate rows) and the top-k in one launch, returning
+        (weights [T, k], ids [T, k], logits [T, rows]); None otherwise (the caller runs two launches)."""
+        if not 0 < x.shape[0] <= self.fused_router_max_tokens:
+            return None
+        from lamina.kernels.triton_router import fused_router
+
+        return fused_router(x, rows, self.num_experts, self.top_k, self.norm_topk_prob)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (fused := self._route_in_one_launch(x, self.gate.weight)) is not None:
+            return fused[:2]
         logits = self.gate(x)  # [N, E]
         if self.kernels == "triton":
             from lamina.kernels.triton_moe import route_softmax_topk
@@ -169,10 +183,15 @@ class SparseMoE(nn.Module):
 
     def _experts_with_shared(self, x: torch.Tensor) -> torch.Tensor:
         """Routed experts and the gated shared expert in the fused Triton launches."""
-        from lamina.kernels.triton_moe import route_softmax_topk
+        if (fused := self._route_in_one_launch(x, self.router_rows)) is not None:
+            topk_weights, topk_ids, logits = fused  # logits [T, E+1]
+        else:
+            from lamina.kernels.triton_moe import route_softmax_topk
 
-        logits = self._router_linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
-        topk_weights, topk_ids = route_softmax_topk(logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype)
+            logits = self._router_linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
+            topk_weights, topk_ids = route_softmax_topk(
+                logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype
+            )
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, logits[:, self.num_experts])
         return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, shared=shared)
 
