@@ -7,6 +7,12 @@ would replace, in the same run:
   decode linears.
 
     python benchmarks/tune_gemv.py --out tune_gemv.json
+    python benchmarks/tune_gemv.py --only moe --out tune_gemv_moe.json   # the MoE sweep alone
+
+The MoE sweep (about 40 trials, each printed record says how many and how long) is coordinate
+descent at one token: gate/up tiles and split, then the split down kernel's tiles, then the
+pipelined down kernel's tile (down_n x down_k), warps, stages and slots per program; at 2 and 4
+tokens the defaults, the other kernels and the best one-token pipelined tile.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +56,12 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.numel() / us / 1e3  # GB/s (read + write)
 
 
+def best(rows, **match) -> dict | None:
+    """The config of the fastest row whose config has the `match` items (None: no such row)."""
+    matching = [r for r in rows if all(r[1].get(k) == v for k, v in match.items())]
+    return min(matching, key=lambda r: r[0])[1] if matching else None
+
+
 def tune_moe(dev, results):
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02
@@ -65,6 +78,7 @@ def tune_moe(dev, results):
             weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
             routings.append((weights.to(torch.bfloat16), ids, (sw13, sw2, logits[:, experts])))
         weights, ids, shared = routings[0]
+        started = time.perf_counter()
         distinct = int(torch.unique(ids).numel())
         nbytes = (distinct + 1) * 3 * inter * hidden * 2
         grouped_us = bench_rotated(
@@ -73,34 +87,56 @@ def tune_moe(dev, results):
         rows = []
 
         def trial(cfg):
+            if cfg is None or any(c == cfg for _, c, _ in rows):
+                return
             try:
                 out = fused_moe_gemv(x, w13, w2, weights, ids, shared=shared, config=cfg).float()
                 err = ((out - ref).norm() / ref.norm()).item()
                 us = bench_rotated(lambda w, i, s: fused_moe_gemv(x, w13, w2, w, i, shared=s, config=cfg), routings)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
-                print("skip", cfg, type(e).__name__)
+                print("skip", cfg, type(e).__name__, str(e)[:200])
                 return
+            if err > 1e-2:
+                print("WRONG (relative error vs the grouped GEMM", err, ")", cfg)
             rows.append((us, cfg, err))
 
-        if batch == 1:  # gate/up tiles with the default down tiles, then down tiles with the best gate/up
-            base = dict(GEMV_CONFIG)
-            trial(base)
-            trial(dict(GEMV_CONFIG_ONE_TOKEN))
-            # (a wider sweep, (16, 32, 64) x (128, 256, 512) x (4, 8) x (3, 4), found 32-64 x 256, 4 warps)
-            for up_n, up_k, warps, stages in itertools.product((32, 64), (256,), (4,), (3, 4)):
-                trial({**base, "up_n": up_n, "up_k": up_k, "up_warps": warps, "up_stages": stages})
-            best_up = min(rows, key=lambda r: r[0])[1]
-            for down_n, warps, stages in itertools.product((16, 32), (4,), (2, 3)):
-                trial({**best_up, "down_split": False, "down_n": down_n, "down_warps": warps, "down_stages": stages})
-            for down_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (2, 4, 8), (1,)):
-                trial({**best_up, "down_split": True, "down_n": down_n, "down_warps": warps, "down_stages": stages})
-            best_batch1 = min(rows, key=lambda r: r[0])[1]
+        if batch == 1:
+            one = dict(GEMV_CONFIG_ONE_TOKEN)
+            trial(dict(GEMV_CONFIG))  # the slot loop at one token
+            trial(one)
+            # Gate/up tiles with the one-token down kernel: (a wider sweep, (16, 32, 64) x (128, 256,
+            # 512) x (4, 8) x (3, 4), found 32-64 x 256, 4 warps), then the hidden dim split over
+            # 2 or 4 programs (72 programs of 512 KB at up_n 64 leave 60 of the 132 SMs idle).
+            for up_n, stages in itertools.product((32, 64), (3, 4)):
+                trial({**one, "up_n": up_n, "up_stages": stages})
+            for up_n, up_split in itertools.product((32, 64), (2, 4)):
+                trial({**one, "up_n": up_n, "up_split": up_split})
+            best_up = best(rows)
+            # The split down kernel (the last sweep's best: 16 x 2 warps; 8 and 128 never placed).
+            for down_n, warps in itertools.product((16, 32, 64), (2, 4)):
+                trial({**best_up, "down_kernel": "split", "down_n": down_n, "down_warps": warps, "down_stages": 1})
+            # The pipelined down kernel: tile (output rows x intermediate columns per step) at one
+            # program per slot, then warps, stages and slots per program around the best.
+            for down_n, down_k in itertools.product((32, 64, 128), (128, 256)):
+                trial({**best_up, "down_kernel": "pipelined", "down_n": down_n, "down_k": down_k, "down_warps": 4,
+                       "down_stages": 3, "down_slots": 1})
+            for key, values in (("down_warps", (2, 8)), ("down_stages", (2, 4)), ("down_slots", (3, top_k + 1))):
+                pipelined = best(rows, down_kernel="pipelined")
+                for value in values:
+                    trial(pipelined and {**pipelined, key: value})
+            best_batch1 = best(rows)
+            best_pipelined = best(rows, down_kernel="pipelined")
         else:
             trial(dict(GEMV_CONFIG))
-            trial({**GEMV_CONFIG, "down_split": not GEMV_CONFIG["down_split"]})
+            trial({**GEMV_CONFIG, "down_kernel": "split" if GEMV_CONFIG["down_kernel"] == "loop" else "loop"})
             trial(best_batch1)
+            # The best one-token pipelined down tile, one program per slot or per (token, tile).
+            down = {k: v for k, v in (best_pipelined or {}).items() if k.startswith("down_")}
+            for down_n, down_slots in itertools.product((32, 64), (1, top_k + 1)):
+                trial(down and {**GEMV_CONFIG, **down, "down_n": down_n, "down_slots": down_slots})
         rows.sort(key=lambda r: r[0])
         rec = {"op": "moe", "batch": batch, "bytes": nbytes, "l2": f"cold ({ROTATIONS} routings rotated)",
+               "trials": len(rows), "sweep_s": time.perf_counter() - started,
                "grouped_us": grouped_us, "grouped_gb_s": nbytes / grouped_us / 1e3,
                "default_us": next(us for us, c, _ in rows if c == (GEMV_CONFIG_ONE_TOKEN if batch == 1 else GEMV_CONFIG)),
                "best_us": rows[0][0], "best": rows[0][1],

@@ -254,33 +254,101 @@ def test_fused_moe_with_the_shared_expert(num_tokens):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.float32, hidden=48, inter=24):
+    """Inputs of a tiny MoE (top-3 of 8 experts; weights rounded to `dtype`) and its float32
+    reference computed from those rounded values: (x, w13, w2, weights, ids, shared, ref)."""
+    top_k, total_experts = 3, 8
+    x = _rand(num_tokens, hidden, seed=1, dtype=dtype)
+    w13 = _rand(num_local, 2 * inter, hidden, seed=2, scale=0.2, dtype=dtype)
+    w2 = _rand(num_local, hidden, inter, seed=3, scale=0.2, dtype=dtype)
+    logits = torch.randn(num_tokens, total_experts + 1, generator=_gen(4)).to(DEVICE)
+    weights, ids = torch.softmax(logits[:, :total_experts], -1).topk(top_k, dim=-1)
+    weights = weights.to(dtype)
+    ref = grouped_experts(x.float(), w13.float(), w2.float(), weights.float(), ids, expert_start)
+    shared = None
+    if with_shared:
+        shared_w13 = _rand(2 * inter, hidden, seed=5, scale=0.2, dtype=dtype)
+        shared_w2 = _rand(hidden, inter, seed=6, scale=0.2, dtype=dtype)
+        shared = (shared_w13, shared_w2, logits[:, total_experts])
+        gate, up = torch.nn.functional.linear(x.float(), shared_w13.float()).chunk(2, dim=-1)
+        ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
+            torch.nn.functional.silu(gate) * up, shared_w2.float())
+    return x, w13, w2, weights, ids, shared, ref
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("expert_start,num_local,with_shared", [(0, 8, True), (0, 8, False), (3, 4, False)])
 def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, with_shared):
     """The decode path (two GEMV launches, k-slot sum in registers) against the reference, with
     experts of other EP ranks (ids outside [expert_start, expert_start + num_local)) and the shared
     expert; tiles narrower than the weights so the masks and the slot loop's boundaries run."""
-    hidden, inter, top_k, total_experts = 48, 24, 3, 8
-    x = _rand(num_tokens, hidden, seed=1)
-    w13 = _rand(num_local, 2 * inter, hidden, seed=2, scale=0.2)
-    w2 = _rand(num_local, hidden, inter, seed=3, scale=0.2)
-    logits = torch.randn(num_tokens, total_experts + 1, generator=_gen(4)).to(DEVICE)
-    weights, ids = torch.softmax(logits[:, :total_experts], -1).topk(top_k, dim=-1)
-    ref = grouped_experts(x, w13, w2, weights, ids, expert_start)
-    shared = None
-    if with_shared:
-        shared_w13, shared_w2 = _rand(2 * inter, hidden, seed=5, scale=0.2), _rand(hidden, inter, seed=6, scale=0.2)
-        shared = (shared_w13, shared_w2, logits[:, total_experts])
-        gate, up = torch.nn.functional.linear(x, shared_w13).chunk(2, dim=-1)
-        ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
-            torch.nn.functional.silu(gate) * up, shared_w2)
-    for down_split in (True, False):  # the slot-parallel down kernel (default) and the slot loop
-        tiles = dict(up_n=16, up_k=32, down_n=32, down_split=down_split)
+    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared)
+    for down_kernel in ("split", "loop"):  # the slot-parallel down kernel (one-token default) and the slot loop
+        tiles = dict(up_n=16, up_k=32, down_n=32, down_kernel=down_kernel)
         ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         again = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
         assert torch.equal(ours, again)  # the split kernel's tickets were reset: same sum, same bits
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 `tl.dot` operands as their raw uint16 storage
+    (its fp8 operands are converted, bf16 ones not): convert them to float32 first, where a GPU's
+    bf16 MMA forms the same products exactly. Nothing to do on a GPU."""
+    if DEVICE == "cuda":
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def converted(self, a, b, acc, *args):
+        a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
+        return create_dot(self, a, b, acc, *args)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", converted)
+
+
+@pytest.mark.parametrize("num_tokens,expert_start,num_local,with_shared,dtype,tiles", [
+    (1, 0, 8, True, torch.float32, dict(down_slots=1, up_n=16, up_k=32, up_split=2)),  # tickets sum 4 slots
+    (2, 0, 8, True, torch.bfloat16, dict(down_slots=8)),  # every slot in one program: no tickets
+    (3, 3, 4, True, torch.float32, dict(down_slots=2)),  # experts of other EP ranks
+    (4, 3, 4, False, torch.bfloat16, dict(down_slots=2)),  # 3 slots in groups of 2 and 1
+])
+def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_shared, dtype, tiles, bf16_dots):
+    """The pipelined down kernel (a group's slots stepped through down_k intermediate columns at a
+    time, groups' float32 partials summed in group order) and the gate/up split over the hidden
+    dim (48 columns: parts of 32 and 16) against the reference: intermediate 24 in 16-column steps
+    (a partial last step), 48 output rows in tiles of 32, experts of other EP ranks, bf16 and
+    float32; a second run gives the same bits (tickets reset, order fixed), and so does the first
+    token run alone."""
+    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
+    cfg = dict(up_n=32, up_k=64, down_kernel="pipelined", down_n=32, down_k=16, down_stages=2) | tiles
+    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    else:  # the activation and the output are rounded to bf16
+        assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg))
+    if num_tokens > 1:  # one config for every batch size: a token's bits do not depend on the others
+        alone = shared and (shared[0], shared[1], shared[2][:1])
+        first = fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, config=cfg)
+        assert torch.equal(first, ours[:1])
+
+
+def test_gemv_moe_config_errors():
+    x, w13, w2, weights, ids, shared, _ = _moe_case(1, 0, 8, False)
+    with pytest.raises(ValueError, match="unknown config keys \\['down_split'\\]"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_split=True))
+    with pytest.raises(ValueError, match="down_kernel = 'fast' must be one of"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_kernel="fast"))
+    with pytest.raises(ValueError, match="down_k = 24 must be a power of two"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_k=24))
+    with pytest.raises(ValueError, match="down_slots = 0 must be >= 1"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_slots=0))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4])
@@ -370,7 +438,7 @@ def test_moe_gemv_switch(monkeypatch):
 def test_gemv_tiles_fit_shared_memory():
     """The one-token gate/up tile asked for 288 KiB of shared memory in float32 on an H200 (limit
     227 KiB); the tiles narrow to fit, keeping the tuned bf16 tiles as they are."""
-    from lamina.kernels.triton_moe_gemv import GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN, _fit_shared_memory
+    from lamina.kernels.triton_moe_gemv import GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN, _fit_shared_memory, _shared_memory
 
     def needed(cfg, element_size):
         return (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
@@ -383,3 +451,12 @@ def test_gemv_tiles_fit_shared_memory():
         fp32 = dict(base)
         _fit_shared_memory(fp32, 4)
         assert needed(fp32, 4) <= 227 * 1024 and fp32["up_n"] >= 16
+    # The pipelined down tile: (stages - 1) x ([down_k, down_n] + [16, down_k]), as sm_90 compiles
+    # of the kernel asked for (221184 bytes at 128 x 128, 4 stages, float32).
+    pipelined = dict(GEMV_CONFIG, down_kernel="pipelined", down_n=256, down_k=128, down_stages=4)
+    bf16 = dict(pipelined)
+    _fit_shared_memory(bf16, 2)
+    assert bf16 == pipelined  # 208896 bytes
+    _fit_shared_memory(pipelined, 4)
+    assert (pipelined["down_n"], pipelined["down_stages"]) == (128, 4)
+    assert _shared_memory(pipelined, 4) == (needed(pipelined, 4), 221184)

@@ -7,14 +7,22 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 
 1. gate/up: one program per (token, slot, tile of BLOCK_N intermediate rows) reads its expert id
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes
-   `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`;
-2. down (`down_split`, the one-token default): one program per (token, tile of BLOCK_N output rows, slot)
-   computes `weight_slot * (act[t, slot] @ down_e^T)` in float32 over the whole intermediate dim;
-   the last program of a (token, tile) sums the slots' partials in slot order and writes `[T, H]`
-   in the output dtype (one rounding; an atomic ticket only decides who sums, the order is
-   fixed: deterministic). The looping variant (`down_split=False`, the default for 2-4 tokens: one program per (token, tile)
-   stepping through the slots) keeps the sum in registers but waits on each slot's expert id
-   before its weight load, which profiled at ~1 TB/s on an H200.
+   `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`; with `up_split` > 1 the hidden dim is
+   split over that many programs whose float32 partials the last of them sums in split order;
+2. down, one of three kernels (`down_kernel`), each weighting a slot's product (routing weight, or
+   the shared expert's sigmoid gate) in float32 and writing `[T, H]` in the output dtype once:
+   - "split" (the one-token default): one program per (token, tile of BLOCK_N output rows, slot)
+     over the whole intermediate dim; the last program of a (token, tile) sums the slots'
+     partials in slot order (an atomic ticket only decides who sums, the order is fixed:
+     deterministic). Each program moves only ~16 KB behind two dependent loads (expert id, then
+     weights): latency-bound, ~1.4 TB/s on an H200;
+   - "loop" (the default for 2-4 tokens): one program per (token, tile) stepping through the
+     slots, the sum in registers, but each slot's weight load waits on its expert id (~1 TB/s);
+   - "pipelined": one program per (token, tile, group of `down_slots` slots) stepping through
+     its slots' weights `down_k` intermediate columns at a time in one flat loop, with the
+     group's expert ids read before it, so `down_stages` - 1 steps of loads stay in flight (the
+     next slot's too); groups' partials are summed in group order as in "split". `down_slots`
+     = 1 is "split" with a K loop, >= the slot count is "loop" without its stalls (no tickets).
 
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
@@ -51,18 +59,22 @@ def _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_l
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr,
-    hidden, inter, expert_start, num_local_experts,
+    x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr, partial_ptr, counter_ptr,
+    hidden, inter, expert_start, num_local_experts, k_per_split,
     stride_xt, stride_we, stride_wn, stride_swn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One program per ((token, slot), tile of BLOCK_N intermediate rows, part of the hidden dim):
+    SPLIT parts of `k_per_split` columns (a multiple of BLOCK_K). With SPLIT > 1 each program
+    writes its float32 gate and up partials and the last of a (row, tile) (an atomic ticket, as in
+    the split down kernel) sums them in part order before the activation: deterministic."""
     row = tl.program_id(0)  # token * SLOTS + slot
     token = row // SLOTS
     slot = row % SLOTS
     base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
                              stride_we, TOP_K)
-    if ok:
+    if ok:  # the same for every program of a row: a row of another rank's expert takes no ticket
         stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < inter
@@ -70,7 +82,13 @@ def _gemv_gate_up_kernel(
         first = tl.arange(0, 16)[:, None] == 0  # the token sits in row 0 of a 16-row tl.dot tile
         acc_gate = tl.zeros([16, BLOCK_N], tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        if SPLIT == 1:
+            k_begin = 0
+            k_end = hidden
+        else:
+            k_begin = tl.program_id(2) * k_per_split
+            k_end = tl.minimum(k_begin + k_per_split, hidden)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < hidden
             a = tl.load(x_ptr + token * stride_xt + k[None, :] + tl.zeros([16, 1], tl.int32), mask=first & k_ok[None, :],
@@ -82,8 +100,25 @@ def _gemv_gate_up_kernel(
             acc_up += tl.dot(a, up_w, input_precision=PRECISION)
         gate = tl.sum(acc_gate, axis=0)  # [N]: rows 1..15 are zero
         up = tl.sum(acc_up, axis=0)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + row * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+        if SPLIT > 1:
+            parts_row = partial_ptr + row * (SPLIT * 2 * inter)  # partials [T*SLOTS, SPLIT, 2, I]
+            tl.store(parts_row + tl.program_id(2) * (2 * inter) + offs_n, gate, mask=n_ok)
+            tl.store(parts_row + tl.program_id(2) * (2 * inter) + inter + offs_n, up, mask=n_ok)
+            tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+            ticket = counter_ptr + row * tl.num_programs(1) + tl.program_id(1)
+            done = tl.atomic_add(ticket, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                offs_s = tl.arange(0, SPLIT_P2)
+                at = parts_row + offs_s[:, None] * (2 * inter) + offs_n[None, :]  # [S, N]
+                mask = (offs_s[:, None] < SPLIT) & n_ok[None, :]
+                gate = tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+                up = tl.sum(tl.load(at + inter, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+                act = gate / (1.0 + tl.exp(-gate)) * up
+                tl.store(act_ptr + row * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(act_ptr + row * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -166,50 +201,151 @@ def _gemv_down_split_kernel(
         tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+@triton.jit
+def _gemv_down_pipelined_kernel(
+    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, partial_ptr, counter_ptr, out_ptr,
+    hidden, inter, expert_start, num_local_experts,
+    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (token, tile of BLOCK_N output rows, group of GROUP consecutive slots),
+    stepping through its slots' [BLOCK_N, I] weight blocks BLOCK_K columns at a time in one flat
+    loop of GROUP * K_STEPS steps, so the pipeliner (num_stages >= 2) keeps the next steps' loads,
+    the next slot's included, in flight behind the current dot. The group's expert ids and weights
+    are read once before the loop: no weight address in the loop waits on a load. The slots of a
+    group accumulate in slot order in float32; with GROUPS > 1 the groups' partials are summed in
+    group order by the last program of a (token, tile) (atomic ticket, reset after): deterministic."""
+    token = tl.program_id(0)
+    tile = tl.program_id(1)
+    group = tl.program_id(2)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    first = tl.arange(0, 16)[:, None] == 0  # the token sits in row 0 of a 16-row tl.dot tile
+    offs_j = tl.arange(0, GROUP_P2)
+    slots = group * GROUP + offs_j  # [G]: this program's slots (slot TOP_K = the shared expert)
+    ids_at = token * TOP_K + tl.minimum(slots, TOP_K - 1)
+    experts = tl.load(ids_ptr + ids_at).to(tl.int32) - expert_start  # [G]
+    is_shared = slots == TOP_K
+    ok = (offs_j < GROUP) & (slots < SLOTS) & (is_shared | ((experts >= 0) & (experts < num_local_experts)))
+    shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
+    routed = tl.load(topk_weights_ptr + ids_at).to(tl.float32)
+    weights = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed)
+    weights = tl.where(ok, weights, 0.0)  # [G]: a slot of another EP rank's expert adds nothing
+    experts = tl.where(ok & ~is_shared, experts, 0)
+    rows = tl.where(ok, 1, 0)  # [G]: 0 masks the slot's loads off (no bytes read)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for step in range(0, GROUP * K_STEPS):
+        j = step // K_STEPS  # the slot within the group
+        pick = offs_j == j
+        slot = group * GROUP + j
+        expert = tl.sum(tl.where(pick, experts, 0))  # register picks, no load
+        weight = tl.sum(tl.where(pick, weights, 0.0))
+        slot_ok = tl.sum(tl.where(pick, rows, 0)) > 0
+        shared_slot = slot == TOP_K
+        base = tl.where(shared_slot, shared_w_ptr, w_ptr + expert.to(tl.int64) * stride_we)
+        stride_n = tl.where(shared_slot, stride_swn, stride_wn)
+        k = (step % K_STEPS) * BLOCK_K + offs_k
+        k_ok = k < tl.where(slot_ok, inter, 0)  # (keeps inter's divisibility: vectorized loads)
+        a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k[None, :] + tl.zeros([16, 1], tl.int32),
+                    mask=first & k_ok[None, :], other=0.0)  # [16, K]
+        w = tl.load(base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # [K, N]
+        acc += weight * tl.dot(a, w, input_precision=PRECISION)
+    part = tl.sum(acc, axis=0)  # [N]: rows 1..15 are zero
+    if GROUPS == 1:
+        tl.store(out_ptr + token * stride_ot + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        row = partial_ptr + (token * GROUPS) * hidden  # partials [T, GROUPS, H]
+        tl.store(row + group * hidden + offs_n, part, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        ticket = counter_ptr + token * tl.num_programs(1) + tile
+        done = tl.atomic_add(ticket, 1, sem="acq_rel")  # release our partial, acquire the others'
+        if done == GROUPS - 1:
+            offs_g = tl.arange(0, GROUPS_P2)
+            parts = tl.load(row + offs_g[:, None] * hidden + offs_n[None, :],
+                            mask=(offs_g[:, None] < GROUPS) & n_ok[None, :], other=0.0, cache_modifier=".cg")  # [G, N]
+            tl.store(out_ptr + token * stride_ot + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
+
+
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 tickets of the split down kernel, one per (token, output tile), kept per device:
-    each call leaves them zero again, so a captured graph replays on the same buffer. Sized on the
-    first (eager, warm-up) call of a shape; not grown during a graph capture."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
+    """Zeroed int32 tickets of the kernels that sum partials (one per (row, output tile)), kept
+    per device: each call leaves them zero again, so a captured graph replays on the same buffer.
+    Sized on the first (eager, warm-up) call of a shape; not grown during a graph capture, and a
+    buffer outgrown later stays allocated (an earlier graph may still point at it)."""
+    buffers = _TICKETS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fused_moe_gemv: run one eager call of this shape before capturing a graph")
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 # Tile sizes at the Qwen3.5-35B-A3B shape on an H200 (benchmarks/tune_gemv.py).
 # L2-cold, 2026-12-01 (benchmarks/results/tune_gemv_h200.json): at one token the slot-split down
 # kernel and wider gate/up tiles win (26.6 us vs 28.6 for the loop); at 2 and 4 tokens the split
-# kernel's 2.3k-4.6k programs lose to the slot loop (77 vs 64 us at 4 tokens).
-GEMV_CONFIG = dict(up_n=32, up_k=256, down_n=16, up_warps=4, down_warps=4, up_stages=3, down_stages=3,
-                   down_split=False)
-GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, down_split=True, down_warps=2, down_stages=1)
+# kernel's 2.3k-4.6k programs lose to the slot loop (77 vs 64 us at 4 tokens). The pipelined down
+# kernel and the split gate/up (up_split > 1) are not measured yet: off by default.
+#   up_n, up_k, up_warps, up_stages: gate/up tile (intermediate rows x hidden columns per step);
+#   up_split: programs per (row, tile) along the hidden dim (1 = one program reads all of it);
+#   down_kernel: "loop" (one program per (token, tile), slots in turn), "split" (one program per
+#     (token, tile, slot), the whole intermediate dim in one tile), "pipelined" (one program per
+#     (token, tile, group of down_slots slots), down_k intermediate columns per pipelined step);
+#   down_n, down_warps, down_stages: every down kernel; down_k, down_slots: "pipelined" only.
+GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
+                   down_kernel="loop", down_n=16, down_k=128, down_slots=1, down_warps=4, down_stages=3)
+GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, down_kernel="split", down_warps=2, down_stages=1)
+DOWN_KERNELS = ("loop", "split", "pipelined")
 
-# The down kernel holds a slot's whole intermediate row block in one tile; wider experts (TP
-# splits make them narrower) take the grouped-GEMM path.
+# The loop and split down kernels hold a slot's whole intermediate row block in one tile; wider
+# experts (TP splits make them narrower) take the grouped-GEMM path.
 GEMV_MAX_INTER = 1024
 
 
-# Shared memory of the gate/up kernel: (up_stages - 1) buffers of the gate and up weight tiles
-# [up_k, up_n] and the 16-row token tile [16, up_k] (what Triton asked for on an H200: 288 KiB for
-# the one-token tiles in float32, over the 227 KiB there; 144 KiB in bf16).
+# Shared memory of the pipelined tiles, (stages - 1) buffers of each loaded tile (what Triton asked
+# for on an H200: 288 KiB for the one-token gate/up tiles in float32, over the 227 KiB there;
+# 144 KiB in bf16; the pipelined down tile's formula checked against sm_90 compiles):
+# gate/up: the gate and up weight tiles [up_k, up_n] and the 16-row token tile [16, up_k];
+# pipelined down: the weight tile [down_k, down_n] and the 16-row activation tile [16, down_k].
 SHARED_MEMORY_LIMIT = 227 * 1024
 
 
-def _fit_shared_memory(cfg: dict, element_size: int) -> None:
-    """Narrow the gate/up tile (then cut its stages) until it fits the GPU's shared memory."""
-    def needed() -> int:
-        return (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
+def _shared_memory(cfg: dict, element_size: int) -> tuple[int, int]:
+    """(gate/up, down) shared memory in bytes of a config's pipelined tiles (0: not pipelined)."""
+    up = (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
+    down = 0
+    if cfg["down_kernel"] == "pipelined":
+        down = (cfg["down_stages"] - 1) * (cfg["down_n"] + 16) * cfg["down_k"] * element_size
+    return up, down
 
-    while needed() > SHARED_MEMORY_LIMIT and cfg["up_n"] > 16:
-        cfg["up_n"] //= 2
-    while needed() > SHARED_MEMORY_LIMIT and cfg["up_stages"] > 2:
-        cfg["up_stages"] -= 1
+
+def _fit_shared_memory(cfg: dict, element_size: int) -> None:
+    """Narrow each pipelined tile (then cut its stages) until it fits the GPU's shared memory."""
+    for n, stages, which in (("up_n", "up_stages", 0), ("down_n", "down_stages", 1)):
+        while _shared_memory(cfg, element_size)[which] > SHARED_MEMORY_LIMIT and cfg[n] > 16:
+            cfg[n] //= 2
+        while _shared_memory(cfg, element_size)[which] > SHARED_MEMORY_LIMIT and cfg[stages] > 2:
+            cfg[stages] -= 1
+
+
+def _check_config(cfg: dict) -> None:
+    unknown = sorted(set(cfg) - set(GEMV_CONFIG))
+    if unknown:
+        raise ValueError(f"fused_moe_gemv: unknown config keys {unknown} (known: {sorted(GEMV_CONFIG)})")
+    if cfg["down_kernel"] not in DOWN_KERNELS:
+        raise ValueError(f"fused_moe_gemv: down_kernel = {cfg['down_kernel']!r} must be one of {DOWN_KERNELS}")
+    for key in ("up_n", "up_k", "down_n", "down_k"):
+        if cfg[key] < 8 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be a power of two >= 8 (a Triton tile side)")
+    for key in ("up_split", "down_slots", "up_warps", "down_warps", "up_stages", "down_stages"):
+        if cfg[key] < 1:
+            raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be >= 1")
 
 
 def fused_moe_gemv(
@@ -224,18 +360,21 @@ def fused_moe_gemv(
 ) -> torch.Tensor:
     """`lamina.kernels.triton_moe.fused_moe`'s contract for a few tokens: x `[T, H]`; w13
     `[E_local, 2I, H]`; w2 `[E_local, H, I]`; topk_weights / topk_ids `[T, k]` (global ids);
-    `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])`. Returns `[T, H]` in x's dtype."""
+    `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])`. Returns `[T, H]` in x's dtype.
+    `config` overrides keys of GEMV_CONFIG(_ONE_TOKEN) (tuning; then the tiles are taken as given)."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    if inter > GEMV_MAX_INTER:
-        raise ValueError(f"fused_moe_gemv: intermediate size {inter} > GEMV_MAX_INTER = {GEMV_MAX_INTER}")
-    if shared is not None and shared[0].shape != (two_inter, hidden):
-        raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     cfg = dict(GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
+    _check_config(cfg)
+    if inter > GEMV_MAX_INTER and cfg["down_kernel"] != "pipelined":
+        raise ValueError(f"fused_moe_gemv: intermediate size {inter} > GEMV_MAX_INTER = {GEMV_MAX_INTER} "
+                         f"(only down_kernel='pipelined' steps through it)")
+    if shared is not None and shared[0].shape != (two_inter, hidden):
+        raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     if config is None:
         _fit_shared_memory(cfg, x.element_size())
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -243,31 +382,57 @@ def fused_moe_gemv(
     topk_weights = topk_weights.contiguous()
     slots = top_k + (shared is not None)
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
-    act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _gemv_gate_up_kernel[(num_tokens * slots, triton.cdiv(inter, cfg["up_n"]))](
-        x, topk_ids, w13, shared_w13, act, hidden, inter, expert_start, num_local_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
-        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
+    up_tiles = triton.cdiv(inter, cfg["up_n"])
+    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
+    up_split = triton.cdiv(hidden, k_per_split)  # no empty parts: 48 columns in 32-column steps split twice at most
+    tiles = triton.cdiv(hidden, cfg["down_n"])
+    groups = triton.cdiv(slots, cfg["down_slots"])
+    # Tickets of the kernels that sum partials: the split gate/up's first, the down kernel's after.
+    up_tickets = num_tokens * slots * up_tiles if up_split > 1 else 0
+    sums_down = cfg["down_kernel"] == "split" or (cfg["down_kernel"] == "pipelined" and groups > 1)
+    down_tickets = num_tokens * tiles if sums_down else 0
+    tickets = _tickets(x.device, up_tickets + down_tickets) if up_tickets + down_tickets else topk_ids  # (unused)
+
+    act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
+    up_partial = act  # unused unless split
+    if up_split > 1:
+        up_partial = torch.empty(num_tokens * slots, up_split, 2, inter, dtype=torch.float32, device=x.device)
+    _gemv_gate_up_kernel[(num_tokens * slots, up_tiles, up_split)](
+        x, topk_ids, w13, shared_w13, act, up_partial, tickets, hidden, inter, expert_start, num_local_experts,
+        k_per_split, x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], SPLIT=up_split,
+        SPLIT_P2=max(2, triton.next_power_of_2(up_split)), PRECISION=precision,
         num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
     )
+
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
+    down_args = (act, topk_ids, topk_weights, w2, shared_w2, shared_logit)
+    down_sizes = (hidden, inter, expert_start, num_local_experts,
+                  w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0))
+    launch = dict(num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
     block_i = max(16, triton.next_power_of_2(inter))
-    tiles = triton.cdiv(hidden, cfg["down_n"])
-    if cfg["down_split"]:
+    if cfg["down_kernel"] == "pipelined":
+        group = min(cfg["down_slots"], slots)
+        partial = out  # unused when one program covers every slot
+        if groups > 1:
+            partial = torch.empty(num_tokens, groups, hidden, dtype=torch.float32, device=x.device)  # [T, groups, H]
+        _gemv_down_pipelined_kernel[(num_tokens, tiles, groups)](
+            *down_args, partial, tickets[up_tickets:], out, *down_sizes,
+            TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
+            GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
+            K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision, **launch,
+        )
+    elif cfg["down_kernel"] == "split":
         partial = torch.empty(num_tokens, slots, hidden, dtype=torch.float32, device=x.device)  # [T, slots, H]
         _gemv_down_split_kernel[(num_tokens, tiles, slots)](
-            act, topk_ids, topk_weights, w2, shared_w2, shared_logit, partial, _tickets(x.device, num_tokens * tiles),
-            out, hidden, inter, expert_start, num_local_experts,
-            w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+            *down_args, partial, tickets[up_tickets:], out, *down_sizes,
             TOP_K=top_k, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), BLOCK_N=cfg["down_n"], BLOCK_I=block_i,
-            PRECISION=precision, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+            PRECISION=precision, **launch,
         )
-        return out
-    _gemv_down_kernel[(num_tokens, tiles)](
-        act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out, hidden, inter, expert_start, num_local_experts,
-        w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
-        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=block_i,
-        PRECISION=precision, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
-    )
+    else:
+        _gemv_down_kernel[(num_tokens, tiles)](
+            *down_args, out, *down_sizes,
+            TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=block_i, PRECISION=precision, **launch,
+        )
     return out
