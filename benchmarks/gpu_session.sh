@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
-#   bash benchmarks/gpu_session.sh [tests|latency|async|prefill|profile|profile64|gputests|mtp|serve ...]
+#   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -38,6 +38,13 @@ for part in $PARTS; do
 import json; d=json.load(open('$OUT/profile_b64.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
+    kernels)  # the fused router and the MoE GEMV sweep (L2-cold), with their GPU tests
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_router.py tests/test_triton_kernels.py tests/test_gpu_engine.py 2>&1 | tail -8
+      timeout 60 python3 benchmarks/bench_router.py --out $OUT/bench_router.json 2>&1 | tail -8
+      timeout 150 python3 benchmarks/tune_gemv.py --only moe --out $OUT/tune_gemv_moe.json 2>&1 | tail -30 ;;
+    router)  # decode with the fused router (default) and with the two launches, same run
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 --output-json $OUT/latency_router.json 2>&1 | tail -6
+      LAMINA_GDN_PREFILL=reference LAMINA_FUSED_ROUTER=0 timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_no_router.json 2>&1 | tail -3 ;;
     gputests)  # every GPU-marked test of the kernels, graphs, fla prefill and MTP verification
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 -m gpu tests/test_gdn_prefill.py \
         tests/test_triton_verify_kernels.py tests/test_mtp_triton.py tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tail -30 ;;
