@@ -149,6 +149,8 @@ def test_fused_router_switch(monkeypatch):
     from lamina.kernels.selection import fused_router_max_tokens
 
     monkeypatch.delenv("LAMINA_FUSED_ROUTER", raising=False)
+    assert fused_router_max_tokens("triton") == 0  # off by default (slower at one token on the H200)
+    monkeypatch.setenv("LAMINA_FUSED_ROUTER", "1")
     assert fused_router_max_tokens("triton") == 4 and fused_router_max_tokens("reference") == 0
     monkeypatch.setenv("LAMINA_FUSED_ROUTER", "0")
     assert fused_router_max_tokens("triton") == 0
@@ -163,7 +165,7 @@ def test_sparse_moe_routes_decode_in_one_launch(shared, monkeypatch):
     the shared expert's gate row when the shared expert rides in the MoE launches, the router rows
     alone otherwise) and matches the two-launch routing."""
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
-    monkeypatch.delenv("LAMINA_FUSED_ROUTER", raising=False)
+    monkeypatch.setenv("LAMINA_FUSED_ROUTER", "1")
     moe = SparseMoE(hidden_size=32, num_experts=6, top_k=2, moe_intermediate_size=16,
                     shared_expert_intermediate_size=16 if shared else 0, norm_topk_prob=True,
                     ctx=ParallelContext.single(DEVICE), dtype=torch.float32, device=DEVICE)

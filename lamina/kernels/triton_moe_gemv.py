@@ -298,9 +298,13 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 #     (token, tile, slot), the whole intermediate dim in one tile), "pipelined" (one program per
 #     (token, tile, group of down_slots slots), down_k intermediate columns per pipelined step);
 #   down_n, down_warps, down_stages: every down kernel; down_k, down_slots: "pipelined" only.
+# Chosen by benchmarks/tune_gemv.py on an H200, L2-cold (benchmarks/results/tune_gemv_pipelined_h200.json):
+# the pipelined down kernel won at 1, 2 and 4 tokens (22.3 / 37.9 / 59.9 us against 26.9 / 43.8 /
+# 64.2 for the split / loop kernels). The same down config at every T: a token's down projection
+# sums in the same order whatever the batch.
 GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
-                   down_kernel="loop", down_n=16, down_k=128, down_slots=1, down_warps=4, down_stages=3)
-GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, down_kernel="split", down_warps=2, down_stages=1)
+                   down_kernel="pipelined", down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3)
+GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 DOWN_KERNELS = ("loop", "split", "pipelined")
 
 # The loop and split down kernels hold a slot's whole intermediate row block in one tile; wider
