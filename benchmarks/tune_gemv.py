@@ -9,10 +9,9 @@ would replace, in the same run:
     python benchmarks/tune_gemv.py --out tune_gemv.json
     python benchmarks/tune_gemv.py --only moe --out tune_gemv_moe.json   # the MoE sweep alone
 
-The MoE sweep (about 40 trials, each printed record says how many and how long) is coordinate
-descent at one token: gate/up tiles and split, then the split down kernel's tiles, then the
-pipelined down kernel's tile (down_n x down_k), warps, stages and slots per program; at 2 and 4
-tokens the defaults, the other kernels and the best one-token pipelined tile.
+The MoE sweep (about 25 trials, each printed record says how many and how long) is coordinate
+descent at one token: gate/up tiles and split, then the down tile (down_n x down_k), warps,
+stages and slots per program; at 2 and 4 tokens the defaults and the best one-token tiles.
 """
 
 from __future__ import annotations
@@ -102,38 +101,30 @@ def tune_moe(dev, results):
 
         if batch == 1:
             one = dict(GEMV_CONFIG_ONE_TOKEN)
-            trial(dict(GEMV_CONFIG))  # the slot loop at one token
             trial(one)
-            # Gate/up tiles with the one-token down kernel: (a wider sweep, (16, 32, 64) x (128, 256,
-            # 512) x (4, 8) x (3, 4), found 32-64 x 256, 4 warps), then the hidden dim split over
-            # 2 or 4 programs (72 programs of 512 KB at up_n 64 leave 60 of the 132 SMs idle).
+            # Gate/up tiles (a wider sweep, (16, 32, 64) x (128, 256, 512) x (4, 8) x (3, 4), found
+            # 32-64 x 256, 4 warps), then the hidden dim split over 2 or 4 programs (72 programs of
+            # 512 KB at up_n 64 leave 60 of the 132 SMs idle; it did not win on 2026-12-02).
             for up_n, stages in itertools.product((32, 64), (3, 4)):
                 trial({**one, "up_n": up_n, "up_stages": stages})
             for up_n, up_split in itertools.product((32, 64), (2, 4)):
                 trial({**one, "up_n": up_n, "up_split": up_split})
             best_up = best(rows)
-            # The split down kernel (the last sweep's best: 16 x 2 warps; 8 and 128 never placed).
-            for down_n, warps in itertools.product((16, 32, 64), (2, 4)):
-                trial({**best_up, "down_kernel": "split", "down_n": down_n, "down_warps": warps, "down_stages": 1})
-            # The pipelined down kernel: tile (output rows x intermediate columns per step) at one
-            # program per slot, then warps, stages and slots per program around the best.
+            # The down tile (output rows x intermediate columns per step) at one program per slot,
+            # then warps, stages and slots per program around the best.
             for down_n, down_k in itertools.product((32, 64, 128), (128, 256)):
-                trial({**best_up, "down_kernel": "pipelined", "down_n": down_n, "down_k": down_k, "down_warps": 4,
-                       "down_stages": 3, "down_slots": 1})
+                trial({**best_up, "down_n": down_n, "down_k": down_k, "down_warps": 4, "down_stages": 3, "down_slots": 1})
             for key, values in (("down_warps", (2, 8)), ("down_stages", (2, 4)), ("down_slots", (3, top_k + 1))):
-                pipelined = best(rows, down_kernel="pipelined")
                 for value in values:
-                    trial(pipelined and {**pipelined, key: value})
+                    trial({**best(rows), key: value})
             best_batch1 = best(rows)
-            best_pipelined = best(rows, down_kernel="pipelined")
         else:
             trial(dict(GEMV_CONFIG))
-            trial({**GEMV_CONFIG, "down_kernel": "split" if GEMV_CONFIG["down_kernel"] == "loop" else "loop"})
             trial(best_batch1)
-            # The best one-token pipelined down tile, one program per slot or per (token, tile).
-            down = {k: v for k, v in (best_pipelined or {}).items() if k.startswith("down_")}
+            # The best one-token down tile, one program per slot or per (token, tile).
+            down = {k: v for k, v in best_batch1.items() if k.startswith("down_")}
             for down_n, down_slots in itertools.product((32, 64), (1, top_k + 1)):
-                trial(down and {**GEMV_CONFIG, **down, "down_n": down_n, "down_slots": down_slots})
+                trial({**GEMV_CONFIG, **down, "down_n": down_n, "down_slots": down_slots})
         rows.sort(key=lambda r: r[0])
         rec = {"op": "moe", "batch": batch, "bytes": nbytes, "l2": f"cold ({ROTATIONS} routings rotated)",
                "trials": len(rows), "sweep_s": time.perf_counter() - started,

@@ -279,16 +279,17 @@ def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.floa
 @pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("expert_start,num_local,with_shared", [(0, 8, True), (0, 8, False), (3, 4, False)])
 def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, with_shared):
-    """The decode path (two GEMV launches, k-slot sum in registers) against the reference, with
-    experts of other EP ranks (ids outside [expert_start, expert_start + num_local)) and the shared
-    expert; tiles narrower than the weights so the masks and the slot loop's boundaries run."""
+    """The decode path (two GEMV launches) against the reference, with experts of other EP ranks
+    (ids outside [expert_start, expert_start + num_local)) and the shared expert; tiles narrower
+    than the weights so the masks run; one program per slot (partials summed by ticket) and one
+    program for every slot (the sum in registers)."""
     x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared)
-    for down_kernel in ("split", "loop"):  # the slot-parallel down kernel (one-token default) and the slot loop
-        tiles = dict(up_n=16, up_k=32, down_n=32, down_kernel=down_kernel)
+    for down_slots in (1, 9):
+        tiles = dict(up_n=16, up_k=32, down_n=32, down_k=32, down_slots=down_slots)
         ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         again = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
-        assert torch.equal(ours, again)  # the split kernel's tickets were reset: same sum, same bits
+        assert torch.equal(ours, again)  # the tickets were reset: same sum, same bits
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -325,7 +326,7 @@ def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_share
     float32; a second run gives the same bits (tickets reset, order fixed), and so does the first
     token run alone."""
     x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
-    cfg = dict(up_n=32, up_k=64, down_kernel="pipelined", down_n=32, down_k=16, down_stages=2) | tiles
+    cfg = dict(up_n=32, up_k=64, down_n=32, down_k=16, down_stages=2) | tiles
     ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
     assert ours.dtype == dtype and ours.shape == ref.shape
     if dtype == torch.float32:
@@ -343,8 +344,8 @@ def test_gemv_moe_config_errors():
     x, w13, w2, weights, ids, shared, _ = _moe_case(1, 0, 8, False)
     with pytest.raises(ValueError, match="unknown config keys \\['down_split'\\]"):
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_split=True))
-    with pytest.raises(ValueError, match="down_kernel = 'fast' must be one of"):
-        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_kernel="fast"))
+    with pytest.raises(ValueError, match="unknown config keys \\['down_kernel'\\]"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_kernel="split"))  # the removed kernels
     with pytest.raises(ValueError, match="down_k = 24 must be a power of two"):
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_k=24))
     with pytest.raises(ValueError, match="down_slots = 0 must be >= 1"):
@@ -453,7 +454,7 @@ def test_gemv_tiles_fit_shared_memory():
         assert needed(fp32, 4) <= 227 * 1024 and fp32["up_n"] >= 16
     # The pipelined down tile: (stages - 1) x ([down_k, down_n] + [16, down_k]), as sm_90 compiles
     # of the kernel asked for (221184 bytes at 128 x 128, 4 stages, float32).
-    pipelined = dict(GEMV_CONFIG, down_kernel="pipelined", down_n=256, down_k=128, down_stages=4)
+    pipelined = dict(GEMV_CONFIG, down_n=256, down_k=128, down_stages=4)
     bf16 = dict(pipelined)
     _fit_shared_memory(bf16, 2)
     assert bf16 == pipelined  # 208896 bytes

@@ -9,20 +9,15 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes
    `act[t, slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`; with `up_split` > 1 the hidden dim is
    split over that many programs whose float32 partials the last of them sums in split order;
-2. down, one of three kernels (`down_kernel`), each weighting a slot's product (routing weight, or
-   the shared expert's sigmoid gate) in float32 and writing `[T, H]` in the output dtype once:
-   - "split" (the one-token default): one program per (token, tile of BLOCK_N output rows, slot)
-     over the whole intermediate dim; the last program of a (token, tile) sums the slots'
-     partials in slot order (an atomic ticket only decides who sums, the order is fixed:
-     deterministic). Each program moves only ~16 KB behind two dependent loads (expert id, then
-     weights): latency-bound, ~1.4 TB/s on an H200;
-   - "loop" (the default for 2-4 tokens): one program per (token, tile) stepping through the
-     slots, the sum in registers, but each slot's weight load waits on its expert id (~1 TB/s);
-   - "pipelined": one program per (token, tile, group of `down_slots` slots) stepping through
-     its slots' weights `down_k` intermediate columns at a time in one flat loop, with the
-     group's expert ids read before it, so `down_stages` - 1 steps of loads stay in flight (the
-     next slot's too); groups' partials are summed in group order as in "split". `down_slots`
-     = 1 is "split" with a K loop, >= the slot count is "loop" without its stalls (no tickets).
+2. down: one program per (token, tile of `down_n` output rows, group of `down_slots` slots)
+   stepping through its slots' weights `down_k` intermediate columns at a time in one flat loop,
+   with the group's expert ids read before it, so `down_stages` - 1 steps of loads stay in flight
+   (the next slot's too). Each slot's product is weighted (routing weight, or the shared expert's
+   sigmoid gate) in float32; with several groups the last program of a (token, tile) sums the
+   groups' float32 partials in group order (an atomic ticket only decides who sums, the order is
+   fixed: deterministic) and writes `[T, H]` in the output dtype once. (A slot loop with the
+   whole intermediate dim per step, and one program per slot without a K loop, were the earlier
+   kernels; they lost to this one at 1, 2 and 4 tokens on an H200 and are gone.)
 
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
@@ -122,86 +117,6 @@ def _gemv_gate_up_kernel(
 
 
 @triton.jit
-def _gemv_down_kernel(
-    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, out_ptr,
-    hidden, inter, expert_start, num_local_experts,
-    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    token = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_i = tl.arange(0, BLOCK_I)  # the whole intermediate dim: one loop step per slot
-    first = tl.arange(0, 16)[:, None] == 0
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    # One loop over the slots, so the next expert's rows stream in behind the current one's; each
-    # slot's product is weighted (routing weight, or the shared expert's sigmoid gate) in float32
-    # and summed in the same accumulator: the k-slot sum never leaves registers.
-    for slot in range(0, SLOTS):
-        base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
-                                 stride_we, TOP_K)
-        is_shared = (tl.full([], 0, tl.int32) + slot) == TOP_K
-        stride_n = tl.where(is_shared, stride_swn, stride_wn)
-        routed_weight = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
-        shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
-        weight = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed_weight)
-        i_ok = offs_i < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads nothing
-        a = tl.load(act_ptr + (token * SLOTS + slot) * inter + offs_i[None, :] + tl.zeros([16, 1], tl.int32),
-                    mask=first & i_ok[None, :], other=0.0)  # [16, I]
-        w = tl.load(base + offs_n[None, :] * stride_n + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
-                    other=0.0)  # [I, N]
-        acc += tl.where(ok, weight, 0.0) * tl.dot(a, w, input_precision=PRECISION)
-    out = tl.sum(acc, axis=0)  # [N]: rows 1..15 are zero
-    tl.store(out_ptr + token * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _gemv_down_split_kernel(
-    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, partial_ptr, counter_ptr, out_ptr,
-    hidden, inter, expert_start, num_local_experts,
-    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_I: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One program per (token, tile of BLOCK_N output rows, slot): every slot's rows load at once
-    (the looping kernel above waits on each slot's expert id before its weight load). Each program
-    writes its weighted float32 partial; the last program of a (token, tile) to finish (an atomic
-    ticket) sums the SLOTS partials in slot order and writes the output, then resets the ticket.
-    The sum's order is fixed whichever program comes last: deterministic."""
-    token = tl.program_id(0)
-    tile = tl.program_id(1)
-    slot = tl.program_id(2)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_i = tl.arange(0, BLOCK_I)
-    first = tl.arange(0, 16)[:, None] == 0
-    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
-                             stride_we, TOP_K)
-    is_shared = (tl.full([], 0, tl.int32) + slot) == TOP_K
-    stride_n = tl.where(is_shared, stride_swn, stride_wn)
-    routed_weight = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
-    shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
-    weight = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed_weight)
-    i_ok = offs_i < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads nothing
-    a = tl.load(act_ptr + (token * SLOTS + slot) * inter + offs_i[None, :] + tl.zeros([16, 1], tl.int32),
-                mask=first & i_ok[None, :], other=0.0)  # [16, I]
-    w = tl.load(base + offs_n[None, :] * stride_n + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
-                other=0.0)  # [I, N]
-    part = tl.sum(tl.dot(a, w, input_precision=PRECISION), axis=0) * tl.where(ok, weight, 0.0)  # [N]
-    row = partial_ptr + (token * SLOTS) * hidden  # partials [T, SLOTS, H]
-    tl.store(row + slot * hidden + offs_n, part, mask=n_ok)
-    ticket = counter_ptr + token * tl.num_programs(1) + tile
-    done = tl.atomic_add(ticket, 1, sem="acq_rel")  # release our partial, acquire the others'
-    if done == SLOTS - 1:
-        offs_s = tl.arange(0, SLOTS_P2)
-        parts = tl.load(row + offs_s[:, None] * hidden + offs_n[None, :],
-                        mask=(offs_s[:, None] < SLOTS) & n_ok[None, :], other=0.0, cache_modifier=".cg")  # [S, N]
-        tl.store(out_ptr + token * stride_ot + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
-
-
-@triton.jit
 def _gemv_down_pipelined_kernel(
     act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, partial_ptr, counter_ptr, out_ptr,
     hidden, inter, expert_start, num_local_experts,
@@ -287,28 +202,21 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
-# Tile sizes at the Qwen3.5-35B-A3B shape on an H200 (benchmarks/tune_gemv.py).
-# L2-cold, 2026-12-01 (benchmarks/results/tune_gemv_h200.json): at one token the slot-split down
-# kernel and wider gate/up tiles win (26.6 us vs 28.6 for the loop); at 2 and 4 tokens the split
-# kernel's 2.3k-4.6k programs lose to the slot loop (77 vs 64 us at 4 tokens). The pipelined down
-# kernel and the split gate/up (up_split > 1) are not measured yet: off by default.
+# Tile sizes at the Qwen3.5-35B-A3B shape, chosen by benchmarks/tune_gemv.py on an H200, L2-cold
+# (benchmarks/results/tune_gemv_pipelined_h200.json): 22.3 / 37.9 / 59.9 us at 1 / 2 / 4 tokens,
+# against 26.9 / 43.8 / 64.2 us for the earlier down kernels and 33.4 / 48.4 / 69.0 for the
+# grouped GEMM. The same down config at every T: a token's down projection sums in one order
+# whatever the batch. The split gate/up (up_split > 1) did not win there.
 #   up_n, up_k, up_warps, up_stages: gate/up tile (intermediate rows x hidden columns per step);
 #   up_split: programs per (row, tile) along the hidden dim (1 = one program reads all of it);
-#   down_kernel: "loop" (one program per (token, tile), slots in turn), "split" (one program per
-#     (token, tile, slot), the whole intermediate dim in one tile), "pipelined" (one program per
-#     (token, tile, group of down_slots slots), down_k intermediate columns per pipelined step);
-#   down_n, down_warps, down_stages: every down kernel; down_k, down_slots: "pipelined" only.
-# Chosen by benchmarks/tune_gemv.py on an H200, L2-cold (benchmarks/results/tune_gemv_pipelined_h200.json):
-# the pipelined down kernel won at 1, 2 and 4 tokens (22.3 / 37.9 / 59.9 us against 26.9 / 43.8 /
-# 64.2 for the split / loop kernels). The same down config at every T: a token's down projection
-# sums in the same order whatever the batch.
+#   down_n, down_k, down_slots, down_warps, down_stages: down tile (output rows x intermediate
+#     columns per step), slots per program.
 GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
-                   down_kernel="pipelined", down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3)
+                   down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3)
 GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
-DOWN_KERNELS = ("loop", "split", "pipelined")
 
-# The loop and split down kernels hold a slot's whole intermediate row block in one tile; wider
-# experts (TP splits make them narrower) take the grouped-GEMM path.
+# Experts wider than this take the grouped-GEMM path (the GEMV tiles were tuned at I = 512; TP
+# splits make experts narrower).
 GEMV_MAX_INTER = 1024
 
 
@@ -316,16 +224,14 @@ GEMV_MAX_INTER = 1024
 # for on an H200: 288 KiB for the one-token gate/up tiles in float32, over the 227 KiB there;
 # 144 KiB in bf16; the pipelined down tile's formula checked against sm_90 compiles):
 # gate/up: the gate and up weight tiles [up_k, up_n] and the 16-row token tile [16, up_k];
-# pipelined down: the weight tile [down_k, down_n] and the 16-row activation tile [16, down_k].
+# down: the weight tile [down_k, down_n] and the 16-row activation tile [16, down_k].
 SHARED_MEMORY_LIMIT = 227 * 1024
 
 
 def _shared_memory(cfg: dict, element_size: int) -> tuple[int, int]:
-    """(gate/up, down) shared memory in bytes of a config's pipelined tiles (0: not pipelined)."""
+    """(gate/up, down) shared memory in bytes of a config's pipelined tiles."""
     up = (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
-    down = 0
-    if cfg["down_kernel"] == "pipelined":
-        down = (cfg["down_stages"] - 1) * (cfg["down_n"] + 16) * cfg["down_k"] * element_size
+    down = (cfg["down_stages"] - 1) * (cfg["down_n"] + 16) * cfg["down_k"] * element_size
     return up, down
 
 
@@ -342,8 +248,6 @@ def _check_config(cfg: dict) -> None:
     unknown = sorted(set(cfg) - set(GEMV_CONFIG))
     if unknown:
         raise ValueError(f"fused_moe_gemv: unknown config keys {unknown} (known: {sorted(GEMV_CONFIG)})")
-    if cfg["down_kernel"] not in DOWN_KERNELS:
-        raise ValueError(f"fused_moe_gemv: down_kernel = {cfg['down_kernel']!r} must be one of {DOWN_KERNELS}")
     for key in ("up_n", "up_k", "down_n", "down_k"):
         if cfg[key] < 8 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be a power of two >= 8 (a Triton tile side)")
@@ -374,9 +278,6 @@ def fused_moe_gemv(
     cfg = dict(GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
     _check_config(cfg)
-    if inter > GEMV_MAX_INTER and cfg["down_kernel"] != "pipelined":
-        raise ValueError(f"fused_moe_gemv: intermediate size {inter} > GEMV_MAX_INTER = {GEMV_MAX_INTER} "
-                         f"(only down_kernel='pipelined' steps through it)")
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     if config is None:
@@ -394,8 +295,7 @@ def fused_moe_gemv(
     groups = triton.cdiv(slots, cfg["down_slots"])
     # Tickets of the kernels that sum partials: the split gate/up's first, the down kernel's after.
     up_tickets = num_tokens * slots * up_tiles if up_split > 1 else 0
-    sums_down = cfg["down_kernel"] == "split" or (cfg["down_kernel"] == "pipelined" and groups > 1)
-    down_tickets = num_tokens * tiles if sums_down else 0
+    down_tickets = num_tokens * tiles if groups > 1 else 0
     tickets = _tickets(x.device, up_tickets + down_tickets) if up_tickets + down_tickets else topk_ids  # (unused)
 
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
@@ -414,29 +314,15 @@ def fused_moe_gemv(
     down_args = (act, topk_ids, topk_weights, w2, shared_w2, shared_logit)
     down_sizes = (hidden, inter, expert_start, num_local_experts,
                   w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0))
-    launch = dict(num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
-    block_i = max(16, triton.next_power_of_2(inter))
-    if cfg["down_kernel"] == "pipelined":
-        group = min(cfg["down_slots"], slots)
-        partial = out  # unused when one program covers every slot
-        if groups > 1:
-            partial = torch.empty(num_tokens, groups, hidden, dtype=torch.float32, device=x.device)  # [T, groups, H]
-        _gemv_down_pipelined_kernel[(num_tokens, tiles, groups)](
-            *down_args, partial, tickets[up_tickets:], out, *down_sizes,
-            TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
-            GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-            K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision, **launch,
-        )
-    elif cfg["down_kernel"] == "split":
-        partial = torch.empty(num_tokens, slots, hidden, dtype=torch.float32, device=x.device)  # [T, slots, H]
-        _gemv_down_split_kernel[(num_tokens, tiles, slots)](
-            *down_args, partial, tickets[up_tickets:], out, *down_sizes,
-            TOP_K=top_k, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), BLOCK_N=cfg["down_n"], BLOCK_I=block_i,
-            PRECISION=precision, **launch,
-        )
-    else:
-        _gemv_down_kernel[(num_tokens, tiles)](
-            *down_args, out, *down_sizes,
-            TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_I=block_i, PRECISION=precision, **launch,
-        )
+    group = min(cfg["down_slots"], slots)
+    partial = out  # unused when one program covers every slot
+    if groups > 1:
+        partial = torch.empty(num_tokens, groups, hidden, dtype=torch.float32, device=x.device)  # [T, groups, H]
+    _gemv_down_pipelined_kernel[(num_tokens, tiles, groups)](
+        *down_args, partial, tickets[up_tickets:], out, *down_sizes,
+        TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
+        GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
+        K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision,
+        num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+    )
     return out
