@@ -13,6 +13,17 @@ import pytest  # noqa: E402
 from tests import tiny_checkpoints as tc  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("single_torch_thread")`):
+    the tiny models run faster so, far faster on a busy machine, and float32 CPU GEMMs of one thread
+    are the same whatever else runs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
     return tc.make_qwen3_next(tmp_path_factory.mktemp("q3next") / "ckpt")

@@ -18,12 +18,7 @@ from lamina.step_plan import PENDING_TOKEN_ID
 PROMPTS = [[5, 17, 300], [9] * 11, list(range(40, 61)), [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None, **kwargs):

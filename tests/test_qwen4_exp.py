@@ -33,13 +33,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """These models are tiny: one intra-op thread is faster, and far faster on a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_prompts(seed: int) -> list[list[int]]:
