@@ -46,7 +46,10 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    with _llm(ckpt) as llm, RunningServer(llm.engine) as srv:
+    # Scheduled asynchronously, as `lamina serve` is on one GPU by default (the other server tests
+    # run the CPU default, synchronous): every answer here must equal the synchronous offline one.
+    with _llm(ckpt, async_scheduling=True) as llm, RunningServer(llm.engine) as srv:
+        assert llm.engine.async_scheduling
         yield srv
 
 

@@ -60,8 +60,11 @@ def _aborted(server, endpoint="completions"):
     return server.state.metrics.requests.labels(endpoint, "aborted")._value.get()
 
 
-def test_client_disconnect_frees_the_request(make_server):
-    server = make_server()
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_client_disconnect_frees_the_request(make_server, overlap):
+    """A hung-up client aborts its request; with asynchronous scheduling the abort lands while a
+    step of it is in flight, and its cache is still freed."""
+    server = make_server({"async_scheduling": overlap})
     engine = server.async_engine
     # streaming: read two events, then hang up
     with httpx.Client(timeout=30) as http:
