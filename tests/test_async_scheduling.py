@@ -133,3 +133,24 @@ def test_overlap_with_preemption_and_abort(qwen3_5_moe_dir):
     overlapped, _ = _run(qwen3_5_moe_dir, requests, overlap=True, steps_before_abort=4)
     assert overlapped[0] is None or overlapped[0][0][1] == "abort"
     _assert_same(sync[1:], overlapped[1:])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
+    """The constructor's warm-up on CUDA (a throwaway prefill so the first request does not pay the
+    kernel compiles), run here by hand: no request left, every KV block free, counters reset, and
+    the next requests get the tokens a fresh engine gives."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    options = dict(device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap)
+    with LLM(str(qwen3_5_moe_dir), **options) as llm:
+        fresh = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(qwen3_5_moe_dir), **options) as llm:
+        engine = llm.engine
+        engine.warm_up(num_tokens=40)
+        assert not engine.has_unfinished_requests() and engine.cache_usage() == 0
+        assert engine.num_prompt_tokens_processed == engine.num_generation_tokens_processed == 0
+        assert not engine.step_token_counts
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert engine.num_generation_tokens_processed == 10
+    assert after == fresh

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+WARM_UP_PROMPT_TOKENS = 256  # several 64-token chunks of the delta-net prefill kernels
+WARM_UP_REQUEST_ID = "lamina-warm-up"
 
 
 def _steady_decode(chunk, num_drafts: int) -> bool:
@@ -142,21 +144,46 @@ class LLMEngine:
         self.max_num_batched_tokens = max_batched
         # Speculative decoding: the K policy, engine-wide counters, each replica's commits for the
         # next plan, and (tests only) a hook that replaces the drafter's proposals.
+        self._spec_layers = (cfg.num_hidden_layers, num_mtp_layers(hf_config))
+        self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
+        self._reset_statistics()
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    def _reset_statistics(self) -> None:
+        """Speculative decoding's K policy and counters, and the token counters for metrics (as
+        vLLM's: prompt tokens of requests that got their first token, every generated token)."""
         self.spec_policy = None
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
         self.num_draft_tokens = 0  # drafts proposed in the last step
         if self.spec_config is not None:
+            num_hidden_layers, num_mtp = self._spec_layers
             self.spec_policy = SpecDecodePolicy(
-                self.spec_config, num_hidden_layers=cfg.num_hidden_layers, num_mtp_layers=num_mtp_layers(hf_config),
-                device_type=self.device.type,
+                self.spec_config, num_hidden_layers=num_hidden_layers, num_mtp_layers=num_mtp, device_type=self.device.type,
             )
             self.spec_decode_metrics = SpecDecodeMetrics()
         self._pending_commits: list[dict[str, int]] = [{} for _ in range(self.num_replicas)]
-        self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
-        # Token counters for metrics (as vLLM's): prompt tokens of requests that got their first token,
-        # and every generated token.
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens_processed = 0
+        self.step_token_counts.clear()
+
+    def warm_up(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> None:
+        """One throwaway request (a prompt of `num_tokens` ids, one greedy token) through the normal
+        path, so the first real request does not pay for compiling the prefill kernels (Triton's
+        JIT, fla-core's autotuning: seconds to minutes on a cold cache; the decode steps were
+        compiled by the graph capture). Leaves the engine as it found it: no request, every cache
+        block free, the statistics reset. Run by the constructor on CUDA."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() runs on an idle engine only")
+        length = max(1, min(num_tokens, self.max_num_batched_tokens, self.max_model_len - 1))
+        vocab = self.model_config.vocab_size
+        prompt = [(7 * i + 1) % vocab for i in range(length)]
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for replica in range(self.num_replicas):  # one each: a new request goes to the least busy replica
+            self.add_request({"prompt_token_ids": prompt}, params, request_id=f"{WARM_UP_REQUEST_ID}-{replica}")
+        while self.has_unfinished_requests():
+            self.step()
+        self._reset_statistics()
 
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
         args = self.args
