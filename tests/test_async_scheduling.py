@@ -51,6 +51,8 @@ def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None
             results.append(None)
             continue
         completions = [(c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs]
+        if out.prompt_logprobs is not None:
+            completions.append(([], None, out.prompt_logprobs[1:]))
         results.append(completions)
     return results, pending
 
@@ -95,6 +97,7 @@ def test_overlapped_engine_matches_synchronous(qwen3_5_moe_dir):
         (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=9, min_tokens=4, stop_token_ids=[stop_at])),
         (PROMPTS[2], SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=6)),
         (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5, frequency_penalty=0.3)),
+        (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)),
     ]
     sync, _ = _run(qwen3_5_moe_dir, requests, overlap=False, max_num_seqs=8)
     overlapped, pending = _run(qwen3_5_moe_dir, requests, overlap=True, max_num_seqs=8)
@@ -154,3 +157,26 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert engine.num_generation_tokens_processed == 10
     assert after == fresh
+
+
+def test_a_stopped_request_id_taken_again_while_its_step_runs(qwen3_5_moe_dir):
+    """A request that stops at step N still rides step N+1 (in flight when its stop is seen); a new
+    request that takes its id before N+1 reports must not receive N+1's token for the old one."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (base,), _ = _run(qwen3_5_moe_dir, [(PROMPTS[0], greedy)], overlap=False)
+    stops = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[base[0][0][2]])
+    (second,), _ = _run(qwen3_5_moe_dir, [(PROMPTS[2], greedy)], overlap=False)
+    with LLM(str(qwen3_5_moe_dir), device="cpu", dtype="float32", show_progress=False, async_scheduling=True) as llm:
+        engine = llm.engine
+        engine.add_request({"prompt_token_ids": PROMPTS[0]}, stops, request_id="r")
+        finished = []
+        while not finished:
+            finished = [o for o in engine.step() if o.finished]
+        assert finished[0].outputs[0].token_ids == base[0][0][:3]
+        assert engine._inflight is not None  # the step after the stop is still running
+        engine.add_request({"prompt_token_ids": PROMPTS[2]}, greedy, request_id="r")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+        assert outputs["r"].outputs[0].token_ids == second[0][0]

@@ -432,10 +432,12 @@ class LLMEngine:
         if plans is not None:
             handle = self.executor.launch(plans[0])
             self.scheduler.on_step_done(plans[0])  # computed as planned; sampled tokens pending
+            requests = {}  # the requests of this step (an id may be taken again once its request ends)
             for chunk in plans[0].chunks:
+                request = requests[chunk.request_id] = self._states[chunk.request_id].request
                 if chunk.sample:
-                    self._states[chunk.request_id].request.num_pending_tokens += 1
-            launched = (plans, handle, started)
+                    request.num_pending_tokens += 1
+            launched = (plans, handle, started, requests)
         outputs = self._finish_inflight() if self._inflight is not None else []
         self._inflight = launched
         if launched is not None and not plan_may_overlap(plans, self.structured.has):
@@ -443,9 +445,9 @@ class LLMEngine:
         return outputs
 
     def _finish_inflight(self) -> list[RequestOutput]:
-        plans, handle, started = self._inflight
+        plans, handle, started, requests = self._inflight
         self._inflight = None
-        return self._finish_step(plans, [handle.result()], started, advanced=True)
+        return self._finish_step(plans, [handle.result()], started, launched_requests=requests)
 
     def _plan_step(self):
         """This step's plans (one per replica), or None when there is nothing to run."""
@@ -471,14 +473,16 @@ class LLMEngine:
                 p.dp_num_samples = samples
         return plans
 
-    def _finish_step(self, plans, sampled_by_replica, started: float, advanced: bool = False) -> list[RequestOutput]:
-        """Advance the schedulers (unless done at launch) and turn the sampled tokens into outputs."""
+    def _finish_step(self, plans, sampled_by_replica, started: float, launched_requests: dict | None = None):
+        """Advance the schedulers (done at launch for an overlapped step, whose `launched_requests`
+        are the requests it sampled for) and turn the sampled tokens into outputs."""
         num_drafts = plans[0].num_draft_tokens
         outputs, verifications = [], []
         for replica, plan in enumerate(plans):
-            if not advanced:
+            if launched_requests is None:
                 self.schedulers[replica].on_step_done(plan, sampled_by_replica[replica])
-            outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications)
+            outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications,
+                                     launched_requests)
         if self.spec_policy is not None:
             self.spec_policy.observe(verifications)
             if all(_steady_decode(c, num_drafts) for p in plans for c in p.chunks):
@@ -522,7 +526,8 @@ class LLMEngine:
         self.num_draft_tokens = self.spec_policy.decide(batch)
         return self.num_draft_tokens
 
-    def _process(self, plan, sampled, scheduler, replica: int = 0, verifications: list | None = None) -> list[RequestOutput]:
+    def _process(self, plan, sampled, scheduler, replica: int = 0, verifications: list | None = None,
+                 launched_requests: dict | None = None) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -530,6 +535,8 @@ class LLMEngine:
             state = self._states.get(chunk.request_id)
             if result is None or state is None:
                 continue
+            if launched_requests is not None and launched_requests.get(chunk.request_id) is not state.request:
+                continue  # the request ended while this step ran (and its id was taken again since)
             request = state.request
             if result.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 start = result.prompt_logprobs_start
@@ -542,7 +549,8 @@ class LLMEngine:
             elif state.metrics.last_token_time is not None:
                 state.metrics.inter_token_latencies.append(now - state.metrics.last_token_time)
             state.metrics.last_token_time = now
-            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)  # this step's token, now known
+            if launched_requests is not None:
+                request.num_pending_tokens -= 1  # this step's token, now known
             # Speculative decoding emits the accepted drafts, then the target's own token.
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
