@@ -397,7 +397,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs)
     monkeypatch.setenv("LAMINA_KERNELS", kernels)
     if DEVICE == "cuda":  # fla-core's prefill multiplies float32 in tf32: tests/test_gdn_prefill.py checks it
         monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
     with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs, **kwargs) as llm:
         runner = llm.engine.executor.runner
         if graphs and DEVICE == "cpu":
