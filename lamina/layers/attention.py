@@ -93,6 +93,22 @@ class GatedAttention(nn.Module):
         queries = decode_query_len(meta) if self.kernels == "triton" and key_mask is None else None
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
+        query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
+        attn = paged_attention(
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
+            groups=meta.request_groups(by_context=True),
+        )  # [T, H, D]
+        attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        attn = attn * torch.sigmoid(gate)
+        return self.o_proj(attn)
+
+    def _project_and_cache(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (query [T, H, D] normed and rotated, gate [T, H*D]); this step's keys
+        and values (normed, rotated) go to the paged cache."""
+        num_tokens = meta.num_tokens
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
         gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
@@ -102,14 +118,7 @@ class GatedAttention(nn.Module):
         key = self.rotary.apply(self.k_norm(key), cos, sin)
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         write_kv_cache(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
-        attn = paged_attention(
-            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
-            groups=meta.request_groups(by_context=True),
-        )  # [T, H, D]
-        attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
-        attn = attn * torch.sigmoid(gate)
-        return self.o_proj(attn)
+        return query, gate
 
     def _decode_fused(
         self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor, queries: int,
