@@ -78,6 +78,38 @@ def test_qsa_decode_matches_reference_mask(ties):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full_rope", "partial_rope"])
+def test_triton_block_scores_match_torch(rotary_dim):
+    """The Triton block scores (paged raw keys -> pooled, normed, rotated keys -> scores) equal
+    the torch path's on each request's complete blocks, and are 0 past them."""
+    from lamina.kernels.indexed_attention import block_scores, pool_block_keys
+    from lamina.kernels.paged_attention import gather_paged_context
+    from lamina.kernels.triton_qsa import qsa_block_scores
+    from lamina.layers.rotary import RotaryEmbedding
+
+    ratio, page, dim, heads, eps = 4, 8, 16, 3, 1e-6
+    seq_lens = torch.tensor([1, 4, 13, 30, 40])
+    gen = torch.Generator().manual_seed(3)
+    width = 5  # pages per request: capacity 40 positions = 10 index blocks
+    tables = torch.randperm(len(seq_lens) * width + 2, generator=gen)[: len(seq_lens) * width].view(-1, width)
+    cache = torch.randn(len(seq_lens) * width + 2, page, 1, dim, generator=gen)
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    weight = torch.randn(dim, generator=gen) * 0.1
+    rotary = RotaryEmbedding(dim, rotary_dim, 10000.0, 128)
+    nb = width * page // ratio
+    cos, sin = rotary.cos_sin(torch.arange(nb) * ratio)  # [nb, rotary_dim]
+
+    raw = gather_paged_context(cache, tables, width)[:, :, 0]  # [B, 40, D]
+    keys = pool_block_keys(raw, ratio, nb)  # [B, nb, D]
+    keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+    keys = rotary.apply(keys.transpose(0, 1), cos, sin).transpose(0, 1)  # [B, nb, D]
+    ref = block_scores(query[:, None], keys)[:, 0]  # [B, nb]
+    ours = qsa_block_scores(query, cache, tables, seq_lens, weight, eps, True, cos, sin, ratio, block_n=4)
+    complete = torch.arange(nb)[None, :] < (seq_lens // ratio)[:, None]  # [B, nb]
+    torch.testing.assert_close(ours[complete], ref[complete], atol=1e-5, rtol=1e-5)
+    assert (ours[~complete] == 0).all()
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ the step's longest request. For a decode step (one query per request, at positio
 p = seq_len - 1) this module does the same selection with shapes fixed by host ints that do not
 change from step to step inside a CUDA graph (the batch size, the block-table width, the budget):
 
-1. `decode_block_selection`: the query's scores over `nb` block keys (`nb` = the step's
+1. `decode_block_selection` (torch; on the Triton kernel set `lamina.kernels.triton_qsa` scores
+   the blocks, reading only each request's complete ones): the query's scores over `nb` block
+   keys (`nb` = the step's
    `max_seq_len // ratio`; a graph passes the block-table capacity, so `nb` is bounded by
    `max_model_len`, never by the step's lengths) and the chosen blocks, by
    `select_top_blocks` over exactly the query's `(p + 1) // ratio` complete blocks, i.e. the
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from lamina.kernels.indexed_attention import block_scores, select_top_blocks
 
-__all__ = ["decode_block_selection", "qsa_decode_attention"]
+__all__ = ["decode_block_selection", "qsa_decode_attention", "select_decode_blocks"]
 
 
 def decode_block_selection(
@@ -46,10 +48,18 @@ def decode_block_selection(
     Returns:
         `[B, nb]` bool, True for the chosen blocks (only complete ones).
     """
-    num_blocks = block_keys.shape[1]
-    if num_blocks == 0 or top_blocks <= 0:
+    if block_keys.shape[1] == 0 or top_blocks <= 0:
         return torch.zeros(block_keys.shape[:2], dtype=torch.bool, device=block_keys.device)
     scores = block_scores(query[:, None], block_keys)[:, 0]  # [B, 1, nb] -> [B, nb]
+    return select_decode_blocks(scores, seq_lens, ratio, top_blocks)
+
+
+def select_decode_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, ratio: int, top_blocks: int) -> torch.Tensor:
+    """scores `[B, nb]` (any value past a request's complete blocks) -> chosen blocks `[B, nb]` bool:
+    `select_top_blocks` over each query's `(p + 1) // ratio` complete blocks."""
+    num_blocks = scores.shape[1]
+    if num_blocks == 0 or top_blocks <= 0:
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     complete = torch.div(seq_lens.long(), ratio, rounding_mode="floor").clamp(max=num_blocks)  # [B]: (p+1)//ratio
     return select_top_blocks(scores, complete, top_blocks)  # [B, nb]
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from lamina.kernels.indexed_attention import pool_block_keys, qsa_key_mask
 from lamina.kernels.paged_attention import gather_paged_context, write_paged_rows
-from lamina.kernels.qsa_decode import decode_block_selection, qsa_decode_attention
-from lamina.kernels.selection import is_one_token_decode
+from lamina.kernels.qsa_decode import decode_block_selection, qsa_decode_attention, select_decode_blocks
+from lamina.kernels.selection import is_one_token_decode, kernel_set
 from lamina.layers.attention import GatedAttention
 from lamina.layers.linear import ReplicatedLinear
 from lamina.layers.metadata import ForwardMetadata
@@ -55,6 +55,7 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.k_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, D], bound by the runner
+        self.kernels = kernel_set(device)  # 'triton': one-token decode scores blocks in lamina.kernels.triton_qsa
 
     # ---- paged raw-key cache --------------------------------------------------------------
     def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -83,8 +84,20 @@ class QSAIndexer(nn.Module):
         """One-token decode (graph-safe): x [B, hidden] -> chosen complete blocks `[B, nb]` bool,
         nb = meta.max_seq_len // ratio (a graph's fixed capacity; lamina.kernels.qsa_decode)."""
         query = self._query_and_write(x, meta, cos, sin)  # [B, Hi, D]
-        block_keys = self._block_keys(meta.block_tables, meta.max_seq_len)  # [B, nb, D]
-        return decode_block_selection(query, block_keys, meta.seq_lens, self.ratio, self.top_blocks)
+        if self.kernels != "triton":
+            block_keys = self._block_keys(meta.block_tables, meta.max_seq_len)  # [B, nb, D]
+            return decode_block_selection(query, block_keys, meta.seq_lens, self.ratio, self.top_blocks)
+        from lamina.kernels.triton_qsa import qsa_block_scores
+
+        num_index_blocks = meta.max_seq_len // self.ratio
+        starts = torch.arange(num_index_blocks, device=query.device) * self.ratio  # [nb]
+        start_cos, start_sin = self.rotary.cos_sin(starts)  # [nb, rotary_dim]
+        norm = self.k_layernorm
+        scores = qsa_block_scores(
+            query, self.key_cache, meta.block_tables, meta.seq_lens, norm.weight, norm.eps, norm.zero_centred,
+            start_cos, start_sin, self.ratio,
+        )  # [B, nb]: each request's complete blocks only
+        return select_decode_blocks(scores, meta.seq_lens, self.ratio, self.top_blocks)
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> the key mask for `paged_attention`, as a function of a request group
