@@ -22,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EOS = 999
 # Budget 8 = 2 blocks of 4: the last two prompts have more complete blocks than that from their
-# first decode step on, the first from its fourth (context 12).
-PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1], [9, 3, EOS, 9] * 4, list(range(40, 52)) + [EOS, 7, 8]]
+# first decode step on (3 and 4), the first from its third (context 12).
+PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1, 4], [9, 3, EOS, 9] * 4, list(range(40, 52)) + [EOS, 7, 8]]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_triton_block_scores_match_torch(rotary_dim):
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=5, **kwargs):
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=4, **kwargs):
     """Greedy tokens and logprobs; 5 slots, so three requests decode as the capture size 4 (a
     padded row), and a small `max_model_len`: the graph path scores every block of it."""
     from lamina import LLM, SamplingParams

@@ -117,7 +117,7 @@ def qsa_block_scores(
     cos: torch.Tensor,
     sin: torch.Tensor,
     ratio: int,
-    block_n: int = 16,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Block scores of one decode query per request.
 
@@ -140,12 +140,15 @@ def qsa_block_scores(
     out = torch.empty(bsz, num_blocks, dtype=torch.float32, device=query.device)
     if bsz == 0 or num_blocks == 0:
         return out.zero_()
+    block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(max(half, 1))
+    if block_n is None:  # index blocks per program: the [N, H, D/2] products stay near 8K elements
+        block_n = max(1, min(16, 8192 // (block_h * block_half)))
     grid = (bsz, triton.cdiv(num_blocks, block_n))
     _qsa_block_scores_kernel[grid](
         query, key_cache, block_tables, seq_lens, norm_weight, cos, sin, out, eps, math.sqrt(dim), num_blocks,
         query.stride(0), query.stride(1), key_cache.stride(1), block_tables.stride(0), cos.stride(0), out.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=dim, HALF=half, REST=rest, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+        NUM_HEADS=num_heads, HEAD_DIM=dim, HALF=half, REST=rest, BLOCK_H=block_h,
+        BLOCK_HALF=block_half, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
         BLOCK_N=block_n, RATIO=ratio, PAGE=key_cache.shape[1], ZERO_CENTRED=zero_centred,
     )
     return out

@@ -171,10 +171,14 @@ class IndexedGatedAttention(GatedAttention):
         """x [B, hidden] (one token per request) -> [B, hidden] (Partial): fixed shapes for a
         given batch size, block-table width and `max_seq_len` (a graph's capacity), no host reads."""
         chosen = self.indexer.decode_selection(x, meta, cos, sin)  # [B, nb]
-        query, gate = self._project_and_cache(x, meta, cos, sin)  # [B, H, D], [B, H*D]
+        if self.qkv_rows is not None:
+            query, gate = self._project_and_cache_fused(x, meta, cos, sin)  # [B, H, D] each
+        else:
+            query, gate = self._project_and_cache(x, meta, cos, sin)  # [B, H, D], [B, H*D]
         attn = qsa_decode_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, chosen, self.indexer.ratio,
             self.indexer.top_blocks, self.scale,
         )  # [B, H, D]
-        attn = attn.reshape(meta.num_tokens, self.num_heads * self.head_dim)  # [B, H*D]
-        return self.o_proj(attn * torch.sigmoid(gate))
+        width = self.num_heads * self.head_dim
+        gate = gate.reshape(meta.num_tokens, width)  # [B, H*D]
+        return self.o_proj(attn.reshape(meta.num_tokens, width) * torch.sigmoid(gate))
