@@ -104,7 +104,8 @@ def test_triton_block_scores_match_torch(rotary_dim):
     keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
     keys = rotary.apply(keys.transpose(0, 1), cos, sin).transpose(0, 1)  # [B, nb, D]
     ref = block_scores(query[:, None], keys)[:, 0]  # [B, nb]
-    ours = qsa_block_scores(query, cache, tables, seq_lens, weight, eps, True, cos, sin, ratio, block_n=4)
+    on = [t.to(DEVICE) for t in (query, cache, tables, seq_lens, weight, cos, sin)]  # CUDA, or the interpreter
+    ours = qsa_block_scores(*on[:5], eps, True, *on[5:], ratio, block_n=4).cpu()
     complete = torch.arange(nb)[None, :] < (seq_lens // ratio)[:, None]  # [B, nb]
     torch.testing.assert_close(ours[complete], ref[complete], atol=1e-5, rtol=1e-5)
     assert (ours[~complete] == 0).all()
