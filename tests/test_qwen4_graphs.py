@@ -114,7 +114,31 @@ def test_triton_block_scores_match_torch(rotary_dim):
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=4, **kwargs):
+class HostSync(AssertionError):
+    pass
+
+
+def _no_host_reads_from_lamina(monkeypatch):
+    """Make the tensor methods that read values on the host (or copy to it) raise when lamina's
+    own code calls them (the Triton interpreter may: it runs kernels on host copies)."""
+    import inspect
+
+    def guarded(name, original):
+        def call(*args, **kwargs):
+            caller = inspect.currentframe().f_back.f_code.co_filename
+            if "/lamina/" in caller:
+                raise HostSync(f"{name} called from {caller}")
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("item", "tolist", "nonzero", "cpu", "numpy", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in ("nonzero", "unique", "masked_select"):
+        monkeypatch.setattr(torch, name, guarded(f"torch.{name}", getattr(torch, name)))
+
+
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=4, check=None, **kwargs):
     """Greedy tokens and logprobs; 5 slots, so three requests decode as the capture size 4 (a
     padded row), and a small `max_model_len`: the graph path scores every block of it."""
     from lamina import LLM, SamplingParams
@@ -138,6 +162,8 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
 
             monkeypatch.setattr(runner.decode_graphs, "run", counted)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if check is not None:
+            check(runner)
     if graphs:
         assert 3 in replays, f"no padded decode step of all three requests ran on the graph path: {replays}"
     return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
@@ -145,11 +171,25 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
 
 def test_graph_static_buffers_match_reference(qwen4_dir, monkeypatch):
     """Three requests (run as the capture size 4: a padded row) with contexts past the QSA budget
-    and EOS inside their n-gram windows: tokens and logprobs of the reference kernels."""
+    and EOS inside their n-gram windows: tokens and logprobs of the reference kernels; and the
+    static-buffer forward reads no tensor value on the host."""
     if DEVICE == "cuda":
         pytest.skip("the CPU run of the static buffers; test_graphs_match_eager_on_gpu covers CUDA")
+    def replay_without_host_reads(runner):
+        """The last step's static buffers once more, with host reads from lamina's code raising
+        (the CPU's tie rule in `select_top_blocks` reads the host: the GPU's rule stands in)."""
+        from lamina.kernels import indexed_attention
+
+        with monkeypatch.context() as patch:
+            patch.setattr(indexed_attention, "_select_like_reference",
+                          lambda scores, counts, k, _: indexed_attention._select_canonical(scores, counts, k))
+            _no_host_reads_from_lamina(patch)
+            logits = runner.decode_graphs._forward(4)
+        assert logits.shape[0] == 4 and torch.isfinite(logits).all()
+
     ref = _greedy(qwen4_dir, PROMPTS, graphs=False, kernels="reference", monkeypatch=monkeypatch)
-    ours = _greedy(qwen4_dir, PROMPTS, graphs=True, kernels="triton", monkeypatch=monkeypatch)
+    ours = _greedy(qwen4_dir, PROMPTS, graphs=True, kernels="triton", monkeypatch=monkeypatch,
+                   check=replay_without_host_reads)
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
