@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EOS = 999
 # Budget 8 = 2 blocks of 4: the last two prompts have more complete blocks than that from their
-# first decode step on (3 and 4), the first from its third (context 12).
+# first decode step on (4 each), the first at its second (context 12: 3 blocks).
 PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1, 4], [9, 3, EOS, 9] * 4, list(range(40, 52)) + [EOS, 7, 8]]
 
 
@@ -138,7 +138,7 @@ def _no_host_reads_from_lamina(monkeypatch):
         monkeypatch.setattr(torch, name, guarded(f"torch.{name}", getattr(torch, name)))
 
 
-def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=4, check=None, **kwargs):
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=3, check=None, **kwargs):
     """Greedy tokens and logprobs; 5 slots, so three requests decode as the capture size 4 (a
     padded row), and a small `max_model_len`: the graph path scores every block of it."""
     from lamina import LLM, SamplingParams
