@@ -227,7 +227,7 @@ class LLMEngine:
             from lamina.worker.cuda_graphs import model_is_capturable
             from lamina.worker.verify_graphs import max_verify_batch
 
-            if model_is_capturable(self.executor.runner.model):
+            if model_is_capturable(self.executor.runner.model, verify=True):
                 graph_rows = max_verify_batch(max_num_seqs) * k
         return max_num_seqs * per_request + graph_rows * per_slot
 

@@ -35,7 +35,7 @@ import torch
 
 from lamina.kernels.varlen import padded_index, query_lens, to_padded
 
-__all__ = ["pool_block_keys", "qsa_key_mask", "select_top_blocks"]
+__all__ = ["block_scores", "pool_block_keys", "qsa_key_mask", "select_top_blocks"]
 
 
 def pool_block_keys(raw_keys: torch.Tensor, ratio: int, num_blocks: int) -> torch.Tensor:
@@ -90,9 +90,7 @@ def qsa_key_mask(
     in_complete = key_block[None, None, :] < num_complete[:, :, None]  # [B, Lq, S]
 
     if num_blocks > 0 and top_blocks > 0:
-        queries = to_padded(q.float(), index, valid)  # [B, Lq, Hi, D]
-        scores = torch.einsum("blhd,bnd->blhn", queries, block_keys.float())  # [B, Lq, Hi, nb]
-        scores = scores.relu().sum(dim=2) / math.sqrt(q.shape[-1])  # [B, Lq, nb]
+        scores = block_scores(to_padded(q, index, valid), block_keys)  # [B, Lq, nb]
         # Padded query rows select nothing (their key rows are all True below anyway).
         candidates = torch.where(valid, num_complete, 0).clamp(max=num_blocks)  # [B, Lq]
         chosen = select_top_blocks(scores, candidates, top_blocks)  # [B, Lq, nb]
@@ -102,6 +100,20 @@ def qsa_key_mask(
         chosen_keys = torch.zeros_like(causal)
     allowed = causal & (~in_complete | chosen_keys)  # [B, Lq, S]
     return allowed | ~valid[:, :, None]
+
+
+def block_scores(queries: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+    """Scores `sum_h relu(q_h . k_block) / sqrt(D)` in float32.
+
+    Args:
+        queries: `[B, Lq, Hi, D]` indexer queries in the padded layout; block_keys: `[B, nb, D]`.
+
+    Returns:
+        `[B, Lq, nb]` float32. One function for the reference mask and the graph-safe decode
+        (lamina.kernels.qsa_decode), so both compute every score the same way.
+    """
+    scores = torch.einsum("blhd,bnd->blhn", queries.float(), block_keys.float())  # [B, Lq, Hi, nb]
+    return scores.relu().sum(dim=2) / math.sqrt(queries.shape[-1])  # [B, Lq, nb]
 
 
 def select_top_blocks(scores: torch.Tensor, num_candidates: torch.Tensor, top_blocks: int) -> torch.Tensor:

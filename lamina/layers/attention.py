@@ -93,15 +93,7 @@ class GatedAttention(nn.Module):
         queries = decode_query_len(meta) if self.kernels == "triton" and key_mask is None else None
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
-        query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
-        query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
-        gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
-        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        query = self.rotary.apply(self.q_norm(query), cos, sin)
-        key = self.rotary.apply(self.k_norm(key), cos, sin)
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
-        write_kv_cache(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+        query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
@@ -111,13 +103,28 @@ class GatedAttention(nn.Module):
         attn = attn * torch.sigmoid(gate)
         return self.o_proj(attn)
 
-    def _decode_fused(
-        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor, queries: int,
-    ) -> torch.Tensor:
-        """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: MTP
-        verification, causal inside the Q): one GEMV for q/gate, k and v; q/k norm, rotary and the
-        cache write in one launch; attention with the output gate in another."""
-        from lamina.kernels.triton_verify import paged_verify_attention
+    def _project_and_cache(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (query [T, H, D] normed and rotated, gate [T, H*D]); this step's keys
+        and values (normed, rotated) go to the paged cache."""
+        num_tokens = meta.num_tokens
+        query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)  # [T, H, 2D]
+        query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, H, D] each
+        gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        query = self.rotary.apply(self.q_norm(query), cos, sin)
+        key = self.rotary.apply(self.k_norm(key), cos, sin)
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        write_kv_cache(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+        return query, gate
+
+    def _project_and_cache_fused(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_project_and_cache` on the Triton kernels (needs `qkv_rows`): one GEMV for q/gate, k and
+        v; q/k norm, rotary and the cache write in one launch. Returns (query [T, H, D], gate [T, H, D])."""
         from lamina.kernels.triton_qk_prep import qk_norm_rope_cache
 
         num_tokens, heads, kv_heads, dim = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
@@ -131,8 +138,19 @@ class GatedAttention(nn.Module):
             query_gate[..., :dim], key, value, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             self.q_norm.zero_centred, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache,
         )  # [T, H, D]
+        return query, query_gate[..., dim:]
+
+    def _decode_fused(
+        self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor, queries: int,
+    ) -> torch.Tensor:
+        """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: MTP
+        verification, causal inside the Q): one GEMV for q/gate, k and v; q/k norm, rotary and the
+        cache write in one launch; attention with the output gate in another."""
+        from lamina.kernels.triton_verify import paged_verify_attention
+
+        num_tokens, heads, dim = meta.num_tokens, self.num_heads, self.head_dim
+        query, gate = self._project_and_cache_fused(x, meta, cos, sin)  # [T, H, D] each
         attn = paged_verify_attention(
-            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, queries,
-            gate=query_gate[..., dim:],
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, queries, gate=gate,
         )  # [T, H, D], gated
         return self.o_proj(attn.reshape(num_tokens, heads * dim))

@@ -17,6 +17,8 @@ from torch import nn
 
 from lamina.kernels.indexed_attention import pool_block_keys, qsa_key_mask
 from lamina.kernels.paged_attention import gather_paged_context, write_paged_rows
+from lamina.kernels.qsa_decode import decode_block_selection, qsa_decode_attention, select_decode_blocks
+from lamina.kernels.selection import is_one_token_decode, kernel_set
 from lamina.layers.attention import GatedAttention
 from lamina.layers.linear import ReplicatedLinear
 from lamina.layers.metadata import ForwardMetadata
@@ -53,6 +55,7 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.k_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, D], bound by the runner
+        self.kernels = kernel_set(device)  # 'triton': one-token decode scores blocks in lamina.kernels.triton_qsa
 
     # ---- paged raw-key cache --------------------------------------------------------------
     def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -67,16 +70,40 @@ class QSAIndexer(nn.Module):
         return [self.key_cache]
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> the key mask for `paged_attention`, as a function of a request group
-        (None: the whole step) returning `[B_g, max(1, max_query_len_g), ctx_len_g]` bool. Per group,
-        so a step mixing decodes with a long prompt chunk never builds a whole-step padded mask."""
+    def _query_and_write(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> indexer queries [T, Hi, D]; this step's raw keys go to the paged cache."""
         assert self.key_cache is not None, "indexer key cache not bound"
         num_tokens = meta.num_tokens
         qk = self.index_qk_proj(x).view(num_tokens, self.num_heads + 1, self.head_dim)  # [T, Hi+1, D]
         query, raw_key = qk.split([self.num_heads, 1], dim=1)  # [T, Hi, D], [T, 1, D]
         query = self.rotary.apply(self.q_layernorm(query), cos, sin)  # [T, Hi, D]
         write_paged_rows(self.key_cache, raw_key, meta.slot_mapping)
+        return query
+
+    def decode_selection(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
+        """One-token decode (graph-safe): x [B, hidden] -> chosen complete blocks `[B, nb]` bool,
+        nb = meta.max_seq_len // ratio (a graph's fixed capacity; lamina.kernels.qsa_decode)."""
+        query = self._query_and_write(x, meta, cos, sin)  # [B, Hi, D]
+        if self.kernels != "triton":
+            block_keys = self._block_keys(meta.block_tables, meta.max_seq_len)  # [B, nb, D]
+            return decode_block_selection(query, block_keys, meta.seq_lens, self.ratio, self.top_blocks)
+        from lamina.kernels.triton_qsa import qsa_block_scores
+
+        num_index_blocks = meta.max_seq_len // self.ratio
+        starts = torch.arange(num_index_blocks, device=query.device) * self.ratio  # [nb]
+        start_cos, start_sin = self.rotary.cos_sin(starts)  # [nb, rotary_dim]
+        norm = self.k_layernorm
+        scores = qsa_block_scores(
+            query, self.key_cache, meta.block_tables, meta.seq_lens, norm.weight, norm.eps, norm.zero_centred,
+            start_cos, start_sin, self.ratio,
+        )  # [B, nb]: each request's complete blocks only
+        return select_decode_blocks(scores, meta.seq_lens, self.ratio, self.top_blocks)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> the key mask for `paged_attention`, as a function of a request group
+        (None: the whole step) returning `[B_g, max(1, max_query_len_g), ctx_len_g]` bool. Per group,
+        so a step mixing decodes with a long prompt chunk never builds a whole-step padded mask."""
+        query = self._query_and_write(x, meta, cos, sin)  # [T, Hi, D]
 
         def key_mask(group) -> torch.Tensor:
             if group is None:
@@ -90,16 +117,21 @@ class QSAIndexer(nn.Module):
 
         return key_mask
 
-    def _mask(self, query, block_tables, seq_lens, query_start_loc, max_query_len: int, max_seq_len: int):
+    def _block_keys(self, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Block keys `[B, max_seq_len // ratio, D]` from the cached raw keys (host-int shapes only)."""
         block_size = self.key_cache.shape[1]
         blocks_used = max(1, -(-max_seq_len // block_size))
-        ctx_len = blocks_used * block_size
         raw = gather_paged_context(self.key_cache, block_tables, blocks_used)[:, :, 0]  # [B, S, D]
         num_index_blocks = max_seq_len // self.ratio
         block_keys = self.k_layernorm(pool_block_keys(raw, self.ratio, num_index_blocks))  # [B, nb, D]
-        starts = torch.arange(num_index_blocks, device=query.device) * self.ratio  # [nb]
+        starts = torch.arange(num_index_blocks, device=raw.device) * self.ratio  # [nb]
         start_cos, start_sin = self.rotary.cos_sin(starts)  # [nb, rotary_dim]
-        block_keys = self.rotary.apply(block_keys.transpose(0, 1), start_cos, start_sin).transpose(0, 1)  # [B, nb, D]
+        return self.rotary.apply(block_keys.transpose(0, 1), start_cos, start_sin).transpose(0, 1)  # [B, nb, D]
+
+    def _mask(self, query, block_tables, seq_lens, query_start_loc, max_query_len: int, max_seq_len: int):
+        block_size = self.key_cache.shape[1]
+        ctx_len = max(1, -(-max_seq_len // block_size)) * block_size
+        block_keys = self._block_keys(block_tables, max_seq_len)  # [B, nb, D]
         return qsa_key_mask(
             query, block_keys, seq_lens, query_start_loc, max_query_len, self.ratio, self.top_blocks, ctx_len,
         )
@@ -127,6 +159,26 @@ class IndexedGatedAttention(GatedAttention):
         return super().paged_cache_tensors() + self.indexer.paged_cache_tensors()
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (Replicate) -> [T, hidden] (Partial)."""
+        """x [T, hidden] (Replicate) -> [T, hidden] (Partial). One-token decode steps on the Triton
+        kernel set take the graph-safe path (`lamina.kernels.qsa_decode`); everything else builds
+        the reference key mask."""
+        if self.kernels == "triton" and is_one_token_decode(meta):
+            return self._decode(x, meta, cos, sin)
         key_mask = self.indexer(x, meta, cos, sin)
         return super().forward(x, meta, cos, sin, key_mask=key_mask)
+
+    def _decode(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] (one token per request) -> [B, hidden] (Partial): fixed shapes for a
+        given batch size, block-table width and `max_seq_len` (a graph's capacity), no host reads."""
+        chosen = self.indexer.decode_selection(x, meta, cos, sin)  # [B, nb]
+        if self.qkv_rows is not None:
+            query, gate = self._project_and_cache_fused(x, meta, cos, sin)  # [B, H, D] each
+        else:
+            query, gate = self._project_and_cache(x, meta, cos, sin)  # [B, H, D], [B, H*D]
+        attn = qsa_decode_attention(
+            query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, chosen, self.indexer.ratio,
+            self.indexer.top_blocks, self.scale,
+        )  # [B, H, D]
+        width = self.num_heads * self.head_dim
+        gate = gate.reshape(meta.num_tokens, width)  # [B, H*D]
+        return self.o_proj(attn.reshape(meta.num_tokens, width) * torch.sigmoid(gate))

@@ -143,6 +143,11 @@ class NGramHashEmbedding(nn.Module):
                 f"({ours.tolist()}): check seed, ngram_size, heads_per_ngram, ngram_vocab_size_base and ple_layer_ids"
             )
 
+    @property
+    def host_table(self) -> bool:
+        """The table lives off the compute device (its rows are gathered on the host: not graph-safe)."""
+        return self.ngram_embedding.device != self.device
+
     # ---- forward -------------------------------------------------------------------------
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N] (compute device) -> table rows [N, D] on the compute device."""

@@ -9,10 +9,11 @@ context length 1, a spare state slot that no request owns, fresh state.
 
 Capturable because the decode forward on the Triton kernel set (lamina.kernels.selection) reads
 metadata only from device tensors and host ints that are fixed per capture size (`num_tokens`,
-`num_reqs`, `max_query_len` = 1): the kernels loop to each request's `seq_len` on the device.
-Models whose decode still needs a reference kernel with shapes that follow the step (Qwen4-Exp's
-QSA indexer: its masks follow `max_seq_len`) or host work (its PLE table may live in host memory)
-are not captured and run eagerly. The buffers keep a token-history field for when they are.
+`num_reqs`, `max_query_len` = 1, `max_seq_len` = the block tables' capacity): the kernels loop to
+each request's `seq_len` on the device. Qwen4-Exp's QSA indexed attention scores the blocks of
+that capacity and attends to its selection (lamina.kernels.qsa_decode); its N-gram PLE hashes
+the windows of the token-history field on the device. Models whose decode needs host work (a PLE
+table in host memory) are not captured and run eagerly (`why_not_capturable` says why).
 """
 
 from __future__ import annotations
@@ -37,14 +38,39 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
-def model_is_capturable(model) -> bool:
-    """Every kernel of the model's decode step is graph-safe: the Triton set, plain gated attention
-    (not QSA), and no token-history layers (Qwen4-Exp's PLE may gather its table on the host)."""
+def why_not_capturable(model, *, verify: bool = False) -> str | None:
+    """Why the model's one-token decode step cannot be captured, or None when every part of it is
+    graph-safe: all layers on the Triton kernel set; attention plain gated or QSA indexed (whose
+    one-token decode on the Triton set has fixed shapes, lamina.kernels.qsa_decode); PLE tables
+    (Qwen4-Exp) on the compute device (the n-gram windows and hashes are tensor ops on the
+    static buffer's history field, the table gather an index_select; a host table needs its
+    row ids on the host every step, so those models decode eagerly). Hyper-connections are plain
+    per-token torch ops. `verify`: for MTP verification graphs (Q = K + 1 tokens per request,
+    lamina.worker.verify_graphs), whose buffers carry no token history and whose steps have no
+    graph-safe QSA path: only models without either."""
     from lamina.layers.attention import GatedAttention
+    from lamina.layers.indexed_attention import IndexedGatedAttention
+    from lamina.layers.ple import NGramHashEmbedding
 
     kernels = {m.kernels for m in model.modules() if hasattr(m, "kernels")}
-    plain_attention = all(type(m) is GatedAttention for m in model.modules() if isinstance(m, GatedAttention))
-    return kernels == {"triton"} and plain_attention and getattr(model, "token_history_len", 0) == 0
+    if kernels != {"triton"}:
+        return f"decode graphs need every layer on the Triton kernel set, not {sorted(kernels)}"
+    graph_safe_attention = (GatedAttention,) if verify else (GatedAttention, IndexedGatedAttention)
+    if verify and getattr(model, "token_history_len", 0) > 0:
+        return "verification graphs carry no token history (N-gram PLE): verification steps run eagerly"
+    for name, module in model.named_modules():
+        if isinstance(module, GatedAttention) and type(module) not in graph_safe_attention:
+            return f"attention {name} ({type(module).__name__}) has no graph-safe decode"
+        if isinstance(module, NGramHashEmbedding) and module.host_table:
+            return (f"the PLE table of {name} lives in host memory (ple_table_device=cpu, or auto with too little "
+                    f"GPU memory): its rows are gathered on the host every step; use ple_table_device=gpu")
+    return None
+
+
+def model_is_capturable(model, *, verify: bool = False) -> bool:
+    """Every kernel of the model's decode (or `verify`: MTP verification) step is graph-safe
+    (see `why_not_capturable`)."""
+    return why_not_capturable(model, verify=verify) is None
 
 
 class DecodeGraphs:

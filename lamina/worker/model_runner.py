@@ -10,6 +10,7 @@ model has an MTP drafter) the last stage verifies drafts and proposes new ones i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,8 @@ from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.pending_step import PendingSamples, PreviousTokens, ReadyStep
 from lamina.worker.prompt_logprobs import score_prompt_chunks
 from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,7 +114,9 @@ class ModelRunner:
 
         if self.device.type != "cuda" and not static_off_cuda:
             return False
-        if not cuda_graphs.model_is_capturable(self.model):
+        reason = cuda_graphs.why_not_capturable(self.model, verify=self.spec is not None)
+        if reason is not None:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
             return False
         max_blocks = -(-max_model_len // self.block_size)
         if self.spec is not None:
