@@ -60,9 +60,8 @@ def single_rank_small(speculative: bool = False) -> dict:
 
 
 def test_held_out_accuracy_on_the_cpu():
-    items = load_eval_items(MODEL / "eval.jsonl")
-    assert len(items) >= 500
-    record = run(items)
+    assert len(load_eval_items(MODEL / "eval.jsonl")) >= 500
+    record = run(subset(50))  # 50 held-out items of every task (the GPU test runs them all)
     assert record["errors"] == 0
     assert record["accuracy"] >= 0.9, record["per_task"]
     assert all(task["accuracy"] >= 0.8 for task in record["per_task"].values()), record["per_task"]

@@ -23,7 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EOS = 999
 # Budget 8 = 2 blocks of 4: the last two prompts have more complete blocks than that from their
 # first decode step on (4 each), the first at its second (context 12: 3 blocks).
-PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1, 4], [9, 3, EOS, 9] * 4, list(range(40, 52)) + [EOS, 7, 8]]
+# Contexts of 10-15 tokens: 2-3 complete index blocks of 4 against a budget of 2 (8 tokens), so the
+# selection matters from the first decode step; EOS inside the n-gram windows.
+PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1, 4], [9, 3, EOS, 9] * 3, list(range(40, 49)) + [EOS, 7, 8]]
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +146,12 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
     from lamina import LLM, SamplingParams
 
     monkeypatch.setenv("LAMINA_KERNELS", kernels)
+    monkeypatch.setenv("LAMINA_QSA_DECODE", "1")  # opt-in until it has run on a GPU
     if DEVICE == "cuda":  # fla-core's prefill multiplies float32 in tf32 (tests/test_gdn_prefill.py)
         monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
-             max_num_seqs=5, max_model_len=64, **kwargs) as llm:
+             max_num_seqs=5, max_model_len=48, **kwargs) as llm:
         runner = llm.engine.executor.runner
         if graphs and DEVICE == "cpu":
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True)
@@ -214,6 +217,10 @@ def test_host_ple_table_is_not_captured(qwen4_dir, monkeypatch):
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     from lamina import LLM
 
+    with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
+        model = llm.engine.executor.runner.model
+        assert "LAMINA_QSA_DECODE=1" in why_not_capturable(model)  # off by default until run on a GPU
+    monkeypatch.setenv("LAMINA_QSA_DECODE", "1")
     with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
         model = llm.engine.executor.runner.model
         assert why_not_capturable(model) is None

@@ -320,7 +320,7 @@ def test_schemathesis_fuzz_finds_no_5xx(server, http):
     seen = 0
     for result in schema.get_all_operations():
         operation = result.ok()
-        for mode, examples in ((GenerationMode.POSITIVE, 25), (GenerationMode.NEGATIVE, 25)):
+        for mode, examples in ((GenerationMode.POSITIVE, 15), (GenerationMode.NEGATIVE, 15)):
 
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))

@@ -407,7 +407,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs)
     return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", [True], ids=["graphs"])  # eager: tests/test_gdn_prefill.py's engine test
 def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, monkeypatch):
     """Greedy tokens and logprobs on the Triton kernel set (eager, or through the decode graphs'
     static buffers with padded batch sizes: 3 requests run as 4), with asynchronous scheduling,

@@ -66,6 +66,18 @@ def decode_gemv_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "1"
 
 
+def qsa_fixed_shape_decode(kernels: str) -> bool:
+    """Whether Qwen4-Exp's QSA indexed attention decodes one token per request with fixed shapes
+    (`lamina.kernels.qsa_decode`, the Triton block scores of `lamina.kernels.triton_qsa`), which
+    is what lets its decode steps be captured in CUDA graphs. `LAMINA_QSA_DECODE=1` turns it on
+    (Triton kernel set only); off by default until it has run on a GPU: it is checked on the CPU
+    (tests/test_qwen4_graphs.py) and its GPU test has not run yet. Read at model build time."""
+    wanted = os.environ.get("LAMINA_QSA_DECODE", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_QSA_DECODE = {wanted!r} must be 0 or 1")
+    return kernels == "triton" and wanted == "1"
+
+
 def moe_gemv_max_tokens() -> int:
     """Up to how many tokens the Triton fused MoE runs its decode GEMV kernels
     (`lamina.kernels.triton_moe_gemv`) rather than the grouped GEMM: `LAMINA_MOE_GEMV=1` (the

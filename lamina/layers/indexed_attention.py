@@ -18,7 +18,7 @@ from torch import nn
 from lamina.kernels.indexed_attention import pool_block_keys, qsa_key_mask
 from lamina.kernels.paged_attention import gather_paged_context, write_paged_rows
 from lamina.kernels.qsa_decode import decode_block_selection, qsa_decode_attention, select_decode_blocks
-from lamina.kernels.selection import is_one_token_decode, kernel_set
+from lamina.kernels.selection import is_one_token_decode, kernel_set, qsa_fixed_shape_decode
 from lamina.layers.attention import GatedAttention
 from lamina.layers.linear import ReplicatedLinear
 from lamina.layers.metadata import ForwardMetadata
@@ -143,6 +143,8 @@ class IndexedGatedAttention(GatedAttention):
     def __init__(self, *, indexer: QSAIndexer, **kwargs):
         super().__init__(**kwargs)
         self.indexer = indexer
+        # One-token decode with fixed shapes (graph-safe); LAMINA_QSA_DECODE=1 until checked on a GPU.
+        self.fixed_shape_decode = qsa_fixed_shape_decode(self.kernels)
 
     def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return super().paged_cache_bytes_per_block(block_size, dtype) + self.indexer.paged_cache_bytes_per_block(
@@ -159,10 +161,10 @@ class IndexedGatedAttention(GatedAttention):
         return super().paged_cache_tensors() + self.indexer.paged_cache_tensors()
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (Replicate) -> [T, hidden] (Partial). One-token decode steps on the Triton
-        kernel set take the graph-safe path (`lamina.kernels.qsa_decode`); everything else builds
-        the reference key mask."""
-        if self.kernels == "triton" and is_one_token_decode(meta):
+        """x [T, hidden] (Replicate) -> [T, hidden] (Partial). One-token decode steps take the
+        graph-safe path (`lamina.kernels.qsa_decode`) where `fixed_shape_decode` is on; everything
+        else builds the reference key mask."""
+        if self.fixed_shape_decode and is_one_token_decode(meta):
             return self._decode(x, meta, cos, sin)
         key_mask = self.indexer(x, meta, cos, sin)
         return super().forward(x, meta, cos, sin, key_mask=key_mask)
