@@ -140,7 +140,7 @@ def _no_host_reads_from_lamina(monkeypatch):
         monkeypatch.setattr(torch, name, guarded(f"torch.{name}", getattr(torch, name)))
 
 
-def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=3, check=None, **kwargs):
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=2, check=None, **kwargs):
     """Greedy tokens and logprobs; 5 slots, so three requests decode as the capture size 4 (a
     padded row), and a small `max_model_len`: the graph path scores every block of it."""
     from lamina import LLM, SamplingParams

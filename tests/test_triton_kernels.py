@@ -412,7 +412,7 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, mon
     """Greedy tokens and logprobs on the Triton kernel set (eager, or through the decode graphs'
     static buffers with padded batch sizes: 3 requests run as 4), with asynchronous scheduling,
     equal the reference kernels' (synchronous)."""
-    prompts = [[5, 17, 300], [9] * 11, list(range(40, 61))]
+    prompts = [[5, 17, 300], [9] * 11, list(range(40, 57))]
     ref = _greedy(qwen3_5_moe_dir, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, max_num_seqs=5)
     # overlapped (asynchronous scheduling): pending tokens are filled in on the device, in the
     # graphs' static input buffer or the eager step's token ids
