@@ -117,7 +117,7 @@ def test_triton_block_scores_match_torch(rotary_dim):
 
 
 class HostSync(AssertionError):
-    pass
+    """A tensor value read on the host inside the static-buffer decode forward."""
 
 
 def _no_host_reads_from_lamina(monkeypatch):
