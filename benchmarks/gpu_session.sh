@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
-#   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve ...]
+#   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
+#                                   validate|first|compare|gemvtune|moetune|gemvab ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -52,6 +53,23 @@ for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_st
       for mode in graphs eager; do
         flag=$([ $mode = eager ] && echo --enforce-eager)
         timeout 80 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 $flag --out $OUT/mtp_${mode}_b1.json 2>&1 | tail -8
+      done ;;
+    validate)  # the GPU-only paths not yet run on a GPU: Qwen4-Exp QSA decode graphs, engine warm-up, kernels
+      LAMINA_QSA_DECODE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qwen4_graphs.py \
+        tests/test_triton_kernels.py tests/test_triton_router.py tests/test_async_scheduling.py 2>&1 | tail -15 ;;
+    first)  # TTFT of a fresh engine's first request, warm-up off / on, empty Triton caches
+      timeout 200 python3 benchmarks/first_request.py --out $OUT/first_request.json 2>&1 | tail -6 ;;
+    compare)  # batch 1 against transformers' generate (with fla-core) in the same process run
+      LAMINA_GDN_PREFILL=reference timeout 200 $L --batch-size 1 --input-len 128 --output-len 32 --compare transformers \
+        --output-json $OUT/compare_transformers_b1.json 2>&1 | tail -6 ;;
+    gemvtune)  # the split-K dense GEMV against cuBLAS (L2-cold), the decode linears' shapes
+      timeout 240 python3 benchmarks/tune_gemv.py --only linear --out $OUT/tune_gemv_linear.json 2>&1 | grep -v "^skip" | tail -12 ;;
+    moetune)  # grouped-GEMM fused MoE tiles at 16 and 64 tokens
+      timeout 300 python3 benchmarks/tune_moe.py --batches 16,64 --out $OUT/tune_moe.json 2>&1 | grep -v "^skip" | tail -4 ;;
+    gemvab)  # decode with lamina's GEMV for the dense decode linears, and with cuBLAS, same run
+      for g in 1 0; do
+        LAMINA_TRITON_GEMV=$g LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --output-json $OUT/latency_gemv$g.json 2>&1 | tail -5
       done ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;

@@ -54,21 +54,30 @@ def _rand(*shape, seed, scale=1.0, dtype=torch.float32):
 # ---- paged attention -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hq,hkv,head_dim,page", [(4, 2, 16, 4), (8, 1, 32, 16), (2, 2, 24, 8)])
-def test_paged_decode_attention_matches_reference(hq, hkv, head_dim, page):
-    seq_lens = torch.tensor([1, 5, 37, 70], device=DEVICE)
+@pytest.mark.parametrize("hq,hkv,head_dim,page,splits", [(4, 2, 16, 4, 4), (8, 1, 32, 16, 2), (2, 2, 24, 8, 1)])
+def test_paged_decode_attention_matches_reference(hq, hkv, head_dim, page, splits):
+    """Against the reference, with the key blocks split over `splits` programs (a split with
+    several blocks at 300 positions and splits=2; empty splits at one position); the same result
+    twice (the tickets are left zero) and for each request alone (batch invariance)."""
+    seq_lens = torch.tensor([1, 5, 70, 300], device=DEVICE)
     bsz = seq_lens.shape[0]
-    num_blocks = 4 * -(-70 // page) + 3
+    max_pages = -(-300 // page)
+    num_blocks = bsz * max_pages + 3
     k_cache = _rand(num_blocks, page, hkv, head_dim, seed=1)
     v_cache = _rand(num_blocks, page, hkv, head_dim, seed=2)
     perm = torch.randperm(num_blocks, generator=_gen(3)).to(DEVICE)
-    max_pages = -(-70 // page)
     block_tables = perm[: bsz * max_pages].view(bsz, max_pages)  # distinct, shuffled blocks
     q = _rand(bsz, hq, head_dim, seed=4)
-    ours = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5)
+    ours = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, splits=splits)
     ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(bsz + 1, device=DEVICE), 1,
                           int(seq_lens.max()), head_dim**-0.5)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(ours, paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5,
+                                                    splits=splits))
+    b = 3
+    alone = paged_decode_attention(q[b : b + 1], k_cache, v_cache, block_tables[b : b + 1], seq_lens[b : b + 1],
+                                   head_dim**-0.5, splits=splits)
+    assert torch.equal(alone, ours[b : b + 1])
 
 
 def test_paged_decode_attention_with_the_output_gate():
@@ -354,17 +363,27 @@ def test_gemv_moe_config_errors():
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4])
 def test_gemv_matches_linear(rows):
-    """The decode GEMV (one program per output tile, whole reduction in it) against F.linear, with
-    a weight whose sizes are not multiples of the tiles and a strided input."""
+    """The decode GEMV (split-K, partials summed by each tile's last program) against F.linear, with
+    a weight whose sizes are not multiples of the tiles and a strided input, for one program per
+    tile and for 2 and 3 splits; twice (the tickets are left zero), and each row alone equals its
+    row in the batch (a row's sum never depends on the others)."""
     from lamina.kernels.triton_gemv import gemv, linear
 
     weight = _rand(37, 300, seed=1, scale=0.1)
     x = _rand(rows, 600, seed=2)[:, ::2]  # [rows, 300], row stride 600
     ref = torch.nn.functional.linear(x, weight)
-    torch.testing.assert_close(gemv(x, weight, dict(block_n=16, block_k=128)), ref, atol=1e-5, rtol=1e-5)
+    for split in (1, 2, 3):
+        cfg = dict(block_n=16, block_k=64, split=split)
+        ours = gemv(x, weight, cfg)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(ours, gemv(x, weight, cfg))
+    for r in range(rows):
+        assert torch.equal(gemv(x[r : r + 1], weight, cfg), ours[r : r + 1])
     torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="at most 4 rows"):
         gemv(_rand(5, 300, seed=3), weight)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x, _rand(300, 37, seed=4).t())
 
 
 @pytest.mark.gpu

@@ -78,15 +78,16 @@ def _two_launches(x, rows, num_experts, top_k, renormalize):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_router_matches_the_two_launches_and_the_route(dtype):
     """T = 1..4 (2 and 3 in 16 bits), 13 experts (padded to 16), top-3 (padded to 4), renormalised
-    (odd T) or not, the shared gate's row after the experts'."""
+    (odd T) or not, the shared gate's row after the experts', zero rows up to a multiple of 8."""
     num_experts, top_k = 13, 3
     for num_tokens in (1, 2, 3, 4) if dtype == torch.float32 else (2, 3):
         renormalize = num_tokens % 2 == 1
         moe = _moe(num_experts, top_k, renormalize)
-        rows = moe.router_rows.to(DEVICE, dtype)  # [E+1, H]
+        rows = moe.router_rows.to(DEVICE, dtype)  # [E+1 padded to 16, H]
+        assert rows.shape[0] == 16 and not rows[num_experts + 1 :].any()
         x = _quarters(num_tokens, 48, seed=10 + num_tokens).to(DEVICE, dtype)
         weights, ids, logits = fused_router(x, rows, num_experts, top_k, renormalize, config=TINY)
-        assert weights.dtype == dtype and ids.dtype == torch.long and logits.shape == (num_tokens, num_experts + 1)
+        assert weights.dtype == dtype and ids.dtype == torch.long and logits.shape == (num_tokens, 16)
         ref_weights, ref_ids, ref_logits = _two_launches(x, rows, num_experts, top_k, renormalize)
         assert torch.equal(logits, ref_logits) and torch.equal(ids, ref_ids)
         _assert_same_weights(weights, ref_weights)

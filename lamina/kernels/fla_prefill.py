@@ -18,12 +18,16 @@ fla cannot index lamina's state pool by slot, so the requests' states are gather
 `[B, Hv, Dk, Dv]` tensor (zeros where the request starts fresh) and the final states scattered
 back: two copies of 2 MiB per request and layer at the Qwen3.5 width, small beside a prefill chunk.
 
-fla is imported lazily and only on CUDA (it queries the GPU when imported).
+fla is imported lazily and only on CUDA (it queries the GPU when imported). Its kernels are
+autotuned on first use (about a minute over the 40 layers' shapes on an H200); lamina turns on
+Triton's on-disk cache of autotuning results (`TRITON_CACHE_AUTOTUNING=1`, unless the user set
+it) before the import, so only the first process on a machine pays for it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -35,6 +39,8 @@ def fla_import_error() -> str | None:
     """None when fla-core's chunked gated delta rule imports here, else why it does not."""
     if not torch.cuda.is_available():
         return "no CUDA device"
+    # Read by triton.autotune when fla's decorators run, i.e. at the import below.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception as error:  # an import that fails for any reason means "not available"

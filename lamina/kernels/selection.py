@@ -56,11 +56,12 @@ def kernel_set(device: torch.device | str | None) -> str:
 
 
 def decode_gemv_enabled(kernels: str) -> bool:
-    """Whether the Triton kernel set's small-batch linears (out_proj, o_proj, the router) run
-    lamina's GEMV (`lamina.kernels.triton_gemv`) for decode-sized inputs instead of cuBLAS.
-    Off unless `LAMINA_TRITON_GEMV=1` (A/B measurements: cuBLAS was as fast or faster at
-    the Qwen3.5-35B-A3B shapes, benchmarks/tune_gemv.py); read at model build time."""
-    wanted = os.environ.get("LAMINA_TRITON_GEMV", "0")
+    """Whether the Triton kernel set's small-batch linears (the delta-net in_proj, attention qkv,
+    out_proj / o_proj, the router) run lamina's split-K GEMV (`lamina.kernels.triton_gemv`) for
+    inputs of up to 4 rows instead of cuBLAS. On unless `LAMINA_TRITON_GEMV=0` (L2-cold on an H200,
+    benchmarks/results/tune_gemv_linear_h200.json: 14.3 / 8.2 / 3.5 us against cuBLAS's 16.1 / 10.0 /
+    4.9 at the in_proj, out_proj and router shapes); read at model build time."""
+    wanted = os.environ.get("LAMINA_TRITON_GEMV", "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_TRITON_GEMV = {wanted!r} must be 0 or 1")
     return kernels == "triton" and wanted == "1"

@@ -4,7 +4,8 @@ Each kernel has a torch reference in this package (CPU, CI, the oracle) and is t
 on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes:
 
 - `paged_decode_attention`: one query per request over its paged K/V (block tables, `seq_lens`
-  read on the device), all query heads of a KV head in one program (GQA), online softmax.
+  read on the device), all query heads of a KV head in one program (GQA), online softmax, the
+  key blocks split over ATTENTION_SPLITS programs whose partials the last one combines.
   Reference: `paged_attention` with `max_query_len == 1`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
   written back to the float32 state pool at the request's slot. Reference:
@@ -33,30 +34,45 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---- paged attention, one query per request ------------------------------------------------------
 
 
+# Every (request, KV head) is split over this many programs, program p taking the key blocks p,
+# p + SPLITS, p + 2 * SPLITS, ... of BLOCK_N positions (flash-decoding): a short context still
+# spreads over several SMs, a long one runs SPLITS loops in parallel instead of one. The count is
+# a constant, so what a request computes (which blocks each program visits and the order the
+# partials are combined in) depends on its own sequence length only, never on the batch.
+ATTENTION_SPLITS = 16
+
+
 @triton.jit
 def _paged_decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, gate_ptr, out_ptr, scale,
+    part_acc_ptr, part_ml_ptr, ticket_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_gb, stride_gh, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    num_blocks = tl.cdiv(seq_len, BLOCK_N)
+    num_parts = tl.minimum(num_blocks, SPLITS)  # programs with at least one key block
+    if split >= num_parts:
+        return
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
+    gd_ok = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_ok, other=0.0)  # [G, D]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
-        pos = start + offs_n  # [N]
+    for block_index in range(split, num_blocks, SPLITS):
+        pos = block_index * BLOCK_N + offs_n  # [N]
         n_ok = pos < seq_len
         block = tl.load(block_tables_ptr + req * stride_bt + pos // PAGE_SIZE, mask=n_ok, other=0)
         row = pos % PAGE_SIZE
@@ -72,42 +88,82 @@ def _paged_decode_attention_kernel(
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if SPLITS > 1:
+        # This program's partial (running max, sum, unnormalised output) for the last program of the
+        # (request, KV head) to combine, in split order: deterministic.
+        head_index = req * tl.num_programs(1) + kv_head
+        acc_base = part_acc_ptr + head_index * SPLITS * GROUP_PAD * BLOCK_D  # [SPLITS, G, D] float32
+        ml_base = part_ml_ptr + head_index * SPLITS * 2 * GROUP_PAD  # [SPLITS, 2, G] float32
+        tl.store(acc_base + split * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(ml_base + split * 2 * GROUP_PAD + offs_g, m_i)
+        tl.store(ml_base + split * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        done = tl.atomic_add(ticket_ptr + head_index, 1, sem="acq_rel")  # release ours, acquire the others'
+        if done != num_parts - 1:
+            return
+        tl.atomic_xchg(ticket_ptr + head_index, 0)  # ready for the next call (and the next graph replay)
+        offs_s = tl.arange(0, SPLITS)
+        s_ok = offs_s < num_parts
+        m_all = tl.load(ml_base + offs_s[:, None] * 2 * GROUP_PAD + offs_g[None, :], mask=s_ok[:, None],
+                        other=float("-inf"), cache_modifier=".cg")  # [S, G]
+        m_i = tl.max(m_all, axis=0)  # [G]
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        for j in range(0, num_parts):
+            m_j = tl.load(ml_base + j * 2 * GROUP_PAD + offs_g, cache_modifier=".cg")
+            l_j = tl.load(ml_base + j * 2 * GROUP_PAD + GROUP_PAD + offs_g, cache_modifier=".cg")
+            w_j = tl.where(g_ok, tl.exp(m_j - m_i), 0.0)  # [G]
+            l_i += w_j * l_j
+            acc += w_j[:, None] * tl.load(acc_base + j * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :],
+                                          cache_modifier=".cg")
     dtype = out_ptr.dtype.element_ty
+    l_i = tl.where(g_ok, l_i, 1.0)
     out = (acc / l_i[:, None]).to(dtype)
     if GATED:  # the output gate: attn * sigmoid(gate), rounded as the layer's torch ops round
         gate = tl.load(gate_ptr + req * stride_gb + heads[:, None] * stride_gh + offs_d[None, :],
-                       mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                       mask=gd_ok, other=0.0).to(tl.float32)
         gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = (out.to(tl.float32) * gate).to(dtype)
-    tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out,
-             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=gd_ok)
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+    seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int = ATTENTION_SPLITS,
 ) -> torch.Tensor:
     """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
     caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
     `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
-    attn * sigmoid(gate). Returns `[B, Hq, D]` in q's dtype."""
+    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head). Returns
+    `[B, Hq, D]` in q's dtype."""
     bsz, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"paged_decode_attention: splits = {splits} must be a power of two")
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((bsz, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
     gated = gate is not None
     gate = gate if gated else q
-    _paged_decode_attention_kernel[(bsz, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale,
+    group_pad, block_d = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    if splits > 1:
+        from lamina.kernels.triton_moe_gemv import _tickets
+
+        part_acc = torch.empty(bsz * num_kv_heads * splits * group_pad * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(bsz * num_kv_heads * splits * 2 * group_pad, dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, bsz * num_kv_heads)
+    else:
+        part_acc = part_ml = tickets = out  # unused
+    _paged_decode_attention_kernel[(bsz, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale, part_acc, part_ml, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
-        PRECISION=_dot_precision(q.dtype), GATED=gated,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
+        PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
     )
     return out
 

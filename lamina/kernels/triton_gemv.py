@@ -1,10 +1,14 @@
-"""`y = x @ W^T` for a few rows of x (decode): one program per tile of output features, the whole
-reduction in one program (no split-K, so no second reduction launch), float32 accumulation.
+"""`y = x @ W^T` for a few rows of x (decode): a pipelined, split-K GEMV in one launch.
 
 cuBLAS runs a batch-1 GEMV of a 2048 x 4096 bf16 weight (the delta net's out_proj, the attention
-o_proj) as a split-K GEMM plus a reduction kernel at about half the copy bandwidth
-(FIELD_NOTES.md); small GEMVs (the router) at a few percent. Used by the linear layers on the
-Triton kernel set for up to `GEMV_MAX_ROWS` rows (lamina.layers.linear).
+o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
+(FIELD_NOTES.md). Here one program per (tile of BLOCK_N output features, split of the input
+features) steps through its [BLOCK_N, K / SPLIT] weight block BLOCK_K columns at a time, the loads
+pipelined (num_stages) behind a 16-row `tl.dot` that holds the (at most GEMV_MAX_ROWS) input rows;
+with SPLIT > 1 the partials are summed in split order by the last program of a tile (an atomic
+ticket, reset after, as the MoE down GEMV does): one launch, deterministic, and the sum of a row
+never depends on the other rows. Used by the linear layers on the Triton kernel set for up to
+`GEMV_MAX_ROWS` rows (lamina.layers.linear).
 """
 
 from __future__ import annotations
@@ -13,53 +17,110 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GEMV_MAX_ROWS", "gemv"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config"]
 
 GEMV_MAX_ROWS = 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, rows, out_features, in_features, stride_xm, stride_wn, stride_ym,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_features, in_features,
+                        stride_xm, stride_wn, stride_ym, k_steps,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < out_features
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, ROWS)
+    offs_m = tl.arange(0, 16)  # the input rows sit in the first rows of a 16-row tl.dot tile
     m_ok = offs_m < rows
-    # Elementwise products accumulate in [ROWS, N, K] registers; one reduction at the end.
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k = k0 + offs_k
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    k_first = split * k_steps * BLOCK_K
+    for step in range(0, k_steps):
+        k = k_first + step * BLOCK_K + offs_k
         k_ok = k < in_features
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)  # [ROWS, N]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [16, K]
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # [K, N]
+        acc += tl.dot(x, w, input_precision=PRECISION)
+    if SPLIT == 1:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        # partials [SPLIT, 16, N_total]: this program's block, then the ticket of its tile.
+        part_base = partial_ptr + split * 16 * out_features
+        tl.store(part_base + offs_m[:, None] * out_features + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        done = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # release ours, acquire the others'
+        if done == SPLIT - 1:
+            total = tl.zeros([16, BLOCK_N], tl.float32)
+            for j in range(0, SPLIT):  # in split order: deterministic
+                total += tl.load(partial_ptr + j * 16 * out_features + offs_m[:, None] * out_features + offs_n[None, :],
+                                 mask=m_ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+            tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next call (and the next graph replay)
 
 
-GEMV_CONFIG = dict(block_n=16, block_k=256, warps=4, stages=3)
+# Tile sizes by weight shape, chosen by benchmarks/tune_gemv.py (--only linear) on an H200, L2-cold,
+# one row (benchmarks/results/tune_gemv_linear_h200.json; copy 4.24 TB/s):
+#   block_n x block_k: the weight block of one pipelined step; split: programs per output tile
+#   along the input features (their partials summed by the tile's last program).
+# - wide outputs (the delta-net in_proj 12352 x 2048, attention qkv 9216 x 2048): one program per
+#   tile, 14.3 / 12.1 us against cuBLAS's 16.1 / 11.8;
+# - long inputs (out_proj / o_proj 2048 x 4096): split 4, 8.2 us against cuBLAS's split-K GEMM +
+#   reduction at 10.0;
+# - small outputs (the router + shared-expert gate, 264 x 2048): narrow tiles, split 8, 3.5 us
+#   against 4.9.
+GEMV_CONFIG_WIDE = dict(block_n=32, block_k=128, split=1, warps=4, stages=4)
+GEMV_CONFIG = dict(block_n=32, block_k=128, split=4, warps=4, stages=4)
+GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
+
+
+def gemv_config(out_features: int, in_features: int) -> dict:
+    """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
+    row's sum is the same whatever the batch)."""
+    if out_features >= 4096:
+        return GEMV_CONFIG_WIDE
+    if out_features <= 512:
+        return GEMV_CONFIG_SMALL
+    return GEMV_CONFIG
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x `[M, K]` (M <= GEMV_MAX_ROWS), weight `[N, K]` -> `[M, N]` in x's dtype."""
+    """x `[M, K]` (M <= GEMV_MAX_ROWS), weight `[N, K]` with contiguous rows -> `[M, N]` in x's dtype."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
-    if weight.shape[1] != in_features:
+    if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"gemv: x has {in_features} features, weight {tuple(weight.shape)}")
-    cfg = dict(GEMV_CONFIG)
+    if weight.stride(1) != 1:
+        raise ValueError("gemv: the weight's rows must be contiguous")
+    cfg = dict(gemv_config(out_features, in_features))
     cfg.update(config or {})
+    block_k = cfg["block_k"]
+    k_blocks = triton.cdiv(in_features, block_k)
+    split = max(1, min(cfg["split"], k_blocks))
+    k_steps = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, k_steps)  # no split without a step of its own
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
-    if rows:
-        _gemv_kernel[(triton.cdiv(out_features, cfg["block_n"]),)](
-            x, weight, y, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
-            ROWS=triton.next_power_of_2(max(rows, 1)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["warps"], num_stages=cfg["stages"],
-        )
+    if rows == 0:
+        return y
+    tiles = triton.cdiv(out_features, cfg["block_n"])
+    if split > 1:
+        from lamina.kernels.triton_moe_gemv import _tickets
+
+        partial = torch.empty(split, 16, out_features, dtype=torch.float32, device=x.device)  # [SPLIT, 16, N]
+        tickets = _tickets(x.device, tiles)
+    else:
+        partial, tickets = y, y  # unused
+    _gemv_splitk_kernel[(tiles, split)](
+        x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
+        BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
     return y
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from lamina.kernels.paged_attention import paged_attention, write_kv_cache
 from lamina.kernels.selection import decode_query_len, kernel_set
-from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, share_weight_storage
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
 from lamina.layers.rotary import RotaryEmbedding
@@ -64,6 +64,7 @@ class GatedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
         self.qkv_rows = None if attention_bias else share_weight_storage(self.q_proj, self.k_proj, self.v_proj)
+        self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -128,7 +129,7 @@ class GatedAttention(nn.Module):
         from lamina.kernels.triton_qk_prep import qk_norm_rope_cache
 
         num_tokens, heads, kv_heads, dim = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = torch.nn.functional.linear(x, self.qkv_rows)  # [T, H*2D + 2*Hkv*D]
+        qkv = self._decode_linear(x, self.qkv_rows)  # [T, H*2D + 2*Hkv*D]
         query_gate, key, value = qkv.split([heads * 2 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         query_gate = query_gate.view(num_tokens, heads, 2 * dim)  # [T, H, 2D]: per head [query D | gate D]
         key = key.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]

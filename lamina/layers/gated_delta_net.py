@@ -25,7 +25,7 @@ from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
 from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, kernel_set
-from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, share_weight_storage
+from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
 from lamina.layers.spec_state import capture_tokens, conv_with_capture
@@ -89,6 +89,7 @@ class GatedDeltaNet(nn.Module):
         self.kernels = kernel_set(device if device is not None else ctx.device)
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
+        self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
     # ---- loading -------------------------------------------------------------------------
     def load_conv_weight(self, name: str, loaded: torch.Tensor) -> None:
@@ -136,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         num_tokens = meta.num_tokens
         queries = decode_query_len(meta) if self.kernels == "triton" else None
         if queries is not None:
-            projected = F.linear(x, self.in_proj_rows)  # [T, conv_dim + value_dim + 2*Hv]: one GEMV
+            projected = self._decode_linear(x, self.in_proj_rows)  # [T, conv_dim + value_dim + 2*Hv]: one GEMV
             mixed_qkv, z, b, a = projected.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
             return self._decode_in_place(mixed_qkv, z, b, a, meta, queries)
         qkvz = self.in_proj_qkvz(x)  # [T, 2*key_dim + 2*value_dim]

@@ -152,16 +152,21 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def share_weight_storage(*linears: nn.Module) -> torch.Tensor:
+def share_weight_storage(*linears: nn.Module, row_multiple: int = 1) -> torch.Tensor:
     """Put the weights of several linears over the same input (no biases) into one `[sum rows, in]`
     tensor, each `.weight` becoming a view of its rows, and return it: one GEMV then computes all
     of their outputs (the fast decode path), while loading and the reference path see the usual
-    parameters."""
+    parameters. With `row_multiple` > 1 the tensor gets zero rows at the end up to a multiple of
+    it, so the GEMM's output rows stay aligned (cuBLAS falls back to slow unaligned kernels for,
+    e.g., a router's 256 + 1 rows); their outputs are zeros that nothing reads."""
     if any(getattr(m, "bias", None) is not None for m in linears):
         raise ValueError("share_weight_storage: linears with a bias cannot share one GEMV")
+    if row_multiple < 1:
+        raise ValueError(f"share_weight_storage: row_multiple = {row_multiple} must be >= 1")
     first = linears[0].weight
     rows = [m.weight.shape[0] for m in linears]
-    joint = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)  # [sum rows, in]
+    total_rows = -(-sum(rows) // row_multiple) * row_multiple
+    joint = torch.zeros(total_rows, first.shape[1], dtype=first.dtype, device=first.device)  # [rows padded, in]
     start = 0
     for m, n in zip(linears, rows):
         m.weight = nn.Parameter(joint[start : start + n], requires_grad=False)

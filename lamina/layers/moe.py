@@ -107,8 +107,9 @@ class SparseMoE(nn.Module):
             shared_ctx = ParallelContext.single(ctx.device) if self.shared_replicated else ctx
             self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, shared_ctx, dtype=dtype, device=device)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype, device=device)
-            # Router and shared-expert gate rows in one tensor: the fused path computes both logits in one GEMV.
-            self.router_rows = share_weight_storage(self.gate, self.shared_expert_gate)  # [E+1, H]
+            # Router and shared-expert gate rows in one tensor: the fused path computes both logits in one GEMV
+            # (zero rows up to a multiple of 8: a GEMM over 257 rows runs cuBLAS's unaligned kernels).
+            self.router_rows = share_weight_storage(self.gate, self.shared_expert_gate, row_multiple=8)  # [E+1 padded, H]
         self._router_linear = decode_linear(device if device is not None else ctx.device)
         # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
         # routed experts' and every routed expert is local (no EP).
@@ -184,11 +185,11 @@ class SparseMoE(nn.Module):
     def _experts_with_shared(self, x: torch.Tensor) -> torch.Tensor:
         """Routed experts and the gated shared expert in the fused Triton launches."""
         if (fused := self._route_in_one_launch(x, self.router_rows)) is not None:
-            topk_weights, topk_ids, logits = fused  # logits [T, E+1]
+            topk_weights, topk_ids, logits = fused  # logits [T, E+1 padded]
         else:
             from lamina.kernels.triton_moe import route_softmax_topk
 
-            logits = self._router_linear(x, self.router_rows)  # [T, E+1]: router logits, then the shared-expert gate logit
+            logits = self._router_linear(x, self.router_rows)  # [T, E+1 padded]: router logits, the shared-expert gate logit, zeros
             topk_weights, topk_ids = route_softmax_topk(
                 logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype
             )
