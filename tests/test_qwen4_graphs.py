@@ -134,13 +134,22 @@ def _no_host_reads_from_lamina(monkeypatch):
 
         return call
 
-    for name in ("item", "tolist", "nonzero", "cpu", "numpy", "__bool__"):
+    for name in ("item", "tolist", "nonzero", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, guarded(f"Tensor.{name}", getattr(torch.Tensor, name)))
     for name in ("nonzero", "unique", "masked_select"):
         monkeypatch.setattr(torch, name, guarded(f"torch.{name}", getattr(torch, name)))
 
 
-def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=2, check=None, **kwargs):
+def _why_eager(runner) -> str:
+    """Why the runner holds no decode graphs: the reason it recorded, and `why_not_capturable` now."""
+    from lamina.worker.cuda_graphs import why_not_capturable
+
+    return (f"runner.no_graphs_reason = {runner.no_graphs_reason!r}; "
+            f"why_not_capturable(model) = {why_not_capturable(runner.model)!r}")
+
+
+def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_tokens=2, check=None, device=DEVICE,
+            **kwargs):
     """Greedy tokens and logprobs; 5 slots, so three requests decode as the capture size 4 (a
     padded row), and a small `max_model_len`: the graph path scores every block of it."""
     from lamina import LLM, SamplingParams
@@ -150,12 +159,13 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
     if DEVICE == "cuda":  # fla-core's prefill multiplies float32 in tf32 (tests/test_gdn_prefill.py)
         monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
+    with LLM(str(path), device=device, dtype="float32", show_progress=False, enforce_eager=not graphs,
              max_num_seqs=5, max_model_len=48, **kwargs) as llm:
         runner = llm.engine.executor.runner
         if graphs and DEVICE == "cpu":
-            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True)
-        assert (runner.decode_graphs is not None) == graphs
+            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len,
+                                                static_off_cuda=True), _why_eager(runner)
+        assert (runner.decode_graphs is not None) == graphs, _why_eager(runner)
         replays = []
         if graphs:
             run = runner.decode_graphs.run
@@ -191,8 +201,10 @@ def test_graph_static_buffers_match_reference(qwen4_dir, monkeypatch):
         assert logits.shape[0] == 4 and torch.isfinite(logits).all()
 
     ref = _greedy(qwen4_dir, PROMPTS, graphs=False, kernels="reference", monkeypatch=monkeypatch)
+    # As the GPU test builds it: the PLE table on the compute device (ple_table_device="gpu"), whose
+    # name carries another index than its tensors report ("cpu:0" -> "cpu", as "cuda" -> "cuda:0").
     ours = _greedy(qwen4_dir, PROMPTS, graphs=True, kernels="triton", monkeypatch=monkeypatch,
-                   check=replay_without_host_reads)
+                   check=replay_without_host_reads, device="cpu:0", ple_table_device="gpu")
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
@@ -228,3 +240,22 @@ def test_host_ple_table_is_not_captured(qwen4_dir, monkeypatch):
         table = next(m for m in model.modules() if hasattr(m, "host_table"))
         table.device = torch.device("meta")  # as if the model ran on another device than the table
         assert "PLE table" in why_not_capturable(model) and "ple_table_device=gpu" in why_not_capturable(model)
+
+
+def test_ple_table_on_cuda_is_not_a_host_table(monkeypatch):
+    """The GPU test's model: built on torch.device("cuda") (LLM(device="cuda")), its PLE table on
+    cuda:0, where a tensor allocated on "cuda" lives. Device objects compare their spelling
+    (torch.device("cuda") != torch.device("cuda:0")), which made every such table a host table and
+    the decode eager. Simulated without a GPU."""
+    from types import SimpleNamespace
+
+    from lamina.layers import ple
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ple._as_reported("cuda") == torch.device("cuda:0") == ple._as_reported(torch.device("cuda", 0))
+    assert ple._as_reported("cpu:0") == torch.device("cpu") and ple._as_reported("meta") == torch.device("meta")
+    host_table = ple.NGramHashEmbedding.host_table.fget
+    on_gpu = SimpleNamespace(ngram_embedding=SimpleNamespace(device=torch.device("cuda:0")), device=torch.device("cuda"))
+    assert not host_table(on_gpu)
+    in_host_memory = SimpleNamespace(ngram_embedding=SimpleNamespace(device=torch.device("cpu")), device=torch.device("cuda"))
+    assert host_table(in_host_memory)

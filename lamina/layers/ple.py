@@ -59,6 +59,18 @@ def resolve_ple_table_device(option: str, device: torch.device, table_bytes: int
     return device if table_bytes < 0.5 * free else torch.device("cpu")
 
 
+def _as_reported(device) -> torch.device:
+    """`device` as a tensor allocated there reports it: the index filled in on CUDA ("cuda" ->
+    "cuda:N", the current device), dropped on the CPU ("cpu:0" -> "cpu"). Device objects compare
+    their spelling, not the memory they name: torch.device("cuda") != torch.device("cuda:0")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
 def _allocate_table(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
     """The table's storage. Host tables are pinned when the compute device is a GPU and the driver
     can pin that much; a table too large to pin (a full-size one is ~95 GiB) stays pageable, and
@@ -103,7 +115,9 @@ class NGramHashEmbedding(nn.Module):
         self.sharded = tp_size > 1 and self.total_head_dim % tp_size == 0
         self.head_dim = self.total_head_dim // tp_size if self.sharded else self.total_head_dim
         self.col_start = tp_rank * self.head_dim if self.sharded else 0
-        self.device = torch.device(device)
+        # As tensors report it: torch.device("cuda") != torch.device("cuda:0"), the device of a tensor
+        # allocated on "cuda" (and torch.device("cpu:0") != torch.device("cpu")).
+        self.device = _as_reported(device)
         sizes = head_vocab_sizes(vocab_base, ple_index, self.num_heads)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         multipliers = ngram_multipliers(vocab_size, ngram_size, ple_index, seed)
@@ -145,8 +159,10 @@ class NGramHashEmbedding(nn.Module):
 
     @property
     def host_table(self) -> bool:
-        """The table lives off the compute device (its rows are gathered on the host: not graph-safe)."""
-        return self.ngram_embedding.device != self.device
+        """The table lives off the compute device (its rows are gathered on the host: not graph-safe).
+        Both devices as tensors report them (`self.device` is normalised when built), so a model
+        built on "cuda" whose table is on "cuda:0" is not a host table."""
+        return _as_reported(self.ngram_embedding.device) != _as_reported(self.device)
 
     # ---- forward -------------------------------------------------------------------------
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ class ModelRunner:
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.verify_graphs = None  # lamina.worker.verify_graphs.VerifyGraphs (MTP), once captured
+        self.no_graphs_reason: str | None = None  # why `capture_decode_graphs` captured nothing (None: not asked, or captured)
         self.request_groups = request_groups_enabled()
         self.previous = None  # PreviousTokens of the last launched step that sampled (pending tokens)
         self.spec = None
@@ -112,15 +113,19 @@ class ModelRunner:
         (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly."""
         from lamina.worker import cuda_graphs
 
+        self.no_graphs_reason = None
         if self.device.type != "cuda" and not static_off_cuda:
+            self.no_graphs_reason = f"CUDA graphs need a CUDA device, not {self.device}"
             return False
         reason = cuda_graphs.why_not_capturable(self.model, verify=self.spec is not None)
         if reason is not None:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+            self.no_graphs_reason = reason
             return False
         max_blocks = -(-max_model_len // self.block_size)
         if self.spec is not None:
             if self.spec.mtp is None:
+                self.no_graphs_reason = "speculative decoding with no MTP drafter on this rank: verification steps run eagerly"
                 return False
             from lamina.worker.verify_graphs import VerifyGraphs
 
