@@ -45,3 +45,22 @@ def test_bench_latency_compared_with_transformers(qwen3_next_dir, tmp_path):
     [record] = json.loads(out.read_text())
     assert record["baseline"]["engine"].startswith("transformers") and record["baseline"]["output_tok_per_s"] > 0
     assert abs(record["speedup_vs_baseline"] - record["output_tok_per_s"] / record["baseline"]["output_tok_per_s"]) < 1e-9
+
+
+def test_distinct_experts_are_counted_in_real_decode_steps(qwen3_next_dir):
+    """The roofline's expert bytes: per MoE layer, the distinct experts of the batch's own decode
+    steps (prefill calls not counted), in an untimed rerun that leaves the engine idle."""
+    from lamina import LLM
+    from lamina.entrypoints.bench import distinct_experts_per_layer
+    from lamina.layers.moe import SparseMoE
+
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32") as llm:
+        moes = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, SparseMoE)]
+        top_k, experts = moes[0].top_k, moes[0].num_experts
+        seen = []
+        for m in moes:  # what the counting hook wraps stays the kernel after the call
+            seen.append(m.experts_kernel)
+        distinct = distinct_experts_per_layer(llm, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], decode_steps=2)
+        assert len(distinct) == len(moes) > 0
+        assert all(top_k <= d <= min(experts, 2 * top_k) for d in distinct)
+        assert [m.experts_kernel for m in moes] == seen and not llm.engine.has_unfinished_requests()

@@ -3,7 +3,8 @@
 latency: for each batch size, B prompts of `--input-len` random token ids decode `--output-len`
 tokens together; reports TTFT (the prefill steps), TPOT (mean decode step), output tok/s and the
 fraction of the HBM roofline: the bytes one decode step really reads (every non-expert weight
-but the embedding, the distinct routed experts of a measured step, the shared experts, the LM
+but the embedding, the distinct routed experts of the batch's real decode steps (counted in an
+untimed eager rerun of its first steps), the shared experts, the LM
 head, the KV cache read, the recurrent state read and written) over the device copy bandwidth
 measured in the same run. throughput: N prompts offline, total and output tok/s. serve: a running
 `lamina serve` measured over HTTP (lamina/entrypoints/bench_serve.py).
@@ -87,54 +88,49 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
 
 
-def distinct_experts_per_layer(llm, prompts_ids: list[list[int]]) -> list[int]:
-    """Run one eager step of the given one-token-per-request decode batch and count, per MoE
-    layer, the distinct experts its tokens were routed to."""
+def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], decode_steps: int = 4) -> list[float]:
+    """Per MoE layer, the mean number of distinct experts one decode step of this batch routes to:
+    the prompts run again (untimed) through the engine and their first `decode_steps` decode steps
+    run eagerly with the experts kernel counting the routed ids of every one-token-per-request call
+    (prefill calls have another token count). The routing of real decode steps (their contexts,
+    their states), not a proxy: with dummy weights it is far from uniform, and it decides how many
+    expert bytes a step reads."""
+    from lamina import SamplingParams
     from lamina.layers.moe import SparseMoE
 
-    model = llm.engine.executor.runner.model
-    counts = []
+    engine = llm.engine
+    runner = engine.executor.runner
+    batch = len(prompts_ids)
+    moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    counts: list[list[int]] = [[] for _ in moes]
 
-    def wrap(moe):
-        inner = moe.experts_kernel
-
+    def counting(index, inner):
         def counted(x, w13, w2, weights, ids, start, **kwargs):
-            counts.append(int(torch.unique(ids).numel()))
+            if ids.shape[0] == batch:
+                counts[index].append(int(torch.unique(ids).numel()))
             return inner(x, w13, w2, weights, ids, start, **kwargs)
 
-        return inner, counted
+        return counted
 
-    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    saved = []
-    for m in moes:
-        inner, counted = wrap(m)
-        saved.append(inner)
-        m.experts_kernel = counted
-    with torch.inference_mode():
-        hidden = model(torch.tensor([p[-1] for p in prompts_ids], device=llm.engine.device), _decode_meta(llm, len(prompts_ids)), None)
-        del hidden
-    for m, inner in zip(moes, saved):
-        m.experts_kernel = inner
-    return counts
-
-
-def _decode_meta(llm, batch: int):
-    """Metadata of a throwaway one-token step that writes only the spare state slot."""
-    from lamina.layers.metadata import ForwardMetadata
-
-    device = llm.engine.device
-    runner = llm.engine.executor.runner
-    ar = torch.arange(batch, device=device)
-    return ForwardMetadata(
-        num_tokens=batch, num_reqs=batch, max_query_len=1, max_seq_len=1, positions=torch.zeros_like(ar),
-        query_start_loc=torch.arange(batch + 1, device=device), seq_lens=torch.ones_like(ar),
-        slot_mapping=torch.full_like(ar, -1), block_tables=torch.zeros(batch, 1, dtype=torch.long, device=device),
-        state_slots=torch.full_like(ar, runner.spare_state_slot), has_initial_state=torch.zeros_like(ar, dtype=torch.bool),
-        token_request_index=ar,
-    )
+    saved = [m.experts_kernel for m in moes]
+    graphs, runner.decode_graphs = runner.decode_graphs, None  # eager: the hooks see every step
+    try:
+        for i, m in enumerate(moes):
+            m.experts_kernel = counting(i, saved[i])
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        for p in prompts_ids:
+            engine.add_request({"prompt_token_ids": p}, params)
+        with torch.inference_mode():
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        runner.decode_graphs = graphs
+        for m, inner in zip(moes, saved):
+            m.experts_kernel = inner
+    return [sum(c) / len(c) if c else 0.0 for c in counts]
 
 
-def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[int]) -> int:
+def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float]) -> int:
     """Bytes one decode step at this batch reads (and, for recurrent state, writes)."""
     from lamina.layers.attention import GatedAttention
     from lamina.layers.embedding import VocabParallelEmbedding
@@ -155,7 +151,7 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[int])
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     for m, distinct in zip(moes, distinct_experts):
         per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
-        total += distinct * per_expert
+        total += round(distinct * per_expert)
     for m in model.modules():
         if isinstance(m, GatedAttention):
             total += batch * context_len * 2 * m.num_kv_heads * m.head_dim * m.k_cache.element_size()
