@@ -361,6 +361,22 @@ def test_gemv_moe_config_errors():
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_slots=0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_slots_adds_in_slot_order(dtype):
+    """The fused MoE's slot sum: float32 partials added in slot order, rounded once to the output dtype."""
+    from lamina.kernels.triton_moe import sum_slots
+
+    parts = _rand(3, 5, 40, seed=1)  # [T, S, H]
+    ref = parts[:, 0].clone()
+    for slot in range(1, 5):
+        ref += parts[:, slot]
+    if dtype == torch.float32:
+        assert torch.equal(sum_slots(parts, dtype), ref)
+    else:  # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest: one step apart
+        torch.testing.assert_close(sum_slots(parts, dtype), ref.to(dtype), atol=0, rtol=2 * torch.finfo(dtype).eps)
+    assert sum_slots(parts[:0], dtype).shape == (0, 40)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 3, 4])
 def test_gemv_matches_linear(rows):
     """The decode GEMV (split-K, partials summed by each tile's last program) against F.linear, with

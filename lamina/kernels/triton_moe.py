@@ -293,7 +293,29 @@ def fused_moe(
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         PRECISION=precision, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
-    return out.view(num_tokens, slots, hidden).sum(dim=1).to(x.dtype)  # [T, H]
+    return sum_slots(out.view(num_tokens, slots, hidden), x.dtype)  # [T, H]
+
+
+@triton.jit
+def _sum_slots_kernel(parts_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    total = tl.zeros([BLOCK], tl.float32)
+    for slot in range(0, SLOTS):  # in slot order: deterministic
+        total += tl.load(parts_ptr + (token * SLOTS + slot) * hidden + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + token * hidden + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts `[T, S, H]` float32 (contiguous) -> their sum over S in slot order, `[T, H]` in `dtype`:
+    one launch for what `.sum(dim=1).to(dtype)` does in two."""
+    num_tokens, slots, hidden = parts.shape
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=parts.device)  # [T, H]
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](parts, out, hidden, SLOTS=slots, BLOCK=block)
+    return out
 
 
 # Tile sizes: the GEMV regime (few pairs, e.g. batch 1: 8 pairs) wants many narrow tiles so every
