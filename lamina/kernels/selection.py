@@ -1,10 +1,12 @@
 """Which kernel set a layer uses, chosen once when the model is built, never per tensor value.
 
 - `reference`: the plain torch kernels of this package (CPU, CI, the oracle).
-- `triton`: lamina's Triton kernels (`triton_decode`, `triton_verify`, `triton_moe`) for decode
-  steps of a uniform Q tokens per request (`decode_query_len`: plain decode, MTP verification)
-  and the routed experts with their routing (`triton_router`, one launch up to 4 tokens:
-  `fused_router_max_tokens`); everything else stays on the reference kernels.
+- `triton`: lamina's Triton kernels (`triton_decode`, `triton_gdn_decode`, `triton_verify`,
+  `triton_moe`) for decode steps of a uniform Q tokens per request (`decode_query_len`: plain
+  decode, MTP verification) and the routed experts with their routing (`triton_router`, one
+  launch up to 4 tokens: `fused_router_max_tokens`); everything else stays on the reference
+  kernels. The gated delta net's one-token decode is one fused launch unless
+  `LAMINA_FUSED_GDN_DECODE=0` (`fused_gdn_decode_enabled`).
 
 `LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
 `triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
@@ -76,6 +78,18 @@ def qsa_fixed_shape_decode(kernels: str) -> bool:
     wanted = os.environ.get("LAMINA_QSA_DECODE", "0")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_QSA_DECODE = {wanted!r} must be 0 or 1")
+    return kernels == "triton" and wanted == "1"
+
+
+def fused_gdn_decode_enabled(kernels: str) -> bool:
+    """Whether the gated delta net's one-token decode on the Triton kernel set runs as one launch
+    (`lamina.kernels.triton_gdn_decode`: conv, delta rule and gated norm fused) rather than the
+    three of `triton_decode` / `triton_norm`. `LAMINA_FUSED_GDN_DECODE=1` (the default) fuses, `0`
+    keeps the three launches (A/B runs); MTP verification steps (Q > 1) take the Q-token kernels of
+    `triton_verify` either way. Read at model build time."""
+    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_FUSED_GDN_DECODE = {wanted!r} must be 0 or 1")
     return kernels == "triton" and wanted == "1"
 
 

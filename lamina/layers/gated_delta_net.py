@@ -11,10 +11,13 @@ Recurrent state lives in two per-layer tensors indexed by the request's state sl
 verification the states after chosen tokens are kept too (lamina.layers.spec_state).
 
 Kernels (chosen when the layer is built, lamina.kernels.selection): a one-token decode step on the
-Triton set runs `triton_decode`'s conv and delta rule on the pools in place. Other steps (prefill
-chunks, mixed prefill + decode) run the conv on `triton_conv` and the delta rule on fla-core
-(`fla_prefill`) where `gdn_prefill_kernels` picked them, else on the torch references, which also
-take every speculative verification step (fla cannot report the states after inner tokens).
+Triton set runs conv, delta rule and gated norm in one launch on the pools in place
+(`triton_gdn_decode`; with `LAMINA_FUSED_GDN_DECODE=0` three: `triton_decode`'s conv and delta
+rule, then the Triton gated norm); an MTP verification step (Q = K + 1 tokens per request) runs
+`triton_verify`'s Q-token conv and delta rule. Other steps (prefill chunks, mixed prefill +
+decode) run the conv on `triton_conv` and the delta rule on fla-core (`fla_prefill`) where
+`gdn_prefill_kernels` picked them, else on the torch references, which also take every
+speculative verification step (fla cannot report the states after inner tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
 from lamina.layers.spec_state import capture_tokens, conv_with_capture
+from lamina.kernels.selection import fused_gdn_decode_enabled
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
@@ -87,6 +91,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # bound by the runner
         self.ssm_state: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
+        self.fused_decode = fused_gdn_decode_enabled(self.kernels)  # one-token decode in one launch
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
@@ -197,12 +202,23 @@ class GatedDeltaNet(nn.Module):
         """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: verification):
         conv and delta rule read and write the state pools at the requests' slots in place (no
         gather / scatter of states); under verification they also write the states after tokens
-        0..Q-2 into the step's capture rows (lamina.layers.spec_state)."""
+        0..Q-2 into the step's capture rows (lamina.layers.spec_state). Plain decode runs conv,
+        delta rule and gated norm as one kernel (`fused_gdn_decode`) unless the layer was built
+        with LAMINA_FUSED_GDN_DECODE=0."""
         from lamina.kernels.triton_verify import causal_conv1d_verify, gated_delta_rule_verify
 
         num_tokens = meta.num_tokens
         slots, keep = meta.state_slots, meta.has_initial_state
         capture = meta.state_capture
+        if queries == 1 and capture is None and self.fused_decode:
+            from lamina.kernels.triton_gdn_decode import fused_gdn_decode
+
+            core = fused_gdn_decode(
+                mixed_qkv, z, b, a, self.conv_weight, self.conv_state, self.ssm_state, slots, keep, self.A_log,
+                self.dt_bias, self.norm.weight, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+                norm_eps=self.norm.eps, activation=self.norm.activation,
+            )  # [T, Hv*Dv]: conv, delta rule and gated norm in one launch, the pools updated in place
+            return self.out_proj(core)
         conv_rows = ssm_rows = None
         if capture is not None:  # decode_query_len: Q - 1 captured tokens per request, request-major
             count = meta.num_reqs * (queries - 1)
