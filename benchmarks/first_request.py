@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", choices=["on", "off"], default=None)
+    ap.add_argument("--skip-off", action="store_true", help="only warm-up on: cold cache, then the restart")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one_process(args.layers, args.input_len, args.child == "on")))
@@ -57,7 +58,8 @@ def main() -> None:
     # warm-up off and on with an empty Triton cache (a new machine), then on again with the cache
     # the previous process left (a restart: compiled kernels and fla's autotuning results on disk).
     with tempfile.TemporaryDirectory() as off_cache, tempfile.TemporaryDirectory() as on_cache:
-        for mode, cache, label in (("off", off_cache, "cold"), ("on", on_cache, "cold"), ("on", on_cache, "warm")):
+        runs = (("off", off_cache, "cold"), ("on", on_cache, "cold"), ("on", on_cache, "warm"))
+        for mode, cache, label in runs[1:] if args.skip_off else runs:
             env = dict(os.environ, TRITON_CACHE_DIR=cache)
             out = subprocess.run([sys.executable, __file__, "--child", mode, "--layers", str(args.layers),
                                   "--input-len", str(args.input_len)], env=env, capture_output=True, text=True)

@@ -34,7 +34,7 @@ for part in $PARTS; do
       LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 16 64 --input-len 128 --output-len 64 --no-async-scheduling --output-json $OUT/latency_sync.json 2>&1 | tail -6
       LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 16 64 --input-len 1024 --output-len 256 --output-json $OUT/latency_1024.json 2>&1 | tail -5 ;;
     profile64)
-      timeout 70 python3 benchmarks/profile_decode.py --batch 64 --out $OUT/profile_b64.json > $OUT/profile_b64.txt 2>&1
+      LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 64 --out $OUT/profile_b64.json > $OUT/profile_b64.txt 2>&1
       python3 -c "
 import json; d=json.load(open('$OUT/profile_b64.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
@@ -57,8 +57,10 @@ for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_st
     validate)  # the GPU-only paths not yet run on a GPU: Qwen4-Exp QSA decode graphs, engine warm-up, kernels
       LAMINA_QSA_DECODE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qwen4_graphs.py \
         tests/test_triton_kernels.py tests/test_triton_router.py tests/test_async_scheduling.py 2>&1 | tail -15 ;;
-    first)  # TTFT of a fresh engine's first request, warm-up off / on, empty Triton caches
-      timeout 200 python3 benchmarks/first_request.py --out $OUT/first_request.json 2>&1 | tail -6 ;;
+    first)  # TTFT of a fresh engine's first request, warm-up off / on, empty Triton caches, then a restart
+      timeout 300 python3 benchmarks/first_request.py --out $OUT/first_request.json 2>&1 | tail -6 ;;
+    restart)  # warm-up on: a cold cache, then a restart on the cache it left (fla's autotuning on disk)
+      timeout 200 python3 benchmarks/first_request.py --skip-off --out $OUT/first_request_restart.json 2>&1 | tail -6 ;;
     compare)  # batch 1 against transformers' generate (with fla-core) in the same process run
       LAMINA_GDN_PREFILL=reference timeout 200 $L --batch-size 1 --input-len 128 --output-len 32 --compare transformers \
         --output-json $OUT/compare_transformers_b1.json 2>&1 | tail -6 ;;
@@ -71,10 +73,23 @@ for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_st
         LAMINA_TRITON_GEMV=$g LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
           --output-json $OUT/latency_gemv$g.json 2>&1 | tail -5
       done ;;
+    newtests)  # GPU tests of this session's kernels: split-K GEMV, split attention, fused GDN decode, align, Qwen4 graphs
+      LAMINA_QSA_DECODE=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 \
+        tests/test_triton_gdn_decode.py tests/test_triton_kernels.py tests/test_triton_router.py tests/test_qwen4_graphs.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -25 ;;
+    gdnbench)  # fused delta-net decode against the three launches, CUDA graphs of 30 layers
+      timeout 90 python3 benchmarks/bench_gdn_decode.py --sweep --out $OUT/bench_gdn_decode.json 2>&1 | tail -12 ;;
+    alignbench)
+      timeout 60 python3 benchmarks/bench_align.py --out $OUT/bench_align.json 2>&1 | tail -8 ;;
+    final)  # decode at 128 / 64 and at 1024 / 256 with this session's defaults
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+        --output-json $OUT/latency_final.json --plot $OUT/latency_final.png 2>&1 | tail -5
+      LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 16 64 --input-len 1024 --output-len 256 \
+        --output-json $OUT/latency_1024_final.json 2>&1 | tail -4 ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
     profile)
-      timeout 70 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
+      LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
 import json; d=json.load(open('$OUT/profile_b1.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
