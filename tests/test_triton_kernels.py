@@ -191,13 +191,87 @@ def test_align_pairs_gives_each_block_one_expert():
     assert sorted(seen) == [0, 1, 2, 3, 5, 7]  # every local pair exactly once (4: expert 7, 6: expert 0)
 
 
-@pytest.mark.parametrize("num_pairs,num_local,expert_start", [(1, 8, 0), (8, 256, 0), (200, 6, 2), (130, 64, 30)])
-def test_one_program_alignment_equals_the_torch_one(num_pairs, num_local, expert_start):
-    ids = torch.randint(0, 2 * num_local, (num_pairs, 1), generator=_gen(num_pairs)).to(DEVICE)
-    for block_m in (4, 16):
-        ours = _align_one_program(ids, num_local, expert_start, block_m)
-        ref = _align_torch(ids, num_local, expert_start, block_m)
-        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+def _assert_same_alignment(ours, ref):
+    assert torch.equal(ours[0], ref[0]), "sorted_pairs differ"
+    assert torch.equal(ours[1], ref[1]), "block_expert differ"
+
+
+# (pairs, local experts, expert_start, block_m): 1 to 4096 pairs (decode batch 64 at top-8 = 512);
+# 8, 256, 1000 local experts and 1024 (the largest one program takes: there E_PAD = E, so the
+# non-local pairs' key expert E is past every histogram bin); BLOCK_M 4 to 64. Ids are drawn from
+# [0, expert_start + E + 8): with expert_start > 0 some are below the local range, always some
+# above it (other ranks' experts: no row).
+ALIGN_CASES = [
+    (1, 8, 0, 16), (1, 1000, 500, 64),
+    (7, 8, 3, 32), (7, 256, 0, 16), (7, 1000, 0, 64),
+    (64, 8, 0, 64), (64, 256, 128, 16), (64, 1000, 0, 32),
+    (130, 64, 30, 4), (200, 6, 2, 16),
+    (512, 256, 0, 16), (512, 8, 4, 32), (512, 1000, 24, 64), (512, 1024, 0, 16),
+    (4096, 256, 0, 16), (4096, 1000, 500, 64), (4096, 8, 2, 32),
+]
+
+
+@pytest.mark.parametrize("num_pairs,num_local,expert_start,block_m", ALIGN_CASES)
+def test_one_program_alignment_equals_the_torch_one(num_pairs, num_local, expert_start, block_m):
+    """Bitwise: the same rows in the same order (pair order inside an expert), the same padding
+    (num_pairs) and the same -1 blocks; int64 ids as the router gives them, [T, k] when P is a
+    multiple of 8."""
+    gen = _gen(num_pairs * 7919 + num_local)
+    shape = (num_pairs // 8, 8) if num_pairs % 8 == 0 else (num_pairs, 1)
+    ids = torch.randint(0, expert_start + num_local + 8, shape, generator=gen).to(DEVICE)
+    ref = _align_torch(ids, num_local, expert_start, block_m)
+    _assert_same_alignment(_align_one_program(ids, num_local, expert_start, block_m), ref)
+    _assert_same_alignment(align_pairs(ids, num_local, expert_start, block_m), ref)
+
+
+def test_one_program_alignment_at_every_warp_count():
+    """The sort's register / lane / warp split of the key bits follows num_warps (`REG_BITS`):
+    every split must sort (int32 ids too)."""
+    ids = torch.randint(0, 300, (512,), generator=_gen(3)).to(DEVICE, torch.int32)
+    ref = _align_torch(ids, 256, 20, 16)
+    for num_warps in (1, 2, 4, 8):
+        _assert_same_alignment(_align_one_program(ids, 256, 20, 16, num_warps=num_warps), ref)
+
+
+def _skewed_ids(kind: str) -> torch.Tensor:
+    if kind == "one_expert":  # 4096 pairs on expert 3: one 4096-row run, 64 full blocks
+        return torch.full((4096,), 3)
+    if kind == "none_local":  # every id on another rank: all rows padding, every block -1
+        return torch.full((512,), 300)
+    if kind == "each_once":  # 256 distinct experts: 256 one-pair blocks
+        return torch.randperm(256, generator=_gen(1))
+    ids = torch.randint(0, 256, (2048,), generator=_gen(2))  # half the pairs on expert 0, the rest spread
+    ids[::2] = 0
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "none_local", "each_once", "half_on_one"])
+def test_one_program_alignment_of_skewed_routings(kind):
+    ids = _skewed_ids(kind).to(DEVICE)
+    num_local, block_m = (8, 64) if kind == "one_expert" else (256, 16)
+    ours = _align_one_program(ids, num_local, 0, block_m)
+    _assert_same_alignment(ours, _align_torch(ids, num_local, 0, block_m))
+    sorted_pairs, block_expert = (t.cpu() for t in ours)
+    if kind == "one_expert":  # the spec itself, not only the reference: pair order, then padding
+        assert torch.equal(sorted_pairs[:4096], torch.arange(4096, dtype=torch.int32))
+        assert (sorted_pairs[4096:] == 4096).all()
+        assert (block_expert[:64] == 3).all() and (block_expert[64:] == -1).all()
+    if kind == "none_local":
+        assert (sorted_pairs == 512).all() and (block_expert == -1).all()
+
+
+@pytest.mark.gpu
+def test_alignment_replays_in_a_cuda_graph():
+    """Capturable: no host sync, shapes from host ints; a replay on new ids gives their alignment."""
+    ids = torch.randint(0, 256, (64, 8), device="cuda")
+    align_pairs(ids, 256, 0, 16)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = align_pairs(ids, 256, 0, 16)
+    for seed in range(3):
+        ids.copy_(torch.randint(0, 256, (64, 8), generator=_gen(seed)).cuda())
+        graph.replay()
+        _assert_same_alignment(out, _align_torch(ids, 256, 0, 16))
 
 
 @pytest.mark.parametrize("renormalize,top_k", [(True, 4), (False, 4), (True, 10)])

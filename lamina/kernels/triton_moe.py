@@ -50,54 +50,134 @@ def align_pairs(topk_ids: torch.Tensor, num_local_experts: int, expert_start: in
 
 
 @triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+# The combine function of `tl.sum` where Triton has it under this name (3.9 does): the same IR as
+# ours on a GPU, but TRITON_INTERPRET recognises it and reduces with NumPy instead of calling the
+# combine function element by element in Python.
+_ADD = getattr(tl.standard, "_sum_combine", _add_combine)
+
+
+@triton.jit
+def _sort_unique(x, LOG_N: tl.constexpr, REG_BITS: tl.constexpr):
+    """Ascending bitonic sort of `x` `[2**LOG_N]` (int32, every |value| < 2**30), as `tl.sort`
+    does it: `x` as a `[2] * LOG_N` hypercube, one compare-and-swap step per (stage, bit), each a
+    reduction over the size-2 axis of that bit. Two differences:
+
+    - the reduction is a sum (partner = sum - self; `tl.sort` xors): the same work on a GPU, but
+      NumPy-fast under TRITON_INTERPRET, where the xor reduction runs element by element in
+      Python (seconds for 512 keys); `tl.reduce`, not `tl.sum`, because the interpreter spends
+      ~5 ms on each call of a jitted helper;
+    - sorted position p is not the flat index f but f rotated left by REG_BITS bits. Triton's
+      default layout here (one element per thread, checked in the sm_90 TTGIR of Triton 3.9) puts
+      f's low 5 bits on lanes, the next log2(warps) on warps and the top REG_BITS = LOG_N - 5 -
+      log2(warps) bits in registers; rotated, p's low bits, which the network compares most often
+      (bit b in LOG_N - b steps), are the in-register ones and p's top bits the cross-warp ones
+      (through shared memory, with barriers). At 512 keys on 4 warps: 17 in-register, 25 shuffle
+      and 3 cross-warp steps instead of 3, 35 and 7 (sm_90 SASS: 122 shuffles and 21 barriers
+      instead of 178 and 37). Any REG_BITS sorts correctly; it only moves work between registers,
+      lanes and warps.
+
+    Returns (keys, p), both `[2**LOG_N]` in the flat order: keys[i] is the p[i]-th smallest."""
+    h = tl.reshape(x, [2] * LOG_N)
+    flat = tl.reshape(tl.arange(0, x.shape[0]), [2] * LOG_N)  # flat index of each hypercube element
+    pos = ((flat << REG_BITS) | (flat >> (LOG_N - REG_BITS))) & (x.shape[0] - 1)  # its sorted position
+    for stage in tl.static_range(1, LOG_N + 1):  # sorted runs of 2**stage; runs with bit `stage` set
+        for step in tl.static_range(stage):  # descend (none in the last stage: pos < 2**LOG_N)
+            # Compare-and-swap the elements whose positions differ in bit b = stage - 1 - step: flat
+            # bit b - REG_BITS (axis LOG_N - 1 - b + REG_BITS) or, for b < REG_BITS, flat bit
+            # LOG_N - REG_BITS + b (axis REG_BITS - 1 - b). Inline: a constexpr assigned to a local
+            # becomes a tensor.
+            if stage - 1 - step < REG_BITS:
+                partner = tl.reduce(h, REG_BITS - stage + step, _ADD, keep_dims=True) - h
+            else:
+                partner = tl.reduce(h, LOG_N + REG_BITS - stage + step, _ADD, keep_dims=True) - h
+            take_hi = (((pos >> (stage - 1 - step)) ^ (pos >> stage)) & 1) != 0  # the larger one
+            h = tl.where(take_hi, tl.maximum(h, partner), tl.minimum(h, partner))
+    return tl.reshape(h, x.shape), tl.reshape(pos, x.shape)
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, expert_start, num_experts, max_rows,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    experts = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, CHUNK)
-    # Pass 1: pairs per local expert.
-    counts = tl.zeros([E_PAD], tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + lanes
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32) - expert_start
-        local = (offs < num_pairs) & (e >= 0) & (e < num_experts)
-        e = tl.where(local, e, -1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    # Row blocks: expert = number of experts whose padded range ends at or before the block's start.
-    for b0 in range(0, max_rows // BLOCK_M, CHUNK):
-        blocks = b0 + lanes
-        first_row = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32) * (experts[None, :] < num_experts), axis=1)
-        expert = tl.where(expert < num_experts, expert, -1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_rows // BLOCK_M)
-    for r0 in range(0, max_rows, CHUNK):
-        rows = r0 + lanes
-        tl.store(sorted_pairs_ptr + rows, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=rows < max_rows)
-    tl.debug_barrier()  # the padding fill lands before the pairs that overwrite it
-    # Pass 2: each pair goes to its expert's next free row, in pair order.
-    running = starts
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + lanes
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32) - expert_start
-        local = (offs < num_pairs) & (e >= 0) & (e < num_experts)
-        onehot = ((e[:, None] == experts[None, :]) & local[:, None]).to(tl.int32)  # [CHUNK, E]
-        before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
-        dest = tl.sum(onehot * (running[None, :] + before), axis=1)
-        tl.store(sorted_pairs_ptr + dest, offs.to(tl.int32), mask=local)
-        running += tl.sum(onehot, axis=0)
+                  BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, LOG_P: tl.constexpr, REG_BITS: tl.constexpr,
+                  E_PAD: tl.constexpr, FILL: tl.constexpr):
+    """`align_pairs` in one program (one launch, no host sync; every shape from host ints), for
+    P <= P_PAD pairs and E <= E_PAD local experts. No [pairs, experts] tile: each step works on at
+    most max(P_PAD, E_PAD, FILL) lanes.
+
+    1. Fill: every row gets `num_pairs` (padding), every row block -1, FILL lanes per iteration
+       (at most 2048: 3 iterations at 512 pairs over 256 experts, BLOCK_M 16: R = 4352 rows).
+    2. Count: pairs per local expert (`tl.histogram`), the padding to a multiple of BLOCK_M of
+       each, and one exclusive scan over experts: shift[e] = padding rows of the experts before e
+       = (padded start of e's rows) - (local pairs of experts before e).
+    3. Sort the keys `local_expert << LOG_P | pair` (non-local pairs and lanes >= P get expert E,
+       after every local one; keys are distinct, so the order is fully determined). The pair in
+       sorted position p with expert e is e's rank-th pair, p = (local pairs of experts before
+       e) + rank, and rank follows pair order (the pair index is the key's low bits: the stable
+       order `_align_torch` has): its row is p + shift[e] (a `tl.gather` of shift).
+    4. After a barrier (the fill of step 1 lands first: same addresses, other threads), scatter
+       each local pair to its row and its expert to its row's block. Every real block holds at
+       least one real row (an expert pads fewer than BLOCK_M rows), so every real block is
+       written; the pairs of one block write the same value.
+    """
+    # 1. Padding everywhere; real rows and blocks are overwritten in step 4.
+    fill = tl.arange(0, FILL)
+    for r0 in range(0, max_rows, FILL):
+        rows = r0 + fill  # [FILL]
+        tl.store(sorted_pairs_ptr + rows, tl.zeros([FILL], tl.int32) + num_pairs, mask=rows < max_rows)
+    num_blocks = max_rows // BLOCK_M
+    for b0 in range(0, num_blocks, FILL):
+        blocks = b0 + fill  # [FILL]
+        tl.store(block_expert_ptr + blocks, tl.full([FILL], -1, tl.int32), mask=blocks < num_blocks)
+    # 2. Pairs per local expert; padding lanes and non-local pairs are counted in bin 0 (every
+    # value must be in [0, E_PAD): the GPU histogram keeps only the low bits) and taken out again.
+    lanes = tl.arange(0, P_PAD)  # [P_PAD] pair index
+    valid = lanes < num_pairs
+    e = tl.load(ids_ptr + lanes, mask=valid, other=0).to(tl.int32) - expert_start  # [P_PAD]
+    local = valid & (e >= 0) & (e < num_experts)  # [P_PAD]
+    experts = tl.arange(0, E_PAD)  # [E_PAD]
+    not_local = P_PAD - tl.sum(local.to(tl.int32), axis=0)
+    counts = tl.histogram(tl.where(local, e, 0), E_PAD) - tl.where(experts == 0, not_local, 0)  # [E_PAD]
+    pad = (BLOCK_M - counts % BLOCK_M) % BLOCK_M  # [E_PAD] padding rows after each expert (0 past E)
+    shift = tl.cumsum(pad, axis=0) - pad  # [E_PAD] padding rows of the experts before e
+    # 3. Sort by (expert, pair); position = each sorted key's place in the sorted order.
+    key, position = _sort_unique((tl.where(local, e, num_experts) << LOG_P) | lanes, LOG_P, REG_BITS)  # [P_PAD]
+    sorted_expert = key >> LOG_P  # [P_PAD]
+    sorted_pair = key & (P_PAD - 1)  # [P_PAD]
+    is_local = sorted_expert < num_experts  # [P_PAD]: the local pairs are the first ones
+    dest = position + tl.gather(shift, tl.minimum(sorted_expert, E_PAD - 1), axis=0)  # [P_PAD] row
+    # 4. Scatter (after the fill: same addresses, other threads).
+    tl.debug_barrier()
+    tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=is_local)
+    tl.store(block_expert_ptr + dest // BLOCK_M, sorted_expert, mask=is_local)
 
 
-def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int):
+def _align_warps(p_pad: int) -> int:
+    """Warps of the align program for a sort of `p_pad` keys: one warp up to 128 (the whole sort in
+    registers and lane shuffles, no barrier), more for longer sorts. From a count of in-register,
+    shuffle and cross-warp sort steps (see `_sort_unique`), not yet from a GPU timing:
+    benchmarks/bench_align.py --sweep times 1, 2, 4 and 8 warps."""
+    return 1 if p_pad <= 128 else 2 if p_pad <= 256 else 4 if p_pad <= 2048 else 8
+
+
+def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int,
+                       num_warps: int | None = None):
+    """`align_pairs` as one launch of `_align_kernel` (1 <= P <= 4096 pairs, E_local <= 1024)."""
     num_pairs = topk_ids.numel()
     max_rows = _max_rows(num_pairs, num_local_experts, block_m)
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=topk_ids.device)
+    p_pad = max(32, triton.next_power_of_2(num_pairs))
+    num_warps = num_warps or _align_warps(p_pad)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_pairs, block_expert, num_pairs, expert_start, num_local_experts, max_rows,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_local_experts),
-        CHUNK=min(64, max(16, triton.next_power_of_2(num_pairs))), num_warps=4,
+        BLOCK_M=block_m, P_PAD=p_pad, LOG_P=p_pad.bit_length() - 1,
+        REG_BITS=max(0, p_pad.bit_length() - 1 - 5 - (num_warps.bit_length() - 1)),
+        E_PAD=max(32, triton.next_power_of_2(num_local_experts)),
+        FILL=min(2048, max(128, triton.next_power_of_2(max_rows))),
+        num_warps=num_warps,
     )
     return sorted_pairs, block_expert
 
