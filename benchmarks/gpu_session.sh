@@ -81,6 +81,8 @@ for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_st
       timeout 90 python3 benchmarks/bench_gdn_decode.py --sweep --out $OUT/bench_gdn_decode.json 2>&1 | tail -12 ;;
     alignbench)
       timeout 60 python3 benchmarks/bench_align.py --out $OUT/bench_align.json 2>&1 | tail -8 ;;
+    q4tests)  # Qwen4-Exp decode graphs (QSA fixed-shape decode, now the default) against eager and fp32
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qwen4_graphs.py tests/test_gpu_engine.py -k "qwen4 or graphs" 2>&1 | tail -8 ;;
     final)  # decode at 128 / 64 and at 1024 / 256 with this session's defaults
       LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
         --output-json $OUT/latency_final.json --plot $OUT/latency_final.png 2>&1 | tail -5

@@ -60,7 +60,7 @@ def test_distinct_experts_are_counted_in_real_decode_steps(qwen3_next_dir):
         seen = []
         for m in moes:  # what the counting hook wraps stays the kernel after the call
             seen.append(m.experts_kernel)
-        distinct = distinct_experts_per_layer(llm, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], decode_steps=2)
+        distinct = distinct_experts_per_layer(llm, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 20, decode_steps=2)
         assert len(distinct) == len(moes) > 0
         assert all(top_k <= d <= min(experts, 2 * top_k) for d in distinct)
         assert [m.experts_kernel for m in moes] == seen and not llm.engine.has_unfinished_requests()

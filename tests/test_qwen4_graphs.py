@@ -155,7 +155,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
     from lamina import LLM, SamplingParams
 
     monkeypatch.setenv("LAMINA_KERNELS", kernels)
-    monkeypatch.setenv("LAMINA_QSA_DECODE", "1")  # opt-in until it has run on a GPU
+    monkeypatch.setenv("LAMINA_QSA_DECODE", "1")  # the default, pinned
     if DEVICE == "cuda":  # fla-core's prefill multiplies float32 in tf32 (tests/test_gdn_prefill.py)
         monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
@@ -229,10 +229,11 @@ def test_host_ple_table_is_not_captured(qwen4_dir, monkeypatch):
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     from lamina import LLM
 
+    monkeypatch.setenv("LAMINA_QSA_DECODE", "0")
     with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
         model = llm.engine.executor.runner.model
-        assert "LAMINA_QSA_DECODE=1" in why_not_capturable(model)  # off by default until run on a GPU
-    monkeypatch.setenv("LAMINA_QSA_DECODE", "1")
+        assert "LAMINA_QSA_DECODE=0" in why_not_capturable(model)
+    monkeypatch.delenv("LAMINA_QSA_DECODE")  # on by default
     with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
         model = llm.engine.executor.runner.model
         assert why_not_capturable(model) is None

@@ -214,6 +214,8 @@ def test_fused_gdn_decode_switch(monkeypatch):
     from lamina.kernels.selection import fused_gdn_decode_enabled
 
     monkeypatch.delenv("LAMINA_FUSED_GDN_DECODE", raising=False)
+    assert not fused_gdn_decode_enabled("triton")  # off by default: slower on the H200
+    monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", "1")
     assert fused_gdn_decode_enabled("triton") and not fused_gdn_decode_enabled("reference")
     monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", "0")
     assert not fused_gdn_decode_enabled("triton")

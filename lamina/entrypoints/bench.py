@@ -88,13 +88,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
 
 
-def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], decode_steps: int = 4) -> list[float]:
+def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], output_len: int, decode_steps: int = 4) -> list[float]:
     """Per MoE layer, the mean number of distinct experts one decode step of this batch routes to:
-    the prompts run again (untimed) through the engine and their first `decode_steps` decode steps
-    run eagerly with the experts kernel counting the routed ids of every one-token-per-request call
-    (prefill calls have another token count). The routing of real decode steps (their contexts,
-    their states), not a proxy: with dummy weights it is far from uniform, and it decides how many
-    expert bytes a step reads."""
+    the prompts run again (untimed, `output_len` tokens each, as in the timed run) through the
+    engine eagerly, the experts kernel counting the routed ids of every call with one token per
+    request (prefill and mixed prefill + decode calls have other token counts), until
+    `decode_steps` such steps were counted; the requests are then aborted. The routing of real
+    decode steps (their contexts, their states), not a proxy: with dummy weights it is far from
+    uniform, and it decides how many expert bytes a step reads."""
     from lamina import SamplingParams
     from lamina.layers.moe import SparseMoE
 
@@ -114,16 +115,20 @@ def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], decode_steps: 
 
     saved = [m.experts_kernel for m in moes]
     graphs, runner.decode_graphs = runner.decode_graphs, None  # eager: the hooks see every step
+    request_ids = []
     try:
         for i, m in enumerate(moes):
             m.experts_kernel = counting(i, saved[i])
-        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
-        for p in prompts_ids:
-            engine.add_request({"prompt_token_ids": p}, params)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        request_ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts_ids]
         with torch.inference_mode():
-            while engine.has_unfinished_requests():
+            while engine.has_unfinished_requests() and min((len(c) for c in counts), default=0) < decode_steps:
                 engine.step()
     finally:
+        for request_id in request_ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():  # a step in flight (asynchronous scheduling) completes
+            engine.step()
         runner.decode_graphs = graphs
         for m, inner in zip(moes, saved):
             m.experts_kernel = inner
@@ -222,7 +227,7 @@ def run_latency(args, model_path: str) -> list[dict]:
                 "decode_steps": decode_steps,
             }
             if bandwidth is not None:
-                distinct = distinct_experts_per_layer(llm, prompts)
+                distinct = distinct_experts_per_layer(llm, prompts, args.output_len)
                 nbytes = decode_bytes(llm, batch, args.input_len + args.output_len // 2, distinct)
                 record.update(
                     bytes_per_step=nbytes, copy_bandwidth_gb_s=bandwidth / 1e9,

@@ -72,10 +72,10 @@ def decode_gemv_enabled(kernels: str) -> bool:
 def qsa_fixed_shape_decode(kernels: str) -> bool:
     """Whether Qwen4-Exp's QSA indexed attention decodes one token per request with fixed shapes
     (`lamina.kernels.qsa_decode`, the Triton block scores of `lamina.kernels.triton_qsa`), which
-    is what lets its decode steps be captured in CUDA graphs. `LAMINA_QSA_DECODE=1` turns it on
-    (Triton kernel set only); off by default until it has run on a GPU: it is checked on the CPU
-    (tests/test_qwen4_graphs.py) and its GPU test has not run yet. Read at model build time."""
-    wanted = os.environ.get("LAMINA_QSA_DECODE", "0")
+    is what lets its decode steps be captured in CUDA graphs. On by default on the Triton kernel
+    set (its graphs matched eager decode on an H200, tests/test_qwen4_graphs.py);
+    `LAMINA_QSA_DECODE=0` keeps the variable-shape decode (eager). Read at model build time."""
+    wanted = os.environ.get("LAMINA_QSA_DECODE", "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_QSA_DECODE = {wanted!r} must be 0 or 1")
     return kernels == "triton" and wanted == "1"
@@ -84,10 +84,13 @@ def qsa_fixed_shape_decode(kernels: str) -> bool:
 def fused_gdn_decode_enabled(kernels: str) -> bool:
     """Whether the gated delta net's one-token decode on the Triton kernel set runs as one launch
     (`lamina.kernels.triton_gdn_decode`: conv, delta rule and gated norm fused) rather than the
-    three of `triton_decode` / `triton_norm`. `LAMINA_FUSED_GDN_DECODE=1` (the default) fuses, `0`
-    keeps the three launches (A/B runs); MTP verification steps (Q > 1) take the Q-token kernels of
-    `triton_verify` either way. Read at model build time."""
-    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "1")
+    three of `triton_decode` / `triton_norm`. Off unless `LAMINA_FUSED_GDN_DECODE=1`: on an H200
+    (benchmarks/results/bench_gdn_decode_h200.json, graphs of 30 layers) the fused kernel, one
+    program per (request, value head) holding a whole 128 x 128 state, took 12.9 / 51 / 189 us per
+    layer at batch 1 / 16 / 64 against 9.5 / 31 / 97 for the three launches, whose delta rule
+    spreads each head over several programs. MTP verification steps (Q > 1) take the Q-token
+    kernels of `triton_verify` either way. Read at model build time."""
+    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "0")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_FUSED_GDN_DECODE = {wanted!r} must be 0 or 1")
     return kernels == "triton" and wanted == "1"

@@ -11,9 +11,9 @@ Recurrent state lives in two per-layer tensors indexed by the request's state sl
 verification the states after chosen tokens are kept too (lamina.layers.spec_state).
 
 Kernels (chosen when the layer is built, lamina.kernels.selection): a one-token decode step on the
-Triton set runs conv, delta rule and gated norm in one launch on the pools in place
-(`triton_gdn_decode`; with `LAMINA_FUSED_GDN_DECODE=0` three: `triton_decode`'s conv and delta
-rule, then the Triton gated norm); an MTP verification step (Q = K + 1 tokens per request) runs
+Triton set runs `triton_decode`'s conv and delta rule, then the Triton gated norm, on the pools in
+place (with `LAMINA_FUSED_GDN_DECODE=1` all three in one launch, `triton_gdn_decode`: slower on the
+H200, see lamina.kernels.selection); an MTP verification step (Q = K + 1 tokens per request) runs
 `triton_verify`'s Q-token conv and delta rule. Other steps (prefill chunks, mixed prefill +
 decode) run the conv on `triton_conv` and the delta rule on fla-core (`fla_prefill`) where
 `gdn_prefill_kernels` picked them, else on the torch references, which also take every
@@ -203,8 +203,8 @@ class GatedDeltaNet(nn.Module):
         conv and delta rule read and write the state pools at the requests' slots in place (no
         gather / scatter of states); under verification they also write the states after tokens
         0..Q-2 into the step's capture rows (lamina.layers.spec_state). Plain decode runs conv,
-        delta rule and gated norm as one kernel (`fused_gdn_decode`) unless the layer was built
-        with LAMINA_FUSED_GDN_DECODE=0."""
+        delta rule and gated norm as one kernel (`fused_gdn_decode`) when the layer was built
+        with LAMINA_FUSED_GDN_DECODE=1."""
         from lamina.kernels.triton_verify import causal_conv1d_verify, gated_delta_rule_verify
 
         num_tokens = meta.num_tokens

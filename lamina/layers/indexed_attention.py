@@ -143,7 +143,7 @@ class IndexedGatedAttention(GatedAttention):
     def __init__(self, *, indexer: QSAIndexer, **kwargs):
         super().__init__(**kwargs)
         self.indexer = indexer
-        # One-token decode with fixed shapes (graph-safe); LAMINA_QSA_DECODE=1 until checked on a GPU.
+        # One-token decode with fixed shapes (graph-safe); LAMINA_QSA_DECODE=0 turns it off.
         self.fixed_shape_decode = qsa_fixed_shape_decode(self.kernels)
 
     def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:

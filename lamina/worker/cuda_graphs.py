@@ -62,8 +62,7 @@ def why_not_capturable(model, *, verify: bool = False) -> str | None:
         if isinstance(module, GatedAttention) and type(module) not in graph_safe_attention:
             return f"attention {name} ({type(module).__name__}) has no graph-safe decode"
         if isinstance(module, IndexedGatedAttention) and not module.fixed_shape_decode:
-            return (f"attention {name}: QSA's fixed-shape decode is off (LAMINA_QSA_DECODE=1 turns it on; "
-                    "it has not run on a GPU yet)")
+            return f"attention {name}: QSA's fixed-shape decode is off (LAMINA_QSA_DECODE=0; unset it to capture)"
         if isinstance(module, NGramHashEmbedding) and module.host_table:
             return (f"the PLE table of {name} lives in host memory (ple_table_device=cpu, or auto with too little "
                     f"GPU memory): its rows are gathered on the host every step; use ple_table_device=gpu")
