@@ -26,34 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lamina.kernels.triton_decode import causal_conv1d_decode, gated_delta_rule_decode  # noqa: E402
 from lamina.kernels.triton_gdn_decode import fused_gdn_decode  # noqa: E402
 from lamina.kernels.triton_norm import gated_rms_norm  # noqa: E402
+from graph_timing import time_graph  # noqa: E402 (this folder, on the path as the script's own)
 
 LAYERS = 30
 EPS = 1e-6
-
-
-def time_graph(fn, layers: int, replays: int = 20) -> float:
-    """Median microseconds per call of `fn(layer)` over a CUDA graph of `layers` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture (compiles, makes the tickets)
-        for layer in range(layers):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
