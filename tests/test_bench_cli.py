@@ -64,3 +64,4 @@ def test_distinct_experts_are_counted_in_real_decode_steps(qwen3_next_dir):
         assert len(distinct) == len(moes) > 0
         assert all(top_k <= d <= min(experts, 2 * top_k) for d in distinct)
         assert [m.experts_kernel for m in moes] == seen and not llm.engine.has_unfinished_requests()
+        assert not any("forward" in m.__dict__ for m in moes)  # the metadata watch is removed too

@@ -91,12 +91,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], output_len: int, decode_steps: int = 4) -> list[float]:
     """Per MoE layer, the mean number of distinct experts one decode step of this batch routes to:
     the prompts run again (untimed, `output_len` tokens each, as in the timed run) through the
-    engine eagerly, the experts kernel counting the routed ids of every call with one token per
-    request (prefill and mixed prefill + decode calls have other token counts), until
+    engine eagerly, the experts kernel counting the routed ids of every step whose metadata says
+    one token for each of the batch's requests (not prefill, not mixed prefill + decode), until
     `decode_steps` such steps were counted; the requests are then aborted. The routing of real
     decode steps (their contexts, their states), not a proxy: with dummy weights it is far from
     uniform, and it decides how many expert bytes a step reads."""
     from lamina import SamplingParams
+    from lamina.kernels.selection import is_one_token_decode
     from lamina.layers.moe import SparseMoE
 
     engine = llm.engine
@@ -104,10 +105,18 @@ def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], output_len: in
     batch = len(prompts_ids)
     moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
     counts: list[list[int]] = [[] for _ in moes]
+    decode_step = [False]  # set from each MoE call's step metadata (host ints of the plan)
+
+    def watching(forward):
+        def watched(x, meta):
+            decode_step[0] = is_one_token_decode(meta) and meta.num_reqs == batch
+            return forward(x, meta)
+
+        return watched
 
     def counting(index, inner):
         def counted(x, w13, w2, weights, ids, start, **kwargs):
-            if ids.shape[0] == batch:
+            if decode_step[0]:
                 counts[index].append(int(torch.unique(ids).numel()))
             return inner(x, w13, w2, weights, ids, start, **kwargs)
 
@@ -118,6 +127,7 @@ def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], output_len: in
     request_ids = []
     try:
         for i, m in enumerate(moes):
+            m.forward = watching(m.forward)  # instance attributes, removed below
             m.experts_kernel = counting(i, saved[i])
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         request_ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts_ids]
@@ -132,6 +142,7 @@ def distinct_experts_per_layer(llm, prompts_ids: list[list[int]], output_len: in
         runner.decode_graphs = graphs
         for m, inner in zip(moes, saved):
             m.experts_kernel = inner
+            m.__dict__.pop("forward", None)
     return [sum(c) / len(c) if c else 0.0 for c in counts]
 
 
