@@ -88,6 +88,19 @@ for k in d['top_kernels'][:16]: print(round(k['us_per_step'],1), k['calls_per_st
         --output-json $OUT/latency_final.json --plot $OUT/latency_final.png 2>&1 | tail -5
       LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 16 64 --input-len 1024 --output-len 256 \
         --output-json $OUT/latency_1024_final.json 2>&1 | tail -4 ;;
+    pdl)  # programmatic dependent launch on / off in the same run (decode at 128 / 64), the b1 profile with it, GPU tests
+      for p in 1 0; do
+        LAMINA_PDL=$p LAMINA_GDN_PREFILL=reference timeout 130 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --output-json $OUT/latency_pdl$p.json 2>&1 | tail -5
+      done
+      LAMINA_GDN_PREFILL=reference timeout 100 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1_pdl.json > $OUT/profile_b1_pdl.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b1_pdl.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])"
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_pdl.py \
+        tests/test_triton_kernels.py tests/test_gpu_engine.py tests/test_triton_gdn_decode.py tests/test_batch_invariance.py \
+        tests/test_qwen4_graphs.py 2>&1 | tail -25 ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
     profile)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 __all__ = ["paged_decode_attention", "gated_delta_rule_decode", "causal_conv1d_decode"]
 
 
@@ -50,8 +52,9 @@ def _paged_decode_attention_kernel(
     stride_bt, stride_gb, stride_gh, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,6 +167,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
+        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
     )
     return out
 
@@ -178,7 +182,7 @@ def _gdr_decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_bb,
     stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+    L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -188,6 +192,15 @@ def _gdr_decode_kernel(
     offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
+    # The state tile is read before the wait for the producer (lamina.kernels.pdl): the slots are
+    # step metadata and the state was last written by this layer's previous step, never by the
+    # kernel just before this one (the causal conv).
+    slot = tl.load(slots_ptr + req)
+    keep = tl.load(keep_ptr + req)
+    s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    state = tl.load(s_ptrs, mask=s_ok, other=0.0)  # [K, V] float32
+    wait_for_producer(PDL)
     q = tl.load(q_ptr + req * stride_qb + k_head * stride_qh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + req * stride_kb + k_head * stride_kh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if L2NORM:
@@ -202,11 +215,6 @@ def _gdr_decode_kernel(
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
         g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
         beta = 1.0 / (1.0 + tl.exp(-beta))
-    slot = tl.load(slots_ptr + req)
-    keep = tl.load(keep_ptr + req)
-    s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    s_ok = k_ok[:, None] & v_ok[None, :]
-    state = tl.load(s_ptrs, mask=s_ok, other=0.0)  # [K, V] float32
     state = tl.where(keep != 0, state, 0.0) * tl.exp(g)
     delta = beta * (v - tl.sum(state * k[:, None], axis=0))  # [V]
     state = state + k[:, None] * delta[None, :]
@@ -241,6 +249,7 @@ def gated_delta_rule_decode(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
+        PDL=pdl_launch(v.device), launch_pdl=pdl_launch(v.device),
     )
     return out
 
@@ -252,8 +261,9 @@ def gated_delta_rule_decode(
 def _conv_decode_kernel(
     x_ptr, w_ptr, state_ptr, slots_ptr, keep_ptr, out_ptr, channels,
     stride_xb, stride_wc, stride_ss, stride_sc, stride_ob,
-    KERNEL: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     req = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_J)
@@ -300,5 +310,6 @@ def causal_conv1d_decode(
         x, weight, state_pool, slots, keep, out, channels,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
         KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c, SILU=activation in ("silu", "swish"),
+        PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
     )
     return out

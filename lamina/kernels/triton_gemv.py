@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 __all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config"]
 
 GEMV_MAX_ROWS = 4
@@ -25,7 +27,8 @@ GEMV_MAX_ROWS = 4
 @triton.jit
 def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_features, in_features,
                         stride_xm, stride_wn, stride_ym, k_steps,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -33,9 +36,16 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
     offs_m = tl.arange(0, 16)  # the input rows sit in the first rows of a 16-row tl.dot tile
     m_ok = offs_m < rows
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
     k_first = split * k_steps * BLOCK_K
-    for step in range(0, k_steps):
+    # The first weight block is read before the wait for the producer of x (lamina.kernels.pdl):
+    # weights are no kernel's output. Peeled from the loop, same sums in the same order.
+    k = k_first + offs_k
+    k_ok = k < in_features
+    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
+    wait_for_producer(PDL)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [16, K]
+    acc = tl.dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
+    for step in range(1, k_steps):
         k = k_first + step * BLOCK_K + offs_k
         k_ok = k < in_features
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -109,6 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
     if rows == 0:
         return y
     tiles = triton.cdiv(out_features, cfg["block_n"])
+    pdl = pdl_launch(x.device)
     if split > 1:
         from lamina.kernels.triton_moe_gemv import _tickets
 
@@ -119,7 +130,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
     _gemv_splitk_kernel[(tiles, split)](
         x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return y
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 from lamina.kernels.triton_moe_gemv import GEMV_MAX_INTER, GEMV_MAX_TOKENS, fused_moe_gemv
 
 __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
@@ -102,7 +104,7 @@ def _sort_unique(x, LOG_N: tl.constexpr, REG_BITS: tl.constexpr):
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, expert_start, num_experts, max_rows,
                   BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, LOG_P: tl.constexpr, REG_BITS: tl.constexpr,
-                  E_PAD: tl.constexpr, FILL: tl.constexpr):
+                  E_PAD: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     """`align_pairs` in one program (one launch, no host sync; every shape from host ints), for
     P <= P_PAD pairs and E <= E_PAD local experts. No [pairs, experts] tile: each step works on at
     most max(P_PAD, E_PAD, FILL) lanes.
@@ -122,6 +124,7 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, expert
        least one real row (an expert pads fewer than BLOCK_M rows), so every real block is
        written; the pairs of one block write the same value.
     """
+    wait_for_producer(PDL)
     # 1. Padding everywhere; real rows and blocks are overwritten in step 4.
     fill = tl.arange(0, FILL)
     for r0 in range(0, max_rows, FILL):
@@ -177,7 +180,7 @@ def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_st
         REG_BITS=max(0, p_pad.bit_length() - 1 - 5 - (num_warps.bit_length() - 1)),
         E_PAD=max(32, triton.next_power_of_2(num_local_experts)),
         FILL=min(2048, max(128, triton.next_power_of_2(max_rows))),
-        num_warps=num_warps,
+        PDL=pdl_launch(topk_ids.device), launch_pdl=pdl_launch(topk_ids.device), num_warps=num_warps,
     )
     return sorted_pairs, block_expert
 
@@ -239,8 +242,9 @@ def _gate_up_kernel(
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_swn, stride_ap,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -275,8 +279,9 @@ def _down_kernel(
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
     stride_ap, stride_we, stride_wn, stride_swn, stride_sl, stride_op,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -339,6 +344,7 @@ def fused_moe(
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    pdl = pdl_launch(x.device)
     if x.dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
         cfg = dict(DEFAULT_CONFIG_FP32)
     else:
@@ -360,7 +366,7 @@ def fused_moe(
         x, w13, shared_w13, sorted_pairs, block_expert, act, num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first.
     alloc = torch.empty if shared is not None else torch.zeros
@@ -371,13 +377,14 @@ def fused_moe(
         num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        PRECISION=precision, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PRECISION=precision, PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return sum_slots(out.view(num_tokens, slots, hidden), x.dtype)  # [T, H]
 
 
 @triton.jit
-def _sum_slots_kernel(parts_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(parts_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -394,7 +401,9 @@ def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=parts.device)  # [T, H]
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
-        _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](parts, out, hidden, SLOTS=slots, BLOCK=block)
+        _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            parts, out, hidden, SLOTS=slots, BLOCK=block, PDL=pdl_launch(parts.device), launch_pdl=pdl_launch(parts.device)
+        )
     return out
 
 
@@ -408,7 +417,8 @@ DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, w
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     ok = experts < num_experts
@@ -443,6 +453,6 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize,
+            RENORMALIZE=renormalize, PDL=pdl_launch(logits.device), launch_pdl=pdl_launch(logits.device),
         )
     return weights, ids

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
@@ -58,12 +60,13 @@ def _gemv_gate_up_kernel(
     hidden, inter, expert_start, num_local_experts, k_per_split,
     stride_xt, stride_we, stride_wn, stride_swn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per ((token, slot), tile of BLOCK_N intermediate rows, part of the hidden dim):
     SPLIT parts of `k_per_split` columns (a multiple of BLOCK_K). With SPLIT > 1 each program
     writes its float32 gate and up partials and the last of a (row, tile) (an atomic ticket, as in
     the split down kernel) sums them in part order before the activation: deterministic."""
+    wait_for_producer(PDL)
     row = tl.program_id(0)  # token * SLOTS + slot
     token = row // SLOTS
     slot = row % SLOTS
@@ -123,7 +126,7 @@ def _gemv_down_pipelined_kernel(
     stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+    K_STEPS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token, tile of BLOCK_N output rows, group of GROUP consecutive slots),
     stepping through its slots' [BLOCK_N, I] weight blocks BLOCK_K columns at a time in one flat
@@ -132,6 +135,7 @@ def _gemv_down_pipelined_kernel(
     are read once before the loop: no weight address in the loop waits on a load. The slots of a
     group accumulate in slot order in float32; with GROUPS > 1 the groups' partials are summed in
     group order by the last program of a (token, tile) (atomic ticket, reset after): deterministic."""
+    wait_for_producer(PDL)
     token = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.program_id(2)
@@ -288,6 +292,7 @@ def fused_moe_gemv(
     slots = top_k + (shared is not None)
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    pdl = pdl_launch(x.device)
     up_tiles = triton.cdiv(inter, cfg["up_n"])
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
     up_split = triton.cdiv(hidden, k_per_split)  # no empty parts: 48 columns in 32-column steps split twice at most
@@ -307,7 +312,7 @@ def fused_moe_gemv(
         k_per_split, x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], SPLIT=up_split,
         SPLIT_P2=max(2, triton.next_power_of_2(up_split)), PRECISION=precision,
-        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
     )
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
@@ -323,6 +328,6 @@ def fused_moe_gemv(
         TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
         GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision,
-        num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
     )
     return out

@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, stride_x, stride_o,
-                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < dim
@@ -36,17 +39,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    pdl = pdl_launch(x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, dim, eps, rows.stride(0), out.stride(0),
-            ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim),
+            ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, w_ptr, sum_ptr, out_ptr, dim, eps, stride_x, stride_r, stride_s,
-                         stride_o, ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+                         stride_o, ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < dim
@@ -70,17 +75,20 @@ def add_rms_norm(
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     total = torch.empty_like(residual)
     out = torch.empty_like(residual)
+    pdl = pdl_launch(x.device)
     if x.shape[0]:
         _add_rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, total, out, x.shape[-1], eps, x.stride(0), residual.stride(0), total.stride(0),
             out.stride(0), ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(x.shape[-1]),
+            PDL=pdl, launch_pdl=pdl,
         )
     return total, out
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, stride_x, stride_g, stride_o,
-                           SILU: tl.constexpr, BLOCK_D: tl.constexpr):
+                           SILU: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < dim
@@ -103,9 +111,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     gates = gates if gates.stride(-1) == 1 else gates.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    pdl = pdl_launch(x.device)
     if rows.shape[0]:
         _gated_rms_norm_kernel[(rows.shape[0],)](
             rows, gates, weight, out, dim, eps, rows.stride(0), gates.stride(0), out.stride(0),
-            SILU=activation == "silu", BLOCK_D=triton.next_power_of_2(dim),
+            SILU=activation == "silu", BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
+
 __all__ = ["qk_norm_rope_cache"]
 
 
@@ -21,8 +23,9 @@ def _qk_prep_kernel(
     eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_cs, stride_ch, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr,
-    ZERO_CENTRED: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -82,6 +85,6 @@ def qk_norm_rope_cache(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        ZERO_CENTRED=zero_centred,
+        ZERO_CENTRED=zero_centred, PDL=pdl_launch(query.device), launch_pdl=pdl_launch(query.device),
     )
     return out
