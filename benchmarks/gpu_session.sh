@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -100,6 +100,22 @@ print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_pe
 for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])"
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_pdl.py \
         tests/test_triton_kernels.py tests/test_gpu_engine.py tests/test_triton_gdn_decode.py tests/test_batch_invariance.py \
+        tests/test_qwen4_graphs.py 2>&1 | tail -25 ;;
+    reports)  # offline throughput 512 x (1024 / 256), the 8k prefill (fla), MTP K=1..3 at batch 1 (graphs)
+      timeout 200 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+        --output-len 256 --max-num-seqs 128 --output-json $OUT/throughput_512.json 2>&1 | tail -4
+      LAMINA_GDN_PREFILL=fla timeout 80 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -3
+      timeout 110 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 --out $OUT/mtp_graphs_b1.json 2>&1 | tail -8 ;;
+    qwen4gpu)  # Qwen4-Exp at real width (4 layers) with its ~95 GiB PLE table on the GPU: decode graphs, batch 1 and 16
+      timeout 200 python3 benchmarks/qwen4_gpu_check.py --placement gpu --skip-tiny --out $OUT/qwen4_gpu_table.json 2>&1 | tail -30 ;;
+    routeab)  # the router GEMV's routing epilogue on / off in the same run (decode at 128 / 64), then GPU tests
+      for r in 1 0; do
+        LAMINA_GEMV_ROUTE=$r LAMINA_GDN_PREFILL=reference timeout 130 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --output-json $OUT/latency_gemv_route$r.json 2>&1 | tail -5
+      done
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_pdl.py \
+        tests/test_triton_kernels.py tests/test_triton_router.py tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_qwen4_graphs.py 2>&1 | tail -25 ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;

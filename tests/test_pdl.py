@@ -37,8 +37,9 @@ def test_pdl_switch_values(monkeypatch):
 
 def _decode_chain(x, residual, params):
     """One MoE decode layer's kernel chain: add+RMSNorm, the split-K GEMV (router), routing, the
-    MoE GEMVs (shared expert on), then a split-K GEMV whose input is the MoE output."""
-    from lamina.kernels.triton_gemv import gemv
+    MoE GEMVs (shared expert on), then the router GEMV with its routing epilogue and a split-K
+    GEMV, both on the MoE output."""
+    from lamina.kernels.triton_gemv import gemv, gemv_route
     from lamina.kernels.triton_moe import route_softmax_topk
     from lamina.kernels.triton_moe_gemv import fused_moe_gemv
     from lamina.kernels.triton_norm import add_rms_norm
@@ -48,7 +49,8 @@ def _decode_chain(x, residual, params):
     logits = gemv(h, router_w)  # [T, E + 1]: the last row is the shared expert's gate
     weights, ids = route_softmax_topk(logits[:, :-1], 4, True, h.dtype)
     moe = fused_moe_gemv(h, w13, w2, weights, ids, 0, (sw13, sw2, logits[:, -1]))
-    return total, gemv(moe, out_w)
+    _, weights2, ids2 = gemv_route(moe, router_w, router_w.shape[0] - 1, 4, True)  # the routing epilogue
+    return total, gemv(moe, out_w), weights2, ids2
 
 
 @pytest.mark.gpu

@@ -476,6 +476,33 @@ def test_gemv_matches_linear(rows):
         gemv(x, _rand(300, 37, seed=4).t())
 
 
+@pytest.mark.parametrize("rows,top_k,renormalize", [(1, 4, True), (3, 10, False), (4, 4, False)])
+def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
+    """The router GEMV with the routing in its last tile's program: the logits are `gemv`'s and
+    the weights / ids `route_softmax_topk`'s of those logits' expert columns (extra gate rows after
+    the experts' are returned, not routed), with one program per tile and with split partials;
+    twice (both tickets are left zero), and a row alone gets its row of the batch."""
+    from lamina.kernels.triton_gemv import gemv, gemv_route
+
+    num_experts = 40
+    weight = _rand(48, 200, seed=1, scale=0.1)  # 40 expert rows, a gate row, 7 zero-like rows
+    x = _rand(rows, 200, seed=2)
+    for split in (1, 3):
+        cfg = dict(block_n=16, block_k=32, split=split)  # 3 tiles: the route waits for all of them
+        logits, weights, ids = gemv_route(x, weight, num_experts, top_k, renormalize, cfg)
+        assert torch.equal(logits, gemv(x, weight, cfg))
+        ref_w, ref_i = route_softmax_topk(logits[:, :num_experts], top_k, renormalize, x.dtype)
+        assert torch.equal(ids, ref_i)
+        assert torch.equal(weights, ref_w)
+        again = gemv_route(x, weight, num_experts, top_k, renormalize, cfg)
+        assert all(torch.equal(a, b) for a, b in zip(again, (logits, weights, ids)))
+        for r in range(rows):
+            one = gemv_route(x[r : r + 1], weight, num_experts, top_k, renormalize, cfg)
+            assert all(torch.equal(a, b[r : r + 1]) for a, b in zip(one, (logits, weights, ids)))
+    with pytest.raises(ValueError, match="top_k 41 of num_experts 40"):
+        gemv_route(x, weight, num_experts, 41, renormalize)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
 def test_fused_moe_bf16_at_real_width(num_tokens):

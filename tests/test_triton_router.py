@@ -146,13 +146,26 @@ def test_fused_router_without_extra_rows_and_top_10():
     assert [tuple(t.shape) for t in empty] == [(0, 10), (0, 10), (0, 40)]
 
 
-def test_fused_router_switch(monkeypatch):
+def test_router_switches(monkeypatch):
     from lamina.kernels.selection import fused_router_max_tokens
 
     monkeypatch.delenv("LAMINA_FUSED_ROUTER", raising=False)
     assert fused_router_max_tokens("triton") == 0  # off by default (slower at one token on the H200)
     monkeypatch.setenv("LAMINA_FUSED_ROUTER", "1")
     assert fused_router_max_tokens("triton") == 4 and fused_router_max_tokens("reference") == 0
+    from lamina.kernels.selection import gemv_route_enabled
+
+    monkeypatch.delenv("LAMINA_GEMV_ROUTE", raising=False)
+    monkeypatch.delenv("LAMINA_TRITON_GEMV", raising=False)
+    assert not gemv_route_enabled("triton")  # off by default (slower at one token on the H200)
+    monkeypatch.setenv("LAMINA_GEMV_ROUTE", "1")
+    assert gemv_route_enabled("triton") and not gemv_route_enabled("reference")
+    monkeypatch.setenv("LAMINA_TRITON_GEMV", "0")  # the routing epilogue rides on lamina's GEMV
+    assert not gemv_route_enabled("triton")
+    monkeypatch.setenv("LAMINA_TRITON_GEMV", "1")
+    monkeypatch.setenv("LAMINA_GEMV_ROUTE", "2")
+    with pytest.raises(ValueError, match="LAMINA_GEMV_ROUTE = '2' must be 0 or 1"):
+        gemv_route_enabled("triton")
     monkeypatch.setenv("LAMINA_FUSED_ROUTER", "0")
     assert fused_router_max_tokens("triton") == 0
     monkeypatch.setenv("LAMINA_FUSED_ROUTER", "on")

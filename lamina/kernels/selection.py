@@ -69,6 +69,20 @@ def decode_gemv_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "1"
 
 
+def gemv_route_enabled(kernels: str) -> bool:
+    """Whether an MoE layer on the Triton kernel set routes a few-row decode input in its router
+    GEMV's last program (`lamina.kernels.triton_gemv.gemv_route`: one launch) rather than the GEMV
+    then `route_softmax_topk`. Needs the decode GEMV (`decode_gemv_enabled`); off unless
+    `LAMINA_GEMV_ROUTE=1`: on an H200 with programmatic dependent launch the batch-1 step took
+    3.03 ms with it against 2.69 ms with the two launches, the same run
+    (benchmarks/results/latency_gemv_route_{on,off}_h200.json): the routing serialised behind the
+    last tile costs more than a second launch that PDL starts early. Read at model build time."""
+    wanted = os.environ.get("LAMINA_GEMV_ROUTE", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_GEMV_ROUTE = {wanted!r} must be 0 or 1")
+    return decode_gemv_enabled(kernels) and wanted == "1"
+
+
 def qsa_fixed_shape_decode(kernels: str) -> bool:
     """Whether Qwen4-Exp's QSA indexed attention decodes one token per request with fixed shapes
     (`lamina.kernels.qsa_decode`, the Triton block scores of `lamina.kernels.triton_qsa`), which

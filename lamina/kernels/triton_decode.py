@@ -263,27 +263,30 @@ def _conv_decode_kernel(
     stride_xb, stride_wc, stride_ss, stride_sc, stride_ob,
     KERNEL: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_producer(PDL)
     req = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_J)
     c_ok = offs_c < channels
+    # The weights and the state rows are read before the wait for the producer of x
+    # (lamina.kernels.pdl): the slots are step metadata and the state was last written by this
+    # layer's previous step, never by the kernel just before this one (the in_proj GEMV).
     slot = tl.load(slots_ptr + req)
     keep = tl.load(keep_ptr + req)
-    x = tl.load(x_ptr + req * stride_xb + offs_c, mask=c_ok, other=0.0)  # [C]
     row = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
     # seq = [state (K-1 inputs), x]; tap j reads seq[j].
     from_state = c_ok[:, None] & (offs_j[None, :] < KERNEL - 1)
     seq = tl.load(row + offs_j[None, :], mask=from_state, other=0.0)
-    seq = tl.where(keep != 0, seq, 0.0).to(tl.float32)
-    seq = tl.where(offs_j[None, :] == KERNEL - 1, x[:, None].to(tl.float32), seq)  # [C, J]
+    # New state: seq[1:K], read as shifted loads (registers cannot be shifted across lanes).
+    shifted = tl.load(row + offs_j[None, :] + 1, mask=c_ok[:, None] & (offs_j[None, :] + 1 < KERNEL - 1), other=0.0)
     w = tl.load(w_ptr + offs_c[:, None] * stride_wc + offs_j[None, :],
                 mask=c_ok[:, None] & (offs_j[None, :] < KERNEL), other=0.0).to(tl.float32)
+    wait_for_producer(PDL)
+    x = tl.load(x_ptr + req * stride_xb + offs_c, mask=c_ok, other=0.0)  # [C]
+    seq = tl.where(keep != 0, seq, 0.0).to(tl.float32)
+    seq = tl.where(offs_j[None, :] == KERNEL - 1, x[:, None].to(tl.float32), seq)  # [C, J]
     y = tl.sum(seq * w, axis=1)  # [C]
     if SILU:
         y = y / (1.0 + tl.exp(-y))
-    # New state: seq[1:K], read as shifted loads (registers cannot be shifted across lanes).
-    shifted = tl.load(row + offs_j[None, :] + 1, mask=c_ok[:, None] & (offs_j[None, :] + 1 < KERNEL - 1), other=0.0)
     shifted = tl.where(keep != 0, shifted, 0.0)
     shifted = tl.where(offs_j[None, :] + 1 == KERNEL - 1, x[:, None].to(shifted.dtype), shifted)
     tl.debug_barrier()  # every lane has read the old state before any writes it

@@ -9,6 +9,11 @@ with SPLIT > 1 the partials are summed in split order by the last program of a t
 ticket, reset after, as the MoE down GEMV does): one launch, deterministic, and the sum of a row
 never depends on the other rows. Used by the linear layers on the Triton kernel set for up to
 `GEMV_MAX_ROWS` rows (lamina.layers.linear).
+
+`gemv_route` is the MoE router's GEMV with the routing as its epilogue: the program that writes
+the last tile of the logits (a second ticket, over the tiles) routes every row (softmax, top-k,
+renormalisation: `triton_moe.softmax_topk`), one launch where the decode step had two. Opt-in
+(`LAMINA_GEMV_ROUTE=1`, `lamina.kernels.selection.gemv_route_enabled`): slower on an H200.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.triton_moe import softmax_topk
 
-__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
 
 GEMV_MAX_ROWS = 4
 
@@ -27,8 +33,10 @@ GEMV_MAX_ROWS = 4
 @triton.jit
 def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_features, in_features,
                         stride_xm, stride_wn, stride_ym, k_steps,
+                        route_weights_ptr, route_ids_ptr, route_ticket_ptr, num_experts,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,6 +64,9 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
     if SPLIT == 1:
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+        if ROUTE:
+            _route_epilogue(y_ptr, route_weights_ptr, route_ids_ptr, route_ticket_ptr, rows, num_experts, stride_ym,
+                            TOP_K, K_PAD, E_PAD, RENORMALIZE)
     else:
         # partials [SPLIT, 16, N_total]: this program's block, then the ticket of its tile.
         part_base = partial_ptr + split * 16 * out_features
@@ -70,6 +81,30 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
             tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next call (and the next graph replay)
+            if ROUTE:
+                _route_epilogue(y_ptr, route_weights_ptr, route_ids_ptr, route_ticket_ptr, rows, num_experts,
+                                stride_ym, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+
+
+@triton.jit
+def _route_epilogue(y_ptr, weights_ptr, ids_ptr, ticket_ptr, rows, num_experts, stride_ym,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Run by the program that wrote a tile of y: the one that finishes the last tile (an atomic
+    ticket over the tiles, reset after) reads the rows' expert logits back and routes them
+    (`softmax_topk`, what `route_softmax_topk` computes from the same rounded logits)."""
+    tl.debug_barrier()  # every thread's part of the tile is stored before the ticket releases it
+    done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        experts = tl.arange(0, E_PAD)
+        ok = experts < num_experts
+        slots = tl.arange(0, K_PAD)
+        for m in range(0, rows):
+            logits = tl.load(y_ptr + m * stride_ym + experts, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg").to(tl.float32)
+            top_p, top_i = softmax_topk(logits, experts, ok, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+            tl.store(weights_ptr + m * TOP_K + slots, top_p.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+            tl.store(ids_ptr + m * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
+        tl.atomic_xchg(ticket_ptr, 0)  # ready for the next call (and the next graph replay)
 
 
 # Tile sizes by weight shape, chosen by benchmarks/tune_gemv.py (--only linear) on an H200, L2-cold,
@@ -99,6 +134,22 @@ def gemv_config(out_features: int, in_features: int) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x `[M, K]` (M <= GEMV_MAX_ROWS), weight `[N, K]` with contiguous rows -> `[M, N]` in x's dtype."""
+    return _gemv(x, weight, config, None)[0]
+
+
+def gemv_route(x: torch.Tensor, weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router GEMV and the routing in one launch: logits = `gemv(x, weight)` `[M, N]` (the
+    first `num_experts` columns the experts', any after them other gate rows), then
+    `route_softmax_topk(logits[:, :num_experts], top_k, renormalize, x.dtype)` done by the program
+    that finishes the last tile. Returns (logits, weights `[M, k]` x's dtype, ids `[M, k]` int64),
+    the same values as the GEMV and the routing kernel launched one after the other."""
+    if not 0 < num_experts <= weight.shape[0] or not 0 < top_k <= num_experts:
+        raise ValueError(f"gemv_route: top_k {top_k} of num_experts {num_experts} (weight rows {weight.shape[0]})")
+    return _gemv(x, weight, config, (num_experts, top_k, renormalize))
+
+
+def _gemv(x, weight, config, route):
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
@@ -116,23 +167,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
     split = triton.cdiv(k_blocks, k_steps)  # no split without a step of its own
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
+    num_experts, top_k, renormalize = route or (1, 1, False)
+    weights = torch.empty(rows, top_k, dtype=x.dtype, device=x.device) if route else y  # [M, k]
+    ids = torch.empty(rows, top_k, dtype=torch.long, device=x.device) if route else y
     if rows == 0:
-        return y
+        return y, weights, ids
     tiles = triton.cdiv(out_features, cfg["block_n"])
     pdl = pdl_launch(x.device)
-    if split > 1:
+    tickets = y  # unused without a split or a route
+    if split > 1 or route:
         from lamina.kernels.triton_moe_gemv import _tickets
 
-        partial = torch.empty(split, 16, out_features, dtype=torch.float32, device=x.device)  # [SPLIT, 16, N]
-        tickets = _tickets(x.device, tiles)
-    else:
-        partial, tickets = y, y  # unused
+        tickets = _tickets(x.device, tiles + 1)  # one per tile, then the route's over the tiles
+    partial = torch.empty(split, 16, out_features, dtype=torch.float32, device=x.device) if split > 1 else y  # [SPLIT, 16, N]
     _gemv_splitk_kernel[(tiles, split)](
         x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
+        weights, ids, tickets[tiles:], num_experts,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PDL=pdl, ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+        launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
-    return y
+    return y, weights, ids
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -416,13 +416,11 @@ DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, w
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producer(PDL)
-    row = tl.program_id(0)
-    experts = tl.arange(0, E_PAD)
-    ok = experts < num_experts
-    logits = tl.load(logits_ptr + row * stride_l + experts, mask=ok, other=float("-inf")).to(tl.float32)
+def softmax_topk(logits, experts, ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """`SparseMoE.route`'s math on one token's expert logits `[E_PAD]` (float32, `ok` marks the
+    real experts): softmax, k rounds of argmax (ties to the lower expert id), optionally
+    renormalised. Returns (weights `[K_PAD]` float32, ids `[K_PAD]` int32); slots >= TOP_K unused."""
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     slots = tl.arange(0, K_PAD)  # tl.arange needs a power of 2 (Qwen4-Exp routes to 10 experts)
@@ -437,6 +435,20 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         remaining = tl.where(experts == idx, -1.0, remaining)
     if RENORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)
+    return top_p, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_producer(PDL)
+    row = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    ok = experts < num_experts
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=ok, other=float("-inf")).to(tl.float32)
+    top_p, top_i = softmax_topk(logits, experts, ok, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+    slots = tl.arange(0, K_PAD)
     tl.store(weights_ptr + row * TOP_K + slots, top_p.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.moe import grouped_experts
-from lamina.kernels.selection import fused_router_max_tokens, kernel_set
+from lamina.kernels.selection import fused_router_max_tokens, gemv_route_enabled, kernel_set
 from lamina.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -111,6 +111,12 @@ class SparseMoE(nn.Module):
             # (zero rows up to a multiple of 8: a GEMM over 257 rows runs cuBLAS's unaligned kernels).
             self.router_rows = share_weight_storage(self.gate, self.shared_expert_gate, row_multiple=8)  # [E+1 padded, H]
         self._router_linear = decode_linear(device if device is not None else ctx.device)
+        # With LAMINA_GEMV_ROUTE=1, up to GEMV_MAX_ROWS tokens (decode) the router GEMV routes in its last program.
+        self.gemv_route_max_tokens = 0
+        if gemv_route_enabled(self.kernels):
+            from lamina.kernels.triton_gemv import GEMV_MAX_ROWS
+
+            self.gemv_route_max_tokens = GEMV_MAX_ROWS
         # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
         # routed experts' and every routed expert is local (no EP).
         self.fuse_shared_expert = (
@@ -159,14 +165,21 @@ class SparseMoE(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def _route_in_one_launch(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """On the Triton set, up to `fused_router_max_tokens` tokens (decode): the router GEMV over
-        `rows` (the experts' rows, then any extra gate rows) and the top-k in one launch, returning
-        (weights [T, k], ids [T, k], logits [T, rows]); None otherwise (the caller runs two launches)."""
-        if not 0 < x.shape[0] <= self.fused_router_max_tokens:
-            return None
-        from lamina.kernels.triton_router import fused_router
+        """On the Triton set, for a decode-sized input: the router GEMV over `rows` (the experts'
+        rows, then any extra gate rows) and the top-k in one launch, returning (weights [T, k],
+        ids [T, k], logits [T, rows]); None otherwise (the caller runs two launches). Up to
+        `fused_router_max_tokens` tokens the opt-in fused router, else up to
+        `gemv_route_max_tokens` the split-K GEMV with its routing epilogue."""
+        if 0 < x.shape[0] <= self.fused_router_max_tokens:
+            from lamina.kernels.triton_router import fused_router
 
-        return fused_router(x, rows, self.num_experts, self.top_k, self.norm_topk_prob)
+            return fused_router(x, rows, self.num_experts, self.top_k, self.norm_topk_prob)
+        if 0 < x.shape[0] <= self.gemv_route_max_tokens:
+            from lamina.kernels.triton_gemv import gemv_route
+
+            logits, weights, ids = gemv_route(x, rows, self.num_experts, self.top_k, self.norm_topk_prob)
+            return weights, ids, logits
+        return None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if (fused := self._route_in_one_launch(x, self.gate.weight)) is not None:
