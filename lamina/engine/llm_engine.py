@@ -117,11 +117,14 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.cuda_graphs = False
+        self.no_graphs_reason: str | None = None  # several ranks: why they decode eagerly
         if self.parallel_config.is_single_rank and not args.enforce_eager:
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             self.cuda_graphs = self.executor.runner.capture_decode_graphs(
                 max_num_seqs, self.max_model_len, num_speculative_tokens=k,
             )
+        elif not args.enforce_eager and self.device.type == "cuda":
+            self._capture_multirank_graphs(max_num_seqs)
         self.num_replicas = self.plan.dp
         self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
         self.schedulers = [
@@ -230,6 +233,21 @@ class LLMEngine:
             if model_is_capturable(self.executor.runner.model, verify=True):
                 graph_rows = max_verify_batch(max_num_seqs) * k
         return max_num_seqs * per_request + graph_rows * per_slot
+
+    def _capture_multirank_graphs(self, max_num_seqs: int) -> None:
+        """TP (and DP without EP) layouts: every rank captures its decode graphs
+        (lamina.worker.cuda_graphs.multirank_graphs_reason says which layouts, and why not)."""
+        from lamina.worker.cuda_graphs import multirank_graphs_reason
+
+        self.no_graphs_reason = multirank_graphs_reason(self.plan, speculative=self.spec_config is not None)
+        if self.no_graphs_reason is not None:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", self.no_graphs_reason)
+            return
+        per_rank = self.executor.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        self.cuda_graphs = all(ok for ok, _ in per_rank)
+        if not self.cuda_graphs:
+            self.no_graphs_reason = "; ".join(f"rank {r}: {why}" for r, (ok, why) in enumerate(per_rank) if not ok)
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", self.no_graphs_reason)
 
     # ---- requests ------------------------------------------------------------------------
     @property

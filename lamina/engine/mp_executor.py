@@ -177,6 +177,16 @@ class MultiprocExecutor:
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self._call(("allocate", num_blocks, block_size, num_slots), "allocated")
 
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> list:
+        """Every rank captures its decode graphs (`ModelRunner.capture_decode_graphs`); returns each
+        rank's (captured, why not). Ranks keep their graphs only when all captured. `static_off_cuda`
+        (tests on the CPU): the graphs' static buffers run eagerly."""
+        return self._call(("capture", max_batch, max_model_len, static_off_cuda), "captured")
+
+    def graph_replays(self) -> list[int]:
+        """Each rank's count of decode steps replayed from its graphs."""
+        return self._call(("graph_replays",), "graph_replays")
+
     def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
         return self._call(("step", plans), "result")
 

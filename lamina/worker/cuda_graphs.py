@@ -27,6 +27,33 @@ from lamina.layers.metadata import ForwardMetadata
 _FIELDS = ("token_ids", "positions", "slot_mapping", "seq_lens", "state_slots", "keep", "pending_row")
 
 
+MULTIRANK_GRAPHS_ENV = "LAMINA_MULTIRANK_GRAPHS"
+
+
+def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
+    """Why the ranks of a multi-rank layout (`lamina.parallel.plan.ParallelPlan`) do not capture
+    decode graphs, or None when each rank captures its own (its TP collectives inside the graph).
+    Captured: one pipeline stage, without expert or sequence parallelism, without MTP, i.e. TP, and
+    DP replicas that step independently. Opt-in while no run on several GPUs has checked it:
+    `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
+    import os
+
+    wanted = os.environ.get(MULTIRANK_GRAPHS_ENV, "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"{MULTIRANK_GRAPHS_ENV} = {wanted!r} must be 0 or 1")
+    if wanted == "0":
+        return f"multi-rank decode graphs are opt-in ({MULTIRANK_GRAPHS_ENV}=1) until checked on several GPUs"
+    if plan.pp > 1:
+        return f"pipeline parallel (PP = {plan.pp}): stages hand activations over between steps; decode runs eagerly"
+    if plan.ep_enabled:
+        return "expert parallel: the MoE dispatch is not captured; decode runs eagerly"
+    if plan.sp:
+        return "sequence-parallel MoE: decode runs eagerly"
+    if speculative:
+        return "speculative decoding on several ranks: verification runs eagerly"
+    return None
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """vLLM-style sizes: 1, 2, 4, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; and
     `max_batch` itself."""

@@ -55,6 +55,7 @@ class ModelRunner:
         self.no_graphs_reason: str | None = None  # why `capture_decode_graphs` captured nothing (None: not asked, or captured)
         self.request_groups = request_groups_enabled()
         self.previous = None  # PreviousTokens of the last launched step that sampled (pending tokens)
+        self.graph_replays = 0  # decode steps run from the captured graphs (tests, benchmarks)
         self.spec = None
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
@@ -256,6 +257,12 @@ class ModelRunner:
                 result.prompt_logprobs, result.prompt_logprobs_start = entries, start
         return results
 
+    @torch.inference_mode()
+    def replay_decode(self, plan: StepPlan) -> torch.Tensor:
+        """Logits `[B, vocab]` of a plain decode step from the captured graphs (`can_replay`)."""
+        self.graph_replays += 1
+        return self.decode_graphs.run(plan.chunks, self.previous)
+
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
         return self.launch(plan).result()
@@ -270,8 +277,7 @@ class ModelRunner:
             return ReadyStep({})
         if self.spec is None and can_replay(self.decode_graphs, plan.chunks):
             with torch.inference_mode():
-                logits = self.decode_graphs.run(plan.chunks, self.previous)  # [B, vocab]
-                return self._sample_launch(logits, plan.chunks)
+                return self._sample_launch(self.replay_decode(plan), plan.chunks)  # logits [B, vocab]
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:  # the target's step replayed from a graph, then verify and draft

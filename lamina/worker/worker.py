@@ -17,6 +17,7 @@ import torch
 from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
 from lamina.step_plan import StepPlan
+from lamina.worker.cuda_graphs import can_replay
 
 
 @dataclass
@@ -51,6 +52,11 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         # Without EP replicas need not step together; with EP an all-empty step (a bookkeeping
         # flush after aborts) has no MoE collective to join either.
         return None
+    if runner.spec is None and me.pp == 0 and me.has_lm_head and can_replay(runner.decode_graphs, plan.chunks):
+        # one stage (TP / DP without EP): every TP rank replays its graph, whose collectives
+        # meet the other ranks' as the eager forward's would; TP rank 0 samples
+        logits = runner.replay_decode(plan)  # [B, vocab]
+        return (me.dp, runner.sample(logits, plan.chunks)) if me.tp == 0 else None
     model = runner.model
     rows = plan.num_tokens
     if spec.plan.sp:
@@ -122,6 +128,19 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 pdist.gather_objects(None, groups)
                 if rank == 0:
                     conn.send(("allocated", None))
+            elif kind == "capture":  # decode graphs on every rank, in step with the others (lamina.worker.cuda_graphs)
+                _, max_batch, max_model_len, static_off_cuda = command
+                captured = runner.capture_decode_graphs(max_batch, max_model_len, static_off_cuda=static_off_cuda)
+                per_rank = pdist.gather_objects((captured, runner.no_graphs_reason), groups)  # on rank 0
+                every_rank = pdist.broadcast_object(all(ok for ok, _ in per_rank) if rank == 0 else None, groups)
+                if not every_rank:
+                    runner.decode_graphs = None  # all ranks replay, or none
+                if rank == 0:
+                    conn.send(("captured", per_rank))
+            elif kind == "graph_replays":
+                per_rank = pdist.gather_objects(runner.graph_replays, groups)
+                if rank == 0:
+                    conn.send(("graph_replays", per_rank))
             elif kind == "step":
                 step += 1
                 if spec.fail_at_step is not None and step == spec.fail_at_step and rank == spec.fail_rank:

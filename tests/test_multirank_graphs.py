@@ -1,0 +1,89 @@
+"""Decode graphs on every rank of a TP / DP layout (lamina.worker.cuda_graphs.multirank_graphs_reason).
+
+On the CPU (CI) the ranks run the graphs' static buffers and padding eagerly on the Triton kernels
+under Triton's interpreter, with gloo collectives: the same packing, padding and per-rank replay
+path as on GPUs, checked against the single-rank run. On two GPUs (`-m gpu`) the ranks capture
+real CUDA graphs with their NCCL collectives inside and must give one GPU's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py sets it before anything imports Triton
+    assert os.environ.get("TRITON_INTERPRET") == "1", "Triton's interpreter must be on before Triton is imported"
+
+pytest.importorskip("triton")
+
+from lamina import LLM, SamplingParams  # noqa: E402
+from lamina.worker.cuda_graphs import multirank_graphs_reason  # noqa: E402
+
+PROMPTS = [[5, 17, 300], [9] * 5, list(range(40, 47))]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+_single: dict[str, list[list[int]]] = {}
+
+
+def _tokens(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_multirank_graphs_reason(monkeypatch):
+    plan = types.SimpleNamespace(pp=1, ep_enabled=False, sp=False)
+    monkeypatch.delenv("LAMINA_MULTIRANK_GRAPHS", raising=False)
+    assert "opt-in" in multirank_graphs_reason(plan, speculative=False)
+    monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
+    assert multirank_graphs_reason(plan, speculative=False) is None
+    assert "PP = 2" in multirank_graphs_reason(types.SimpleNamespace(pp=2, ep_enabled=False, sp=False), speculative=False)
+    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=True, sp=False),
+                                                        speculative=False)
+    assert "speculative" in multirank_graphs_reason(plan, speculative=True)
+    monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
+        multirank_graphs_reason(plan, speculative=False)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout, monkeypatch):
+    """Greedy tokens of TP2 / DP2 on the Triton kernels whose ranks run decode steps through their
+    graphs' static buffers (3 requests padded to 4 on TP, the replicas' own batches on DP) equal
+    the single-rank run's; every rank replayed."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
+    if str(qwen3_5_moe_dir) not in _single:  # one rank on the reference kernels (the Triton set agrees with them)
+        monkeypatch.setenv("LAMINA_KERNELS", "reference")
+        with LLM(str(qwen3_5_moe_dir), **engine) as one:
+            _single[str(qwen3_5_moe_dir)] = _tokens(one)
+    want = _single[str(qwen3_5_moe_dir)]
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    with LLM(str(qwen3_5_moe_dir), **engine, **layout) as llm:
+        executor = llm.engine.executor
+        per_rank = executor.capture_decode_graphs(4, llm.engine.max_model_len, static_off_cuda=True)
+        assert all(ok for ok, _ in per_rank), per_rank
+        got = _tokens(llm)
+        replays = executor.graph_replays()
+    assert got == want
+    assert all(n > 0 for n in replays), replays
+
+
+@pytest.mark.gpu
+def test_tp2_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, monkeypatch):
+    """TP2 with CUDA graphs (NCCL collectives captured) gives one GPU's float32 greedy tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
+    monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
+    engine = dict(device="cuda", dtype="float32", max_num_seqs=4, show_progress=False)
+    with LLM(str(qwen3_5_moe_dir), **engine) as one:
+        want = _tokens(one)
+    with LLM(str(qwen3_5_moe_dir), tensor_parallel_size=2, **engine) as llm:
+        assert llm.engine.cuda_graphs, llm.engine.no_graphs_reason
+        got = _tokens(llm)
+        replays = llm.engine.executor.graph_replays()
+    assert got == want
+    assert all(n > 0 for n in replays), replays
