@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -117,6 +117,8 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_pdl.py \
         tests/test_triton_kernels.py tests/test_triton_router.py tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_qwen4_graphs.py 2>&1 | tail -25 ;;
+    tp2graphs)  # needs nvidia-h200-x2: TP2 with CUDA graphs on every rank (NCCL captured) against one GPU
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_multirank_graphs.py 2>&1 | tail -8 ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
     profile)
