@@ -33,25 +33,28 @@ def _tokens(llm):
 
 
 def test_multirank_graphs_reason(monkeypatch):
-    plan = types.SimpleNamespace(pp=1, ep_enabled=False, sp=False)
+    plan = types.SimpleNamespace(pp=2, ep_enabled=False, sp=False)
     monkeypatch.delenv("LAMINA_MULTIRANK_GRAPHS", raising=False)
     assert "opt-in" in multirank_graphs_reason(plan, speculative=False)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     assert multirank_graphs_reason(plan, speculative=False) is None
-    assert "PP = 2" in multirank_graphs_reason(types.SimpleNamespace(pp=2, ep_enabled=False, sp=False), speculative=False)
     assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=True, sp=False),
                                                         speculative=False)
+    assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=False, sp=True),
+                                                          speculative=False)
     assert "speculative" in multirank_graphs_reason(plan, speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2)],
+                         ids=["tp2", "pp2", "dp2"])
 def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout, monkeypatch):
-    """Greedy tokens of TP2 / DP2 on the Triton kernels whose ranks run decode steps through their
-    graphs' static buffers (3 requests padded to 4 on TP, the replicas' own batches on DP) equal
-    the single-rank run's; every rank replayed."""
+    """Greedy tokens of TP2 / PP2 / DP2 on the Triton kernels whose ranks run decode steps through
+    their graphs' static buffers (3 requests padded to 4 on TP and PP, the stream handed from the
+    first stage's replay to the second's input buffer; the replicas' own batches on DP) equal the
+    single-rank run's; every rank replayed."""
     if torch.cuda.is_available():
         pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
@@ -72,8 +75,10 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout,
 
 
 @pytest.mark.gpu
-def test_tp2_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, monkeypatch):
-    """TP2 with CUDA graphs (NCCL collectives captured) gives one GPU's float32 greedy tokens."""
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, layout, monkeypatch):
+    """TP2 (NCCL collectives captured) and PP2 (a stage's stream sent between replays) with CUDA
+    graphs give one GPU's float32 greedy tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
@@ -81,7 +86,7 @@ def test_tp2_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, monkeypatch):
     engine = dict(device="cuda", dtype="float32", max_num_seqs=4, show_progress=False)
     with LLM(str(qwen3_5_moe_dir), **engine) as one:
         want = _tokens(one)
-    with LLM(str(qwen3_5_moe_dir), tensor_parallel_size=2, **engine) as llm:
+    with LLM(str(qwen3_5_moe_dir), **layout, **engine) as llm:
         assert llm.engine.cuda_graphs, llm.engine.no_graphs_reason
         got = _tokens(llm)
         replays = llm.engine.executor.graph_replays()

@@ -33,8 +33,9 @@ MULTIRANK_GRAPHS_ENV = "LAMINA_MULTIRANK_GRAPHS"
 def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     """Why the ranks of a multi-rank layout (`lamina.parallel.plan.ParallelPlan`) do not capture
     decode graphs, or None when each rank captures its own (its TP collectives inside the graph).
-    Captured: one pipeline stage, without expert or sequence parallelism, without MTP, i.e. TP, and
-    DP replicas that step independently. Opt-in while no run on several GPUs has checked it:
+    Captured: TP, PP (each stage its graphs; the stream crosses stages between replays through
+    the next stage's static input buffer) and DP replicas that step independently, without expert
+    or sequence parallelism or MTP. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -43,8 +44,6 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
         raise ValueError(f"{MULTIRANK_GRAPHS_ENV} = {wanted!r} must be 0 or 1")
     if wanted == "0":
         return f"multi-rank decode graphs are opt-in ({MULTIRANK_GRAPHS_ENV}=1) until checked on several GPUs"
-    if plan.pp > 1:
-        return f"pipeline parallel (PP = {plan.pp}): stages hand activations over between steps; decode runs eagerly"
     if plan.ep_enabled:
         return "expert parallel: the MoE dispatch is not captured; decode runs eagerly"
     if plan.sp:
@@ -123,6 +122,13 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()
         self.inputs = torch.empty(total, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.long, device=device)
+        # Pipeline stages after the first take the previous stage's stream in a static buffer;
+        # stages before the last return their output stream instead of logits.
+        self.first_stage = getattr(model, "is_first_stage", True)
+        self.last_stage = getattr(model, "is_last_stage", True)
+        self.stream_in = None
+        if not self.first_stage:
+            self.stream_in = torch.zeros(max_batch, model.stream_width(), dtype=model.dtype, device=device)  # [B, W]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # Asynchronous scheduling writes the next step's rows while this one may still be queued:
@@ -192,7 +198,9 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         token_ids, meta = self._meta(size)
-        hidden = self.model(token_ids, meta, None)
+        hidden = self.model(token_ids, meta, None if self.first_stage else self.stream_in[:size])
+        if not self.last_stage:
+            return hidden  # [size, W]: the next stage's input
         return self.model.compute_logits(hidden)  # [size, vocab] float32
 
     # ---- replay ------------------------------------------------------------------------------
@@ -200,9 +208,11 @@ class DecodeGraphs:
         fitting = [s for s in self.graphs if s >= num_reqs]
         return min(fitting) if fitting else None
 
-    def run(self, chunks, previous=None) -> torch.Tensor:
-        """Logits `[B, vocab]` of a decode step whose chunks each hold one token. A pending token
-        (asynchronous scheduling) is taken from `previous` (`PreviousTokens`) on the device."""
+    def run(self, chunks, previous=None, stream_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[B, vocab]` of a decode step whose chunks each hold one token (a stage before
+        the last: its output stream `[B, W]`; a stage after the first reads the previous stage's
+        `stream_in [B, W]`). A pending token (asynchronous scheduling) is taken from `previous`
+        (`PreviousTokens`) on the device."""
         num_reqs = len(chunks)
         size = self.size_for(num_reqs)
         pending_rows = previous.source_rows(chunks, positions_per_chunk=True) if previous is not None else None
@@ -232,6 +242,8 @@ class DecodeGraphs:
             self._uploaded.record()
         if pending_rows is not None:
             previous.fill(self._field(self.inputs, "token_ids", num_reqs), self._field(self.inputs, "pending_row", num_reqs))
+        if self.stream_in is not None:
+            self.stream_in[:num_reqs].copy_(stream_in)  # padding rows keep what they held: their own rows only
         graph, logits = self.graphs[size]
         if graph is None:
             logits = self._forward(size)

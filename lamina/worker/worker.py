@@ -52,11 +52,8 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         # Without EP replicas need not step together; with EP an all-empty step (a bookkeeping
         # flush after aborts) has no MoE collective to join either.
         return None
-    if runner.spec is None and me.pp == 0 and me.has_lm_head and can_replay(runner.decode_graphs, plan.chunks):
-        # one stage (TP / DP without EP): every TP rank replays its graph, whose collectives
-        # meet the other ranks' as the eager forward's would; TP rank 0 samples
-        logits = runner.replay_decode(plan)  # [B, vocab]
-        return (me.dp, runner.sample(logits, plan.chunks)) if me.tp == 0 else None
+    if runner.spec is None and can_replay(runner.decode_graphs, plan.chunks):
+        return _replay_step(spec, me, runner, plan)
     model = runner.model
     rows = plan.num_tokens
     if spec.plan.sp:
@@ -77,6 +74,23 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
     else:
         sampled = runner.logits_and_sample(plan, out, inputs.logits_rows, sample=me.tp == 0)
     return (me.dp, sampled) if me.tp == 0 else None
+
+
+def _replay_step(spec: WorkerSpec, me, runner, plan: StepPlan):
+    """A plain decode step from this rank's captured graphs (TP / PP / DP without EP): every TP
+    rank replays its graph, whose collectives meet the other ranks' as the eager forward's would;
+    a stage after the first takes the previous stage's stream rows first, a stage before the last
+    sends its own on; TP rank 0 of the last stage samples."""
+    model = runner.model
+    stream_in = None
+    if me.pp > 0:
+        src = spec.plan.rank_of(me.dp, me.pp - 1, me.tp)
+        stream_in = pdist.recv_tensor((len(plan.chunks), model.stream_width()), model.dtype, runner.device, src)
+    out = runner.replay_decode(plan, stream_in)  # [B, vocab] logits, or [B, W] stream before the last stage
+    if not me.has_lm_head:
+        pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
+        return None
+    return (me.dp, runner.sample(out, plan.chunks)) if me.tp == 0 else None
 
 
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
