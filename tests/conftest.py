@@ -40,6 +40,14 @@ def qwen3_5_moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_moe_short_dir(tmp_path_factory):
+    """Qwen3.5-MoE at three layers (tc.SHORT_LAYER_TYPES: delta net, attention, delta net): the
+    engine tests on the Triton kernel set, which the CPU runs under Triton's interpreter, one
+    interpreted launch per kernel and layer."""
+    return tc.make_qwen3_5_moe(tmp_path_factory.mktemp("q35short") / "ckpt", layer_types=tc.SHORT_LAYER_TYPES)
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_moe_vl_dir(tmp_path_factory):
     return tc.make_qwen3_5_moe_vl(tmp_path_factory.mktemp("q35vl") / "ckpt")
 

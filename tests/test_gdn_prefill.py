@@ -195,11 +195,12 @@ def test_layer_reads_the_choice_when_built(qwen3_5_moe_dir, monkeypatch):
         LLM(str(qwen3_5_moe_dir), device="cpu", dtype="float32", show_progress=False)
 
 
-def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_dir, monkeypatch):
+def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
     """The engine on the Triton kernel set (on the CPU: the interpreter), eager and scheduled
     asynchronously, with prompts chunked by a small token budget, so prefill chunks and decodes
     share steps and conv states carry over through the pool between chunks: greedy tokens and
-    logprobs equal the reference kernels' (synchronous)."""
+    logprobs equal the reference kernels' (synchronous). The three-layer checkpoint (two delta-net
+    layers, each with its own conv state pool) keeps the interpreter's launches down."""
     from lamina import LLM, SamplingParams
 
     if DEVICE == "cuda":  # the CUDA engine run of the prefill kernels is the bf16 gpu test below
@@ -209,7 +210,7 @@ def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_dir, monk
     runs = {}
     for kernels in ("reference", "triton"):
         monkeypatch.setenv("LAMINA_KERNELS", kernels)
-        with LLM(str(qwen3_5_moe_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
+        with LLM(str(qwen3_5_moe_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
                  max_num_seqs=3, max_num_batched_tokens=6, async_scheduling=kernels == "triton") as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[kernels] = [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs])

@@ -28,7 +28,16 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory, qwen3_5_moe_dir):
+    """The five-layer checkpoint with MTP weights (the GPU test)."""
     return tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_dir, tmp_path_factory.mktemp("mtp_triton") / "q35"),
+                              fused_experts=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_short_dir(tmp_path_factory, qwen3_5_moe_short_dir):
+    """Three layers (delta net, attention, delta net) with MTP weights: the tests that run the
+    Triton kernels under the interpreter on the CPU, where every layer's launches are interpreted."""
+    return tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_short_dir, tmp_path_factory.mktemp("mtp_triton") / "q35"),
                               fused_experts=True)
 
 
@@ -89,31 +98,32 @@ _PLAIN: dict = {}
 
 
 def _plain(path, monkeypatch, prompts=PROMPTS):
-    """Plain (no MTP) greedy tokens on the reference kernels, computed once per prompt list."""
-    key = tuple(map(tuple, prompts))
+    """Plain (no MTP) greedy tokens on the reference kernels, computed once per checkpoint and prompt list."""
+    key = (str(path), tuple(map(tuple, prompts)))
     if key not in _PLAIN:
         _PLAIN[key] = _run(path, monkeypatch, kernels="reference", prompts=prompts)[0]
     return _PLAIN[key]
 
 
 @pytest.mark.parametrize("k", [3])  # Q = 2 and 3: the kernel tests and the graph-buffer test (k = 2)
-def test_mtp_greedy_on_triton_verify_kernels(mtp_dir, monkeypatch, k):
+def test_mtp_greedy_on_triton_verify_kernels(mtp_short_dir, monkeypatch, k):
     """Eager: the reference kernels' MTP run and the Triton one (planted drafts, partly accepted)
     both give plain decoding's greedy tokens; verification steps run the Q-token kernels."""
-    plain = _plain(mtp_dir, monkeypatch)
-    ref_mtp, ref_calls, _ = _run(mtp_dir, monkeypatch, kernels="reference", k=k)
+    plain = _plain(mtp_short_dir, monkeypatch)
+    ref_mtp, ref_calls, _ = _run(mtp_short_dir, monkeypatch, kernels="reference", k=k)
     assert ref_mtp == plain and not ref_calls
-    ours, calls, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain))
+    ours, calls, replays = _run(mtp_short_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain))
     assert ours == plain
     assert k + 1 in calls and max(calls) == k + 1 and not replays  # fewer drafts near max_tokens
 
 
 @pytest.mark.parametrize("k", [2])
-def test_mtp_greedy_through_verify_graph_buffers(mtp_dir, monkeypatch, k):
+def test_mtp_greedy_through_verify_graph_buffers(mtp_short_dir, monkeypatch, k):
     """The verification graphs' static buffers, padding (3 requests run as 4) and persistent
     capture rows (replayed as CUDA graphs on a GPU; run eagerly from the same buffers here)."""
-    plain = _plain(mtp_dir, monkeypatch)
-    ours, calls, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True, override=_planted(plain))
+    plain = _plain(mtp_short_dir, monkeypatch)
+    ours, calls, replays = _run(mtp_short_dir, monkeypatch, kernels="triton", k=k, graphs=True,
+                                override=_planted(plain))
     assert ours == plain
     assert k + 1 in replays
 

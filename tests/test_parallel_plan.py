@@ -135,14 +135,23 @@ def test_plan_command_text_and_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("partition", ["0,4", "1,2", "a,3"])
-def test_plan_command_refusals_exit_2(tmp_path, partition):
+def test_plan_command_refusals_exit_2(tmp_path, partition, capsys):
+    """In process (`lamina.entrypoints.cli.main`, whose return value the module's `__main__` passes
+    to `sys.exit`); test_plan_command_refusal_exit_status_of_the_process runs one as a process."""
+    path = _write_real_config(tmp_path)
+    assert cli_main(["plan", str(path), "-pp", "2", "--pp-layer-partition", partition]) == 2
+    err = capsys.readouterr().err
+    assert "--pp-layer-partition" in err and partition in err
+
+
+def test_plan_command_refusal_exit_status_of_the_process(tmp_path):
     path = _write_real_config(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "lamina.entrypoints.cli", "plan", str(path), "-pp", "2", "--pp-layer-partition", partition],
+        [sys.executable, "-m", "lamina.entrypoints.cli", "plan", str(path), "-pp", "2", "--pp-layer-partition", "1,2"],
         capture_output=True, text=True,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "--pp-layer-partition" in proc.stderr and partition in proc.stderr
+    assert "--pp-layer-partition" in proc.stderr and "1,2" in proc.stderr
 
 
 def test_plan_qwen4_exp_real_size_pp5_ple_on_a_later_stage(tmp_path, capsys):

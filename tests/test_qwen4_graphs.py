@@ -30,7 +30,16 @@ PROMPTS = [[5, 17, 300, EOS, 41, 6, 6, 2, 1, 4], [9, 3, EOS, 9] * 3, list(range(
 
 @pytest.fixture(scope="module")
 def qwen4_dir(tmp_path_factory):
+    """Five layers (tc.QWEN4_LAYER_TYPES), PLE on the second: the GPU test."""
     return tc.make_qwen4_exp(tmp_path_factory.mktemp("q4graphs") / "ckpt", hc_count=2, ple_layer_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def qwen4_short_dir(tmp_path_factory):
+    """Three layers (delta net, delta net with the PLE, QSA attention), as the first three of
+    tc.QWEN4_LAYER_TYPES: the CPU tests, whose Triton kernels are interpreted layer by layer."""
+    return tc.make_qwen4_exp(tmp_path_factory.mktemp("q4graphs_short") / "ckpt", hc_count=2, ple_layer_ids=(2,),
+                             layer_types=tc.QWEN4_LAYER_TYPES[:3])
 
 
 # ---- the decode kernels against the reference mask + paged attention ----------------------------
@@ -182,7 +191,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
     return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_graph_static_buffers_match_reference(qwen4_dir, monkeypatch):
+def test_graph_static_buffers_match_reference(qwen4_short_dir, monkeypatch):
     """Three requests (run as the capture size 4: a padded row) with contexts past the QSA budget
     and EOS inside their n-gram windows: tokens and logprobs of the reference kernels; and the
     static-buffer forward reads no tensor value on the host."""
@@ -200,10 +209,10 @@ def test_graph_static_buffers_match_reference(qwen4_dir, monkeypatch):
             logits = runner.decode_graphs._forward(4)
         assert logits.shape[0] == 4 and torch.isfinite(logits).all()
 
-    ref = _greedy(qwen4_dir, PROMPTS, graphs=False, kernels="reference", monkeypatch=monkeypatch)
+    ref = _greedy(qwen4_short_dir, PROMPTS, graphs=False, kernels="reference", monkeypatch=monkeypatch)
     # As the GPU test builds it: the PLE table on the compute device (ple_table_device="gpu"), whose
     # name carries another index than its tensors report ("cpu:0" -> "cpu", as "cuda" -> "cuda:0").
-    ours = _greedy(qwen4_dir, PROMPTS, graphs=True, kernels="triton", monkeypatch=monkeypatch,
+    ours = _greedy(qwen4_short_dir, PROMPTS, graphs=True, kernels="triton", monkeypatch=monkeypatch,
                    check=replay_without_host_reads, device="cpu:0", ple_table_device="gpu")
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
@@ -221,7 +230,7 @@ def test_graphs_match_eager_on_gpu(qwen4_dir, monkeypatch):
         torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
 
 
-def test_host_ple_table_is_not_captured(qwen4_dir, monkeypatch):
+def test_host_ple_table_is_not_captured(qwen4_short_dir, monkeypatch):
     """A PLE table in host memory needs its row ids on the host every step: decode stays eager,
     with the reason said."""
     from lamina.worker.cuda_graphs import why_not_capturable
@@ -230,11 +239,11 @@ def test_host_ple_table_is_not_captured(qwen4_dir, monkeypatch):
     from lamina import LLM
 
     monkeypatch.setenv("LAMINA_QSA_DECODE", "0")
-    with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
+    with LLM(str(qwen4_short_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
         model = llm.engine.executor.runner.model
         assert "LAMINA_QSA_DECODE=0" in why_not_capturable(model)
     monkeypatch.delenv("LAMINA_QSA_DECODE")  # on by default
-    with LLM(str(qwen4_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
+    with LLM(str(qwen4_short_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True) as llm:
         model = llm.engine.executor.runner.model
         assert why_not_capturable(model) is None
         assert "verification graphs carry no token history" in why_not_capturable(model, verify=True)

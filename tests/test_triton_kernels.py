@@ -544,15 +544,17 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs)
 
 
 @pytest.mark.parametrize("graphs", [True], ids=["graphs"])  # eager: tests/test_gdn_prefill.py's engine test
-def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_dir, graphs, monkeypatch):
+def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_short_dir, graphs, monkeypatch):
     """Greedy tokens and logprobs on the Triton kernel set (eager, or through the decode graphs'
     static buffers with padded batch sizes: 3 requests run as 4), with asynchronous scheduling,
-    equal the reference kernels' (synchronous)."""
+    equal the reference kernels' (synchronous). The three-layer checkpoint: every kind of layer,
+    at 3/5 of the interpreter's launches."""
+    path = qwen3_5_moe_short_dir
     prompts = [[5, 17, 300], [9] * 11, list(range(40, 57))]
-    ref = _greedy(qwen3_5_moe_dir, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, max_num_seqs=5)
+    ref = _greedy(path, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, max_num_seqs=5)
     # overlapped (asynchronous scheduling): pending tokens are filled in on the device, in the
     # graphs' static input buffer or the eager step's token ids
-    ours = _greedy(qwen3_5_moe_dir, prompts, graphs=graphs, kernels="triton", monkeypatch=monkeypatch, max_num_seqs=5,
+    ours = _greedy(path, prompts, graphs=graphs, kernels="triton", monkeypatch=monkeypatch, max_num_seqs=5,
                    async_scheduling=True)
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids

@@ -24,6 +24,9 @@ COMMON = dict(
     eos_token_id=999, pad_token_id=997, bos_token_id=997, tie_word_embeddings=False,
 )
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
+# The Triton-interpreter engine tests' depth: each kind of layer (two delta-net layers, so two state
+# pools), at 3/5 of the interpreted kernel launches of LAYER_TYPES.
+SHORT_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 
 def _randomise_norms(model: torch.nn.Module, seed: int) -> None:
@@ -59,11 +62,11 @@ def make_qwen3_next(path: Path, *, mixed_dense: bool = False, seed: int = 0) -> 
     return _save(Qwen3NextForCausalLM(config).float(), path, seed)
 
 
-def make_qwen3_5_moe(path: Path, *, seed: int = 1) -> Path:
+def make_qwen3_5_moe(path: Path, *, seed: int = 1, layer_types: list[str] = LAYER_TYPES) -> Path:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(seed)
-    config = Qwen3_5MoeTextConfig(num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, **COMMON)
+    config = Qwen3_5MoeTextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types), **COMMON)
     return _save(Qwen3_5MoeForCausalLM(config).float(), path, seed)
 
 
@@ -129,6 +132,7 @@ def make_qwen4_exp(
     indexer_n_heads: int = 8,
     indexer_budget: int = 8,
     indexer_compress_ratio: int = 4,
+    layer_types: list[str] = QWEN4_LAYER_TYPES,
     seed: int = 4,
 ) -> Path:
     """A tiny Qwen4-Exp: hyper-connections, N-gram PLE on `ple_layer_ids` (1-based), QSA indexed
@@ -140,7 +144,7 @@ def make_qwen4_exp(
     torch.manual_seed(seed)
     common = {k: v for k, v in COMMON.items() if k not in ("pad_token_id", "bos_token_id")}
     text = dict(
-        common, num_hidden_layers=len(QWEN4_LAYER_TYPES), layer_types=QWEN4_LAYER_TYPES,
+        common, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
         hc_count=hc_count, hc_lowrank=16, ple_layer_ids=list(ple_layer_ids), ple_embed_dim=32,
         ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
         make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4, seed=77,
