@@ -50,7 +50,7 @@ def test_multirank_graphs_reason(monkeypatch):
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2)],
                          ids=["tp2", "pp2", "dp2"])
-def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout, monkeypatch):
+def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, layout, monkeypatch):
     """Greedy tokens of TP2 / PP2 / DP2 on the Triton kernels whose ranks run decode steps through
     their graphs' static buffers (3 requests padded to 4 on TP and PP, the stream handed from the
     first stage's replay to the second's input buffer; the replicas' own batches on DP) equal the
@@ -58,13 +58,13 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout,
     if torch.cuda.is_available():
         pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
-    if str(qwen3_5_moe_dir) not in _single:  # one rank on the reference kernels (the Triton set agrees with them)
+    if str(qwen3_5_moe_short_dir) not in _single:  # one rank on the reference kernels (the Triton set agrees with them)
         monkeypatch.setenv("LAMINA_KERNELS", "reference")
-        with LLM(str(qwen3_5_moe_dir), **engine) as one:
-            _single[str(qwen3_5_moe_dir)] = _tokens(one)
-    want = _single[str(qwen3_5_moe_dir)]
+        with LLM(str(qwen3_5_moe_short_dir), **engine) as one:
+            _single[str(qwen3_5_moe_short_dir)] = _tokens(one)
+    want = _single[str(qwen3_5_moe_short_dir)]
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
-    with LLM(str(qwen3_5_moe_dir), **engine, **layout) as llm:
+    with LLM(str(qwen3_5_moe_short_dir), **engine, **layout) as llm:
         executor = llm.engine.executor
         per_rank = executor.capture_decode_graphs(4, llm.engine.max_model_len, static_off_cuda=True)
         assert all(ok for ok, _ in per_rank), per_rank
@@ -76,7 +76,7 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_dir, layout,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
-def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, layout, monkeypatch):
+def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeypatch):
     """TP2 (NCCL collectives captured) and PP2 (a stage's stream sent between replays) with CUDA
     graphs give one GPU's float32 greedy tokens."""
     if torch.cuda.device_count() < 2:
@@ -84,9 +84,9 @@ def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_dir, layout, monkeypatch):
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
     engine = dict(device="cuda", dtype="float32", max_num_seqs=4, show_progress=False)
-    with LLM(str(qwen3_5_moe_dir), **engine) as one:
+    with LLM(str(qwen3_5_moe_short_dir), **engine) as one:
         want = _tokens(one)
-    with LLM(str(qwen3_5_moe_dir), **layout, **engine) as llm:
+    with LLM(str(qwen3_5_moe_short_dir), **layout, **engine) as llm:
         assert llm.engine.cuda_graphs, llm.engine.no_graphs_reason
         got = _tokens(llm)
         replays = llm.engine.executor.graph_replays()
