@@ -1,4 +1,4 @@
-"""Decode graphs on every rank of a TP / DP layout (lamina.worker.cuda_graphs.multirank_graphs_reason).
+"""Decode graphs on every rank of a TP / PP layout (lamina.worker.cuda_graphs.multirank_graphs_reason).
 
 On the CPU (CI) the ranks run the graphs' static buffers and padding eagerly on the Triton kernels
 under Triton's interpreter, with gloo collectives: the same packing, padding and per-rank replay
@@ -33,28 +33,28 @@ def _tokens(llm):
 
 
 def test_multirank_graphs_reason(monkeypatch):
-    plan = types.SimpleNamespace(pp=2, ep_enabled=False, sp=False)
+    plan = types.SimpleNamespace(pp=2, dp=1, ep_enabled=False, sp=False)
     monkeypatch.delenv("LAMINA_MULTIRANK_GRAPHS", raising=False)
     assert "opt-in" in multirank_graphs_reason(plan, speculative=False)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     assert multirank_graphs_reason(plan, speculative=False) is None
-    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=True, sp=False),
+    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=True, sp=False),
                                                         speculative=False)
-    assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=False, sp=True),
+    assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=False, sp=True),
                                                           speculative=False)
+    assert "data parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False),
+                                                      speculative=False)
     assert "speculative" in multirank_graphs_reason(plan, speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2)],
-                         ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
 def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, layout, monkeypatch):
-    """Greedy tokens of TP2 / PP2 / DP2 on the Triton kernels whose ranks run decode steps through
-    their graphs' static buffers (3 requests padded to 4 on TP and PP, the stream handed from the
-    first stage's replay to the second's input buffer; the replicas' own batches on DP) equal the
-    single-rank run's; every rank replayed."""
+    """Greedy tokens of TP2 / PP2 on the Triton kernels whose ranks run decode steps through their
+    graphs' static buffers (3 requests padded to 4, on PP the stream handed from the first stage's
+    replay to the second's input buffer) equal the single-rank run's; every rank replayed."""
     if torch.cuda.is_available():
         pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)

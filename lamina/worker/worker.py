@@ -77,7 +77,7 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
 
 
 def _replay_step(spec: WorkerSpec, me, runner, plan: StepPlan):
-    """A plain decode step from this rank's captured graphs (TP / PP / DP without EP): every TP
+    """A plain decode step from this rank's captured graphs (TP / PP): every TP
     rank replays its graph, whose collectives meet the other ranks' as the eager forward's would;
     a stage after the first takes the previous stage's stream rows first, a stage before the last
     sends its own on; TP rank 0 of the last stage samples."""
