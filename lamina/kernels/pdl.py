@@ -13,7 +13,7 @@ The contract of a kernel that takes `PDL`:
   step may write (activations, routed ids, tickets, caches) and before its first write;
 - before that call it reads only weights, or state last written two or more kernels earlier (a
   layer's delta-net state, written by that layer's previous step);
-- it is launched with `launch_pdl=pdl_launch(device)` and `PDL=` the same flag.
+- it is launched with `**pdl_kwargs(device)`: `PDL=` and `launch_pdl=` the same flag.
 Since every such kernel waits for its predecessor before it completes, completion is ordered
 along the chain, and a kernel launched without the attribute (torch, cuBLAS) starts after its
 predecessor as before. Off: `LAMINA_PDL=0` (read once per process), on the CPU (Triton's
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["pdl_launch", "wait_for_producer"]
+__all__ = ["pdl_kwargs", "pdl_launch", "wait_for_producer"]
 
 
 @functools.cache
@@ -38,7 +38,8 @@ def _switch() -> bool:
     wanted = os.environ.get("LAMINA_PDL", "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_PDL = {wanted!r} must be 0 or 1")
-    return wanted == "1"
+    # Triton's interpreter (set before Triton is imported, so fixed per process) has no grid dependency control.
+    return wanted == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @functools.cache
@@ -55,9 +56,16 @@ def _device_supports(index: int) -> bool:
 def pdl_launch(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with programmatic dependent launch (host-side,
     cached: the same answer for every call of a process on that device)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _switch():
+    if device.type != "cuda" or not _switch():
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """The launch keywords of a kernel that takes `PDL`: the constexpr and the launch attribute,
+    always the same flag."""
+    on = pdl_launch(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

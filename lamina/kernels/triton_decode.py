@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["paged_decode_attention", "gated_delta_rule_decode", "causal_conv1d_decode"]
 
@@ -167,7 +167,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
-        PDL=pdl_launch(q.device), launch_pdl=pdl_launch(q.device),
+        **pdl_kwargs(q.device),
     )
     return out
 
@@ -249,7 +249,7 @@ def gated_delta_rule_decode(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
-        PDL=pdl_launch(v.device), launch_pdl=pdl_launch(v.device),
+        **pdl_kwargs(v.device),
     )
     return out
 
@@ -313,6 +313,6 @@ def causal_conv1d_decode(
         x, weight, state_pool, slots, keep, out, channels,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
         KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c, SILU=activation in ("silu", "swish"),
-        PDL=pdl_launch(x.device), launch_pdl=pdl_launch(x.device),
+        **pdl_kwargs(x.device),
     )
     return out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.triton_moe import softmax_topk
 
 __all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
@@ -173,7 +173,6 @@ def _gemv(x, weight, config, route):
     if rows == 0:
         return y, weights, ids
     tiles = triton.cdiv(out_features, cfg["block_n"])
-    pdl = pdl_launch(x.device)
     tickets = y  # unused without a split or a route
     if split > 1 or route:
         from lamina.kernels.triton_moe_gemv import _tickets
@@ -184,9 +183,9 @@ def _gemv(x, weight, config, route):
         x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
         weights, ids, tickets[tiles:], num_experts,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl, ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-        launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return y, weights, ids
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 from lamina.kernels.triton_moe_gemv import GEMV_MAX_INTER, GEMV_MAX_TOKENS, fused_moe_gemv
 
@@ -180,7 +180,7 @@ def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_st
         REG_BITS=max(0, p_pad.bit_length() - 1 - 5 - (num_warps.bit_length() - 1)),
         E_PAD=max(32, triton.next_power_of_2(num_local_experts)),
         FILL=min(2048, max(128, triton.next_power_of_2(max_rows))),
-        PDL=pdl_launch(topk_ids.device), launch_pdl=pdl_launch(topk_ids.device), num_warps=num_warps,
+        **pdl_kwargs(topk_ids.device), num_warps=num_warps,
     )
     return sorted_pairs, block_expert
 
@@ -344,7 +344,6 @@ def fused_moe(
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    pdl = pdl_launch(x.device)
     if x.dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
         cfg = dict(DEFAULT_CONFIG_FP32)
     else:
@@ -366,7 +365,7 @@ def fused_moe(
         x, w13, shared_w13, sorted_pairs, block_expert, act, num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first.
     alloc = torch.empty if shared is not None else torch.zeros
@@ -377,7 +376,7 @@ def fused_moe(
         num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        PRECISION=precision, PDL=pdl, launch_pdl=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PRECISION=precision, **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return sum_slots(out.view(num_tokens, slots, hidden), x.dtype)  # [T, H]
 
@@ -402,7 +401,7 @@ def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
         _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            parts, out, hidden, SLOTS=slots, BLOCK=block, PDL=pdl_launch(parts.device), launch_pdl=pdl_launch(parts.device)
+            parts, out, hidden, SLOTS=slots, BLOCK=block, **pdl_kwargs(parts.device)
         )
     return out
 
@@ -465,6 +464,6 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, PDL=pdl_launch(logits.device), launch_pdl=pdl_launch(logits.device),
+            RENORMALIZE=renormalize, **pdl_kwargs(logits.device),
         )
     return weights, ids

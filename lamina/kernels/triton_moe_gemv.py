@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
 
@@ -292,7 +292,6 @@ def fused_moe_gemv(
     slots = top_k + (shared is not None)
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    pdl = pdl_launch(x.device)
     up_tiles = triton.cdiv(inter, cfg["up_n"])
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
     up_split = triton.cdiv(hidden, k_per_split)  # no empty parts: 48 columns in 32-column steps split twice at most
@@ -312,7 +311,7 @@ def fused_moe_gemv(
         k_per_split, x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], SPLIT=up_split,
         SPLIT_P2=max(2, triton.next_power_of_2(up_split)), PRECISION=precision,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
     )
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
@@ -328,6 +327,6 @@ def fused_moe_gemv(
         TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
         GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
     )
     return out

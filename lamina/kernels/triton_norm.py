@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
 
@@ -39,11 +39,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    pdl = pdl_launch(x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, dim, eps, rows.stride(0), out.stride(0),
-            ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
+            ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim), **pdl_kwargs(x.device),
         )
     return out.view(x.shape)
 
@@ -75,12 +74,11 @@ def add_rms_norm(
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     total = torch.empty_like(residual)
     out = torch.empty_like(residual)
-    pdl = pdl_launch(x.device)
     if x.shape[0]:
         _add_rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, total, out, x.shape[-1], eps, x.stride(0), residual.stride(0), total.stride(0),
             out.stride(0), ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(x.shape[-1]),
-            PDL=pdl, launch_pdl=pdl,
+            **pdl_kwargs(x.device),
         )
     return total, out
 
@@ -111,10 +109,9 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     gates = gates if gates.stride(-1) == 1 else gates.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    pdl = pdl_launch(x.device)
     if rows.shape[0]:
         _gated_rms_norm_kernel[(rows.shape[0],)](
             rows, gates, weight, out, dim, eps, rows.stride(0), gates.stride(0), out.stride(0),
-            SILU=activation == "silu", BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
+            SILU=activation == "silu", BLOCK_D=triton.next_power_of_2(dim), **pdl_kwargs(x.device),
         )
     return out.view(x.shape)

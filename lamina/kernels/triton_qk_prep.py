@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.pdl import pdl_launch, wait_for_producer
+from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["qk_norm_rope_cache"]
 
@@ -85,6 +85,6 @@ def qk_norm_rope_cache(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        ZERO_CENTRED=zero_centred, PDL=pdl_launch(query.device), launch_pdl=pdl_launch(query.device),
+        ZERO_CENTRED=zero_centred, **pdl_kwargs(query.device),
     )
     return out
