@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -119,6 +119,18 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
         tests/test_qwen4_graphs.py 2>&1 | tail -25 ;;
     tp2graphs)  # needs nvidia-h200-x2: TP2 with CUDA graphs on every rank (NCCL captured) against one GPU
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_multirank_graphs.py 2>&1 | tail -8 ;;
+    profiles)  # where the 8k prefill goes (fla), and the b1 decode step split by kernel with PDL off (overlap-free)
+      LAMINA_GDN_PREFILL=fla timeout 150 python3 benchmarks/profile_decode.py --prefill-len 8192 --steps 2 --out $OUT/profile_prefill_8k.json > $OUT/profile_prefill_8k.txt 2>&1
+      LAMINA_PDL=0 LAMINA_GDN_PREFILL=reference timeout 100 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1_nopdl.json > $OUT/profile_b1_nopdl.txt 2>&1
+      for f in profile_prefill_8k profile_b1_nopdl; do python3 -c "
+import json; d=json.load(open('$OUT/$f.json'))
+print('$f', {k: d.get(k) for k in ('wall_ms_per_prefill','wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:26]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])"; done ;;
+    prefilltune)  # grouped fused-MoE tiles for prefill chunks (1024 / 8192 tokens), SDPA's mask vs is_causal at 8k
+      timeout 120 python3 benchmarks/bench_prefill_attention.py --out $OUT/bench_prefill_attention.json 2>&1 | tail -3
+      timeout 420 python3 benchmarks/tune_moe.py --prefill --out $OUT/tune_moe_prefill.json 2>&1 | grep -v "^skip" | tail -3 ;;
+    demomtp)  # the trained demo model's bf16 GPU tests (MTP included), cut off at 150 s in session 6
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_demo_model.py 2>&1 | tail -15 ;;
     serve)
       PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
     profile)

@@ -2,6 +2,7 @@
 GPU kernel time per step, kernel launches per step, and the top kernels.
 
     python benchmarks/profile_decode.py --batch 1 [--enforce-eager] [--out profile.json]
+    python benchmarks/profile_decode.py --prefill-len 8192 [--out profile.json]   # one prefill step instead
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="profile prefill steps of one prompt of this many tokens (one chunk) instead of decode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.prefill_len:
+        profile_prefill(args)
+        return
     path = preset_dir("qwen3.5-35b-a3b", args.layers)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=512,
               max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager)
@@ -69,6 +75,50 @@ def main() -> None:
     stream = io.StringIO()
     pstats.Stats(host, stream=stream).sort_stats("tottime").print_stats(18)
     result["host_profile_20_steps"] = stream.getvalue().splitlines()[:45]
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    llm.shutdown()
+
+
+def kernel_table(prof, steps: int) -> dict:
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(((sum(v) / steps, len(v) / steps, k) for k, v in by_name.items()), reverse=True)[:60]
+    return {"gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / steps / 1e3,
+            "kernels_per_step": len(kernels) / steps,
+            "top_kernels": [{"us_per_step": t, "calls_per_step": n, "name": k[:120]} for t, n, k in top]}
+
+
+def profile_prefill(args) -> None:
+    """One prompt of --prefill-len tokens prefilled in one chunk; the first prefill compiles and is
+    not profiled, the next --steps prompts are (each is a fresh request, so every step is the full
+    prefill and the 1-token decode after it is excluded by max_tokens=1)."""
+    n = args.prefill_len
+    path = preset_dir("qwen3.5-35b-a3b", args.layers)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=n + 16,
+              max_num_seqs=1, max_num_batched_tokens=n, show_progress=False, enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def one_prefill(i: int) -> None:
+        engine.add_request({"prompt_token_ids": [(i * 7919 + j * 31) % 200000 for j in range(n)]}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    one_prefill(0)
+    one_prefill(1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            one_prefill(2 + i)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+    result = {"prefill_len": n, "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
+              **kernel_table(prof, args.steps)}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

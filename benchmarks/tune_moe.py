@@ -2,6 +2,10 @@
 top-8, the shared expert fused), per batch size, timed as CUDA-graph replays on one GPU.
 
     python benchmarks/tune_moe.py [--batches 16,32,64] --out tune_moe.json
+    python benchmarks/tune_moe.py --prefill [--batches 1024,8192] --out tune_moe_prefill.json   # prefill chunks
+
+`--prefill` sweeps larger row blocks (the compute-bound regime of long prompt chunks) and reports
+TFLOP/s as well as bytes.
 
 Every tile config is timed with the kernels' defaults first, in the same run.
 """
@@ -19,14 +23,37 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lamina.kernels.triton_moe import DEFAULT_CONFIG_LARGE, DEFAULT_CONFIG_SMALL, fused_moe  # noqa: E402
+from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
+
+
+def decode_configs() -> list[dict]:
+    configs = []
+    for block_m, n, k, warps, stages in itertools.product((16, 32), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4)):
+        if block_m == 32 and warps == 4 and n == 128:
+            continue
+        configs.append(dict(block_m=block_m, up_n=n, up_k=k, down_n=n, down_k=min(k, 128) if n == 128 else k,
+                            warps=warps, stages=stages))
+    return configs
+
+
+def prefill_configs() -> list[dict]:
+    configs = []
+    for block_m, n, k, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)):
+        if block_m * n >= 128 * 128 and warps == 4:  # two [M, N] float32 accumulators in 128 threads spill
+            continue
+        if block_m == 128 and n == 128 and k == 128:  # shared memory
+            continue
+        configs.append(dict(block_m=block_m, up_n=n, up_k=k, down_n=n, down_k=k, warps=warps, stages=stages))
+    return configs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--batches", default="16,32,64", help="comma-separated batch sizes")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (tokens)")
+    ap.add_argument("--prefill", action="store_true", help="the prefill-chunk tiles (default batches 1024,8192)")
     args = ap.parse_args()
+    args.batches = args.batches or ("1024,8192" if args.prefill else "16,32,64")
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     dev = "cuda"
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02
@@ -35,12 +62,7 @@ def main() -> None:
     sw2 = torch.randn(hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02
     ap_batches = [int(b) for b in args.batches.split(",")]
     results = []
-    configs = []
-    for block_m, n, k, warps, stages in itertools.product((16, 32), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4)):
-        if block_m == 32 and warps == 4 and n == 128:
-            continue
-        configs.append(dict(block_m=block_m, up_n=n, up_k=k, down_n=n, down_k=min(k, 128) if n == 128 else k,
-                            warps=warps, stages=stages))
+    configs = prefill_configs() if args.prefill else decode_configs()
     for batch in ap_batches:
         x = torch.randn(batch, hidden, device=dev, dtype=torch.bfloat16)
         logits = torch.randn(batch, experts + 1, device=dev)
@@ -49,11 +71,14 @@ def main() -> None:
         shared = (sw13, sw2, logits[:, experts])
         distinct = int(torch.unique(ids).numel())
         nbytes = (distinct + 1) * 3 * inter * hidden * 2
-        default = {**(DEFAULT_CONFIG_SMALL if batch * top_k <= 64 else DEFAULT_CONFIG_LARGE)}
+        flops = (batch * top_k + batch) * 6 * hidden * inter  # routed pairs + the shared expert's rows
+        default = dict(default_config(batch * top_k, torch.bfloat16))
         rows = []
         for cfg in [default, *configs]:
             try:
-                ms = triton.testing.do_bench_cudagraph(lambda: fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg))
+                call = lambda: fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg)  # noqa: E731
+                # prefill chunks take milliseconds: plain timing (launch gaps do not matter there)
+                ms = triton.testing.do_bench(call) if args.prefill else triton.testing.do_bench_cudagraph(call)
             except Exception as e:  # noqa: BLE001 - a tile that does not fit is skipped
                 print("skip", cfg, type(e).__name__)
                 continue
@@ -62,7 +87,8 @@ def main() -> None:
         rows.sort(key=lambda r: r[0])
         best_ms, best = rows[0]
         rec = {"batch": batch, "distinct_experts": distinct, "bytes": nbytes, "best_us": best_ms * 1e3, "best": best,
-               "best_gb_s": nbytes / best_ms / 1e6, "default": default,
+               "best_gb_s": nbytes / best_ms / 1e6, "best_tflop_s": flops / best_ms / 1e9, "default": default,
+               "default_tflop_s": flops / default_ms / 1e9 if default_ms else None,
                "default_us": default_ms * 1e3 if default_ms else None,
                "default_gb_s": nbytes / default_ms / 1e6 if default_ms else None,
                "top5": [(ms * 1e3, c) for ms, c in rows[:5]]}

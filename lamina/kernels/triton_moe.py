@@ -344,10 +344,7 @@ def fused_moe(
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    if x.dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
-        cfg = dict(DEFAULT_CONFIG_FP32)
-    else:
-        cfg = dict(DEFAULT_CONFIG_SMALL if num_pairs <= 64 else DEFAULT_CONFIG_LARGE)
+    cfg = dict(default_config(num_pairs, x.dtype))
     cfg.update(config or {})
     block_m = cfg["block_m"]
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
@@ -412,6 +409,13 @@ def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 DEFAULT_CONFIG_SMALL = dict(block_m=16, up_n=64, up_k=256, down_n=32, down_k=128, warps=4, stages=3)
 DEFAULT_CONFIG_LARGE = dict(block_m=16, up_n=32, up_k=256, down_n=64, down_k=128, warps=4, stages=3)
 DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, warps=4, stages=2)
+
+
+def default_config(num_pairs: int, dtype: torch.dtype) -> dict:
+    """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs."""
+    if dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
+        return DEFAULT_CONFIG_FP32
+    return DEFAULT_CONFIG_SMALL if num_pairs <= 64 else DEFAULT_CONFIG_LARGE
 
 
 @triton.jit
