@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -129,6 +129,17 @@ for k in d['top_kernels'][:26]: print(round(k['us_per_step'],1), k['calls_per_st
     prefilltune)  # grouped fused-MoE tiles for prefill chunks (1024 / 8192 tokens), SDPA's mask vs is_causal at 8k
       timeout 120 python3 benchmarks/bench_prefill_attention.py --out $OUT/bench_prefill_attention.json 2>&1 | tail -3
       timeout 420 python3 benchmarks/tune_moe.py --prefill --out $OUT/tune_moe_prefill.json 2>&1 | grep -v "^skip" | tail -3 ;;
+    prefillcheck)  # the prefill tiles' boundaries, the 8k prefill and its profile on the new defaults, GPU tests
+      timeout 200 python3 benchmarks/tune_moe.py --prefill --batches 128,256,2048,4096 --out $OUT/tune_moe_prefill_sizes.json 2>&1 | grep -v "^skip" | cut -c1-400
+      LAMINA_GDN_PREFILL=fla timeout 80 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -3
+      LAMINA_GDN_PREFILL=fla timeout 150 python3 benchmarks/profile_decode.py --prefill-len 8192 --steps 2 --out $OUT/profile_prefill_8k.json > $OUT/profile_prefill_8k.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_8k.json'))
+print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])"
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_gdn_prefill.py 2>&1 | tail -15 ;;
     demomtp)  # the trained demo model's bf16 GPU tests (MTP included), cut off at 150 s in session 6
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_demo_model.py 2>&1 | tail -15 ;;
     serve)

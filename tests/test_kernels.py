@@ -366,11 +366,16 @@ def loop_attention(q, keys, values, ctx_before, scale):
     return torch.stack(outs)
 
 
+MIXED_STEP = [(0, 5), (10, 1), (7, 9), (0, 1), (33, 1), (3, 16)]  # prefills, chunked prefill, decodes
+FRESH_PROMPTS = [(0, 5), (0, 1), (0, 9), (0, 16), (0, 2)]  # every query starts at position 0
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (6, 1)])
-def test_paged_attention_mixed_batch(hq, hkv):
+@pytest.mark.parametrize("reqs,causal_from_start", [(MIXED_STEP, False), (FRESH_PROMPTS, False), (FRESH_PROMPTS, True)])
+def test_paged_attention_mixed_batch(hq, hkv, reqs, causal_from_start):
+    """(context already cached, new tokens this step) per request; fresh prompts also through
+    SDPA's own causal rule (`causal_from_start`), which must give the built mask's result."""
     d, bs, nb = 8, 4, 40
-    # (context already cached, new tokens this step): prefills, chunked prefill, decodes
-    reqs = [(0, 5), (10, 1), (7, 9), (0, 1), (33, 1), (3, 16)]
     gen = torch.Generator().manual_seed(20)
     k_cache = torch.zeros(nb, bs, hkv, d)
     v_cache = torch.zeros(nb, bs, hkv, d)
@@ -403,7 +408,8 @@ def test_paged_attention_mixed_batch(hq, hkv):
     qsl = make_qsl(q_lens)
     seq_lens = torch.tensor([c + n for c, n in reqs])
     scale = d**-0.5
-    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), int(seq_lens.max()), scale)
+    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), int(seq_lens.max()), scale,
+                          causal_from_start=causal_from_start)
     assert out.shape == q.shape
     qs = split_flat(q, q_lens)
     for b, (c, n) in enumerate(reqs):

@@ -123,10 +123,13 @@ def test_conv_grouped_matches_one_call(eager_groups):
         close(a, b)
 
 
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask):
+@pytest.mark.parametrize("with_mask,fresh", [(False, False), (True, False), (False, True)])
+def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh):
+    """Groups give the one call's result; for fresh prompts also on SDPA's own causal rule."""
     d, bs, hq, hkv = 8, 4, 4, 2
     reqs = [(3, 1), (60, 1), (0, 12), (20, 1), (5, 4), (90, 1)]  # (cached context, new tokens)
+    if fresh:
+        reqs = [(0, 1), (0, 61), (0, 12), (0, 3), (0, 90)]
     gen = torch.Generator().manual_seed(5)
     max_blocks = max(-(-(c + n) // bs) for c, n in reqs)
     nb = len(reqs) * max_blocks + 1
@@ -153,8 +156,11 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask):
     args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), max(seq), d**-0.5)
     ref = paged_attention(*args, key_mask=key_mask)
     groups = _groups(q_lens, seq, by_context=True)
-    got = paged_attention(*args, key_mask=key_mask, groups=groups)
+    got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh)
     close(got, ref)
+    if fresh:
+        assert groups is not None and len(groups) > 1  # the grouped causal path really ran
+        close(paged_attention(*args, causal_from_start=True), ref)
 
 
 # ---- the engine ------------------------------------------------------------------------------

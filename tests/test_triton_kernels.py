@@ -337,6 +337,20 @@ def test_fused_moe_with_the_shared_expert(num_tokens):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tiles", ["DEFAULT_CONFIG_PREFILL", "DEFAULT_CONFIG_LONG_PREFILL"])
+def test_fused_moe_prefill_tiles(tiles):
+    """The prefill chunks' row blocks of 64 / 128 pairs (tiles larger than the whole tiny problem:
+    every mask runs), with experts of another EP rank and the shared expert."""
+    from lamina.kernels import triton_moe
+
+    x, w13, w2, weights, ids, shared, ref = _moe_case(13, 0, 8, True)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, 0, shared, config=getattr(triton_moe, tiles)),
+                               ref, atol=1e-5, rtol=1e-5)
+    x, w13, w2, weights, ids, shared, ref = _moe_case(13, 3, 4, False)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, 3, config=getattr(triton_moe, tiles)),
+                               ref, atol=1e-5, rtol=1e-5)
+
+
 def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.float32, hidden=48, inter=24):
     """Inputs of a tiny MoE (top-3 of 8 experts; weights rounded to `dtype`) and its float32
     reference computed from those rounded values: (x, w13, w2, weights, ids, shared, ref)."""
@@ -504,9 +518,10 @@ def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64, 1024, 2560])
 def test_fused_moe_bf16_at_real_width(num_tokens):
-    """Qwen3.5-35B-A3B: 256 experts of 512 x 2048, top-8, bf16."""
+    """Qwen3.5-35B-A3B: 256 experts of 512 x 2048, top-8, bf16 (decode sizes, and prefill chunks on
+    the prefill and long-prefill tiles)."""
     hidden, inter, top_k, experts = 2048, 512, 8, 256
     x = _rand(num_tokens, hidden, seed=1, dtype=torch.bfloat16)
     w13 = _rand(experts, 2 * inter, hidden, seed=2, scale=0.02, dtype=torch.bfloat16)

@@ -409,13 +409,27 @@ def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 DEFAULT_CONFIG_SMALL = dict(block_m=16, up_n=64, up_k=256, down_n=32, down_k=128, warps=4, stages=3)
 DEFAULT_CONFIG_LARGE = dict(block_m=16, up_n=32, up_k=256, down_n=64, down_k=128, warps=4, stages=3)
 DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, warps=4, stages=2)
+# Prefill chunks: compute-bound, so row blocks of 64 / 128 pairs reuse each weight tile that often
+# (`benchmarks/tune_moe.py --prefill`, benchmarks/results/tune_moe_prefill_h200.json: at 8,192
+# tokens 1.76 ms per layer against the decode tiles' 4.34, 264 against 107 TFLOP/s; at 1,024
+# tokens 0.67 against 0.85 ms).
+DEFAULT_CONFIG_PREFILL = dict(block_m=64, up_n=64, up_k=64, down_n=64, down_k=64, warps=4, stages=4)
+DEFAULT_CONFIG_LONG_PREFILL = dict(block_m=128, up_n=128, up_k=64, down_n=128, down_k=64, warps=8, stages=3)
+DECODE_MAX_PAIRS = 512  # 64 tokens of top-8: the decode tiles' tuned range
+PREFILL_MAX_PAIRS = 16384  # 2,048 tokens of top-8; longer chunks take the long-prefill tiles
 
 
 def default_config(num_pairs: int, dtype: torch.dtype) -> dict:
-    """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs."""
+    """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs. The tiles (and
+    so the K-summation order) follow the call's size: on the GPU a token's bf16 result may round
+    differently with the size of its step (DESIGN.md, batch invariance: documented rounding)."""
     if dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
         return DEFAULT_CONFIG_FP32
-    return DEFAULT_CONFIG_SMALL if num_pairs <= 64 else DEFAULT_CONFIG_LARGE
+    if num_pairs <= 64:
+        return DEFAULT_CONFIG_SMALL
+    if num_pairs <= DECODE_MAX_PAIRS:
+        return DEFAULT_CONFIG_LARGE
+    return DEFAULT_CONFIG_PREFILL if num_pairs <= PREFILL_MAX_PAIRS else DEFAULT_CONFIG_LONG_PREFILL
 
 
 @triton.jit

@@ -108,6 +108,13 @@ class ForwardMetadata:
     allow_groups: bool = True
     _groups: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def prompts_from_start(self) -> bool:
+        """Whether every request's queries start at position 0 (no cached context), from the host
+        copies: a context length equal to the query length (an upper bound never makes it so)."""
+        return (self.query_lens_host is not None and self.seq_lens_host is not None
+                and tuple(self.query_lens_host) == tuple(self.seq_lens_host))
+
     def request_groups(self, by_context: bool = False):
         """Groups of similar requests for the padded kernels (by query length, or for attention by
         context length too), or None when one call over the whole step pads little enough."""
