@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -140,6 +140,13 @@ print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','ker
 for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])"
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
         tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_gdn_prefill.py 2>&1 | tail -15 ;;
+    prefillfinal)  # the 8k prefill on the new defaults, GPU tests of the prefill tiles and the engine, offline throughput
+      LAMINA_GDN_PREFILL=fla timeout 150 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -3
+      timeout ${TESTS_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -12
+      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+        --output-len 256 --max-num-seqs 128 --output-json $OUT/throughput_512.json 2>&1 | tail -4 ;;
     demomtp)  # the trained demo model's bf16 GPU tests (MTP included), cut off at 150 s in session 6
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_demo_model.py 2>&1 | tail -15 ;;
     serve)
