@@ -145,12 +145,19 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
     the next requests get the tokens a fresh engine gives."""
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
-    options = dict(device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap)
+    # the warm-up's prompts, one after another: 32 tokens, 40, and the longest chunk (48)
+    options = dict(device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap,
+                   max_num_batched_tokens=48)
     with LLM(str(qwen3_5_moe_dir), **options) as llm:
         fresh = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(str(qwen3_5_moe_dir), **options) as llm:
         engine = llm.engine
+        seen = []
+        add_request = engine.add_request
+        engine.add_request = lambda prompt, *a, **k: (seen.append(len(prompt["prompt_token_ids"])), add_request(prompt, *a, **k))[1]
         engine.warm_up(num_tokens=40)
+        del engine.add_request
+        assert seen == [32, 40, 48]
         assert not engine.has_unfinished_requests() and engine.cache_usage() == 0
         assert engine.num_prompt_tokens_processed == engine.num_generation_tokens_processed == 0
         assert not engine.step_token_counts

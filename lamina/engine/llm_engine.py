@@ -33,6 +33,7 @@ CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 WARM_UP_PROMPT_TOKENS = 256  # several 64-token chunks of the delta-net prefill kernels
+WARM_UP_SHORT_PROMPT_TOKENS = 32  # a short prompt's step (the fused MoE's decode-sized tiles)
 WARM_UP_REQUEST_ID = "lamina-warm-up"
 
 
@@ -171,21 +172,27 @@ class LLMEngine:
         self.step_token_counts.clear()
 
     def warm_up(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> None:
-        """One throwaway request (a prompt of `num_tokens` ids, one greedy token) through the normal
-        path, so the first real request does not pay for compiling the prefill kernels (Triton's
-        JIT, fla-core's autotuning: seconds to minutes on a cold cache; the decode steps were
-        compiled by the graph capture). Leaves the engine as it found it: no request, every cache
-        block free, the statistics reset. Run by the constructor on CUDA."""
+        """Throwaway requests (prompts of ids, one greedy token each) through the normal path, so the
+        first real request does not pay for compiling the prefill kernels (Triton's JIT, fla-core's
+        autotuning: seconds to minutes on a cold cache; the decode steps were compiled by the graph
+        capture). Kernels pick tiles by a step's size (the fused MoE's prefill and long-prefill tiles),
+        so three prompts run one after another: a short one (WARM_UP_SHORT_PROMPT_TOKENS), one of
+        `num_tokens`, and one as long as the longest prefill chunk (`max_num_batched_tokens`; an 8k
+        chunk's tiles once cost the first 8k request 11 s of compiling). Leaves the engine as it found
+        it: no request, every cache block free, the statistics reset. Run by the constructor on CUDA."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
-        length = max(1, min(num_tokens, self.max_num_batched_tokens, self.max_model_len - 1))
+        longest = max(1, min(self.max_num_batched_tokens, self.max_model_len - 1))
+        lengths = sorted({min(n, longest) for n in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), longest)})
         vocab = self.model_config.vocab_size
-        prompt = [(7 * i + 1) % vocab for i in range(length)]
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for replica in range(self.num_replicas):  # one each: a new request goes to the least busy replica
-            self.add_request({"prompt_token_ids": prompt}, params, request_id=f"{WARM_UP_REQUEST_ID}-{replica}")
-        while self.has_unfinished_requests():
-            self.step()
+        for length in lengths:
+            prompt = [(7 * i + 1) % vocab for i in range(length)]
+            for replica in range(self.num_replicas):  # one each: a new request goes to the least busy replica
+                request_id = f"{WARM_UP_REQUEST_ID}-{length}-{replica}"
+                self.add_request({"prompt_token_ids": prompt}, params, request_id=request_id)
+            while self.has_unfinished_requests():
+                self.step()
         self._reset_statistics()
 
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
