@@ -253,7 +253,9 @@ def run_latency(args, model_path: str) -> list[dict]:
 def transformers_decode(model_path: str, batch: int, input_len: int, output_len: int, device: torch.device,
                         dtype: torch.dtype) -> dict:
     """transformers' `generate` on the checkpoint (its weights, or its own random init for a
-    config-only directory): TPOT = (time of `output_len` tokens - time of 1) / (output_len - 1)."""
+    config-only directory). TPOT comes from one timed `generate`: a stopping criterion (called once
+    per generated token) syncs the device and stamps the time, and TPOT is the mean gap between the
+    stamps after the first token (subtracting two separately timed runs went negative under load)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_path)
@@ -268,19 +270,28 @@ def transformers_decode(model_path: str, batch: int, input_len: int, output_len:
     vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     ids = torch.randint(0, min(vocab, 200_000), (batch, input_len), device=device)
 
-    def timed(new_tokens: int) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        _sync(device)
-        return time.perf_counter() - start
+    class TokenTimes(transformers.StoppingCriteria):
+        """Never stops generation; records when each generated token is on the host's side."""
+
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            _sync(device)
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(new_tokens: int) -> list[float]:
+        times = TokenTimes()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       stopping_criteria=transformers.StoppingCriteriaList([times]))
+        return times.stamps
 
     with torch.no_grad():
-        timed(2)  # warm-up
-        first = timed(1)
-        total = timed(output_len)
+        generate(2)  # warm-up
+        stamps = generate(max(output_len, 2))
     del model
-    tpot = (total - first) / max(output_len - 1, 1)
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     return {"engine": f"transformers {transformers.__version__}", "output_tok_per_s": batch / tpot, "tpot_ms": tpot * 1e3}
 
 
