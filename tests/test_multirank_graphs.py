@@ -42,19 +42,22 @@ def test_multirank_graphs_reason(monkeypatch):
                                                         speculative=False)
     assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=False, sp=True),
                                                           speculative=False)
-    assert "data parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False),
-                                                      speculative=False)
+    assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=False) is None
+    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False),
+                                                        speculative=False)
     assert "speculative" in multirank_graphs_reason(plan, speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                    dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
 def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, layout, monkeypatch):
-    """Greedy tokens of TP2 / PP2 on the Triton kernels whose ranks run decode steps through their
-    graphs' static buffers (3 requests padded to 4, on PP the stream handed from the first stage's
-    replay to the second's input buffer) equal the single-rank run's; every rank replayed."""
+    """Greedy tokens of TP2 / PP2 / DP2 on the Triton kernels whose ranks run decode steps through
+    their graphs' static buffers (3 requests padded to 4; on PP the stream handed from the first
+    stage's replay to the second's input buffer; on DP each replica replays its own share, 2 and 1
+    requests, from its own graphs) equal the single-rank run's; every rank replayed."""
     if torch.cuda.is_available():
         pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
@@ -75,10 +78,11 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                    dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
 def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeypatch):
-    """TP2 (NCCL collectives captured) and PP2 (a stage's stream sent between replays) with CUDA
-    graphs give one GPU's float32 greedy tokens."""
+    """TP2 (NCCL collectives captured), PP2 (a stage's stream sent between replays) and DP2 (each
+    replica its own graphs) with CUDA graphs give one GPU's float32 greedy tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")

@@ -34,7 +34,9 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     """Why the ranks of a multi-rank layout (`lamina.parallel.plan.ParallelPlan`) do not capture
     decode graphs, or None when each rank captures its own (its TP collectives inside the graph).
     Captured: TP and PP (each stage its graphs; the stream crosses stages between replays through
-    the next stage's static input buffer), without data, expert or sequence parallelism or MTP. Opt-in while no run on several GPUs has checked it:
+    the next stage's static input buffer) and data-parallel replicas of them (each replica replays
+    its own plan's batch size: without EP no collective crosses replicas), without expert or
+    sequence parallelism or MTP. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -43,8 +45,6 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
         raise ValueError(f"{MULTIRANK_GRAPHS_ENV} = {wanted!r} must be 0 or 1")
     if wanted == "0":
         return f"multi-rank decode graphs are opt-in ({MULTIRANK_GRAPHS_ENV}=1) until checked on several GPUs"
-    if plan.dp > 1:
-        return "data parallel: replicas' graphs are not wired yet; decode runs eagerly"
     if plan.ep_enabled:
         return "expert parallel: the MoE dispatch is not captured; decode runs eagerly"
     if plan.sp:
