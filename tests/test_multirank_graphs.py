@@ -23,7 +23,9 @@ from lamina import LLM, SamplingParams  # noqa: E402
 from lamina.worker.cuda_graphs import multirank_graphs_reason  # noqa: E402
 
 PROMPTS = [[5, 17, 300], [9] * 5, list(range(40, 47))]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+# Different lengths: under DP the replica of the first and third request runs out two steps before
+# the other's (with EP it then replays padding rows to join the MoE's collectives).
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 5, 2)]
 _single: dict[str, list[list[int]]] = {}
 
 
@@ -38,26 +40,28 @@ def test_multirank_graphs_reason(monkeypatch):
     assert "opt-in" in multirank_graphs_reason(plan, speculative=False)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     assert multirank_graphs_reason(plan, speculative=False) is None
-    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=True, sp=False),
-                                                        speculative=False)
     assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=False, sp=True),
                                                           speculative=False)
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=False) is None
-    assert "expert parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False),
-                                                        speculative=False)
+    assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False), speculative=False) is None
     assert "speculative" in multirank_graphs_reason(plan, speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                                    dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
+LAYOUTS = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2),
+           dict(data_parallel_size=2, enable_expert_parallel=True), dict(tensor_parallel_size=2, enable_expert_parallel=True)]
+LAYOUT_IDS = ["tp2", "pp2", "dp2", "dp2-ep", "tp2-ep"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, layout, monkeypatch):
-    """Greedy tokens of TP2 / PP2 / DP2 on the Triton kernels whose ranks run decode steps through
-    their graphs' static buffers (3 requests padded to 4; on PP the stream handed from the first
-    stage's replay to the second's input buffer; on DP each replica replays its own share, 2 and 1
-    requests, from its own graphs) equal the single-rank run's; every rank replayed."""
+    """Greedy tokens of TP2 / PP2 / DP2 / DP2 with EP / TP2 with EP (experts split over the TP
+    ranks) on the Triton kernels whose ranks run decode steps through their graphs' static buffers (3 requests padded to 4; on PP the stream handed
+    from the first stage's replay to the second's input buffer; on DP each replica replays its own
+    share, 2 and 1 requests, from its own graphs; with EP both replicas one common size, the one
+    whose requests finished replaying padding) equal the single-rank run's; every rank replayed."""
     if torch.cuda.is_available():
         pytest.skip("the CPU static-buffer path; tests/test_multirank_graphs.py's gpu test covers CUDA")
     engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
@@ -75,14 +79,17 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, l
         replays = executor.graph_replays()
     assert got == want
     assert all(n > 0 for n in replays), replays
+    if layout.get("data_parallel_size"):  # the replicas' requests take 2 and 4 (or 1 and 4, ...) decode steps
+        lockstep = layout.get("enable_expert_parallel", False)
+        assert (len(set(replays)) == 1) == lockstep, replays  # with EP the finished replica replayed padding
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                                    dict(data_parallel_size=2)], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeypatch):
-    """TP2 (NCCL collectives captured), PP2 (a stage's stream sent between replays) and DP2 (each
-    replica its own graphs) with CUDA graphs give one GPU's float32 greedy tokens."""
+    """TP2 (NCCL collectives captured), PP2 (a stage's stream sent between replays), DP2 (each
+    replica its own graphs) and DP2 with EP (the MoE's gathers captured, replicas in lockstep) with
+    CUDA graphs give one GPU's float32 greedy tokens."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")

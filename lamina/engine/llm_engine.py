@@ -242,7 +242,7 @@ class LLMEngine:
         return max_num_seqs * per_request + graph_rows * per_slot
 
     def _capture_multirank_graphs(self, max_num_seqs: int) -> None:
-        """TP / PP layouts: every rank captures its decode graphs
+        """Several ranks (TP / PP / DP / EP): every rank captures its decode graphs
         (lamina.worker.cuda_graphs.multirank_graphs_reason says which layouts, and why not)."""
         from lamina.worker.cuda_graphs import multirank_graphs_reason
 

@@ -34,9 +34,11 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     """Why the ranks of a multi-rank layout (`lamina.parallel.plan.ParallelPlan`) do not capture
     decode graphs, or None when each rank captures its own (its TP collectives inside the graph).
     Captured: TP and PP (each stage its graphs; the stream crosses stages between replays through
-    the next stage's static input buffer) and data-parallel replicas of them (each replica replays
-    its own plan's batch size: without EP no collective crosses replicas), without expert or
-    sequence parallelism or MTP. Opt-in while no run on several GPUs has checked it:
+    the next stage's static input buffer), data-parallel replicas of them (each replica replays its
+    own plan's batch size: without EP no collective crosses replicas), and expert parallelism (its
+    MoE gathers the replicas' rows padded to the largest and reduce-scatters them back: fixed shapes,
+    so captured, with every replica replaying one common size in lockstep, `replay_size`); not
+    sequence-parallel MoE or MTP. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -45,8 +47,6 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
         raise ValueError(f"{MULTIRANK_GRAPHS_ENV} = {wanted!r} must be 0 or 1")
     if wanted == "0":
         return f"multi-rank decode graphs are opt-in ({MULTIRANK_GRAPHS_ENV}=1) until checked on several GPUs"
-    if plan.ep_enabled:
-        return "expert parallel: the MoE dispatch is not captured; decode runs eagerly"
     if plan.sp:
         return "sequence-parallel MoE: decode runs eagerly"
     if speculative:
@@ -209,14 +209,18 @@ class DecodeGraphs:
         fitting = [s for s in self.graphs if s >= num_reqs]
         return min(fitting) if fitting else None
 
-    def run(self, chunks, previous=None, stream_in: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, chunks, previous=None, stream_in: torch.Tensor | None = None, size: int | None = None) -> torch.Tensor:
         """Logits `[B, vocab]` of a decode step whose chunks each hold one token (a stage before
         the last: its output stream `[B, W]`; a stage after the first reads the previous stage's
         `stream_in [B, W]`). A pending token (asynchronous scheduling) is taken from `previous`
-        (`PreviousTokens`) on the device."""
+        (`PreviousTokens`) on the device. `size`: the captured size to replay (default: the
+        smallest that fits; expert parallelism replays every replica's at one size, `replay_size`),
+        B of them padding rows when there are no chunks."""
         num_reqs = len(chunks)
-        size = self.size_for(num_reqs)
-        pending_rows = previous.source_rows(chunks, positions_per_chunk=True) if previous is not None else None
+        size = size if size is not None else self.size_for(num_reqs)
+        if size not in self.graphs or size < num_reqs:
+            raise ValueError(f"no captured decode graph of size {size} for {num_reqs} requests (captured: {sorted(self.graphs)})")
+        pending_rows = previous.source_rows(chunks, positions_per_chunk=True) if previous is not None and chunks else None
         if self._uploaded is not None:
             self._uploaded.synchronize()
         host = self.host_np
@@ -243,7 +247,7 @@ class DecodeGraphs:
             self._uploaded.record()
         if pending_rows is not None:
             previous.fill(self._field(self.inputs, "token_ids", num_reqs), self._field(self.inputs, "pending_row", num_reqs))
-        if self.stream_in is not None:
+        if self.stream_in is not None and num_reqs:
             self.stream_in[:num_reqs].copy_(stream_in)  # padding rows keep what they held: their own rows only
         graph, logits = self.graphs[size]
         if graph is None:
@@ -251,6 +255,22 @@ class DecodeGraphs:
         else:
             graph.replay()
         return logits[:num_reqs]
+
+
+def replay_size(graphs: DecodeGraphs | None, plans, replica: int, lockstep: bool) -> int | None:
+    """The graph size a rank of data-parallel `replica` replays this step (`plans`: every
+    replica's), or None when the step runs eagerly. Without `lockstep` a replica's own plan decides.
+    With it (expert parallelism across replicas: the MoE gathers every replica's rows, so their
+    collectives must have one shape) every rank decides the same from all plans: each a plain decode
+    or empty, not all empty, and one size that fits the largest; an empty replica replays padding."""
+    if graphs is None:
+        return None
+    if not lockstep:
+        chunks = plans[replica].chunks
+        return graphs.size_for(len(chunks)) if can_replay(graphs, chunks) else None
+    if all(p.is_empty for p in plans) or not all(p.is_empty or can_replay(graphs, p.chunks) for p in plans):
+        return None
+    return graphs.size_for(max(len(p.chunks) for p in plans))
 
 
 def can_replay(graphs: DecodeGraphs | None, chunks) -> bool:

@@ -258,12 +258,12 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def replay_decode(self, plan: StepPlan, stream_in: torch.Tensor | None = None) -> torch.Tensor:
+    def replay_decode(self, plan: StepPlan, stream_in: torch.Tensor | None = None, size: int | None = None) -> torch.Tensor:
         """Logits `[B, vocab]` of a plain decode step from the captured graphs (`can_replay`); a
         pipeline stage before the last returns its output stream `[B, W]`, one after the first
-        reads the previous stage's `stream_in`."""
+        reads the previous stage's `stream_in`. `size`: the graph to replay (`replay_size`)."""
         self.graph_replays += 1
-        return self.decode_graphs.run(plan.chunks, self.previous, stream_in)
+        return self.decode_graphs.run(plan.chunks, self.previous, stream_in, size=size)
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""

@@ -17,7 +17,7 @@ import torch
 from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
 from lamina.step_plan import StepPlan
-from lamina.worker.cuda_graphs import can_replay
+from lamina.worker.cuda_graphs import replay_size
 
 
 @dataclass
@@ -52,8 +52,12 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         # Without EP replicas need not step together; with EP an all-empty step (a bookkeeping
         # flush after aborts) has no MoE collective to join either.
         return None
-    if runner.spec is None and can_replay(runner.decode_graphs, plan.chunks):
-        return _replay_step(spec, me, runner, plan)
+    if runner.spec is None:
+        # EP gathers every replica's MoE rows: replicas replay one size in lockstep, or none does
+        lockstep = spec.plan.ep_enabled and spec.plan.dp > 1
+        size = replay_size(runner.decode_graphs, plans, me.dp, lockstep)
+        if size is not None:
+            return _replay_step(spec, me, runner, plan, size)
     model = runner.model
     rows = plan.num_tokens
     if spec.plan.sp:
@@ -76,21 +80,26 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
     return (me.dp, sampled) if me.tp == 0 else None
 
 
-def _replay_step(spec: WorkerSpec, me, runner, plan: StepPlan):
-    """A plain decode step from this rank's captured graphs (TP / PP): every TP
-    rank replays its graph, whose collectives meet the other ranks' as the eager forward's would;
-    a stage after the first takes the previous stage's stream rows first, a stage before the last
-    sends its own on; TP rank 0 of the last stage samples."""
+def _replay_step(spec: WorkerSpec, me, runner, plan: StepPlan, size: int):
+    """A plain decode step from this rank's captured graph of `size` rows (TP / PP / DP / EP):
+    every rank replays its graph, whose collectives meet the other ranks' as the eager forward's
+    would; a stage after the first takes the previous stage's stream rows first, a stage before
+    the last sends its own on; TP rank 0 of the last stage samples. Under EP a replica with no
+    requests replays padding rows only, to join the MoE's collectives."""
     model = runner.model
+    num_reqs = len(plan.chunks)
     stream_in = None
-    if me.pp > 0:
+    if me.pp > 0 and num_reqs:
         src = spec.plan.rank_of(me.dp, me.pp - 1, me.tp)
-        stream_in = pdist.recv_tensor((len(plan.chunks), model.stream_width()), model.dtype, runner.device, src)
-    out = runner.replay_decode(plan, stream_in)  # [B, vocab] logits, or [B, W] stream before the last stage
+        stream_in = pdist.recv_tensor((num_reqs, model.stream_width()), model.dtype, runner.device, src)
+    out = runner.replay_decode(plan, stream_in, size)  # [B, vocab] logits, or [B, W] stream before the last stage
     if not me.has_lm_head:
-        pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
+        if num_reqs:
+            pdist.send_tensor(out, spec.plan.rank_of(me.dp, me.pp + 1, me.tp))
         return None
-    return (me.dp, runner.sample(out, plan.chunks)) if me.tp == 0 else None
+    if me.tp != 0:
+        return None
+    return (me.dp, runner.sample(out, plan.chunks) if num_reqs else {})
 
 
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
