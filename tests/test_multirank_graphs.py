@@ -40,7 +40,8 @@ def test_multirank_graphs_reason(monkeypatch):
     assert "opt-in" in multirank_graphs_reason(plan, speculative=False)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     assert multirank_graphs_reason(plan, speculative=False) is None
-    assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=1, ep_enabled=False, sp=True),
+    assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=True), speculative=False) is None
+    assert "sequence-parallel" in multirank_graphs_reason(types.SimpleNamespace(pp=2, dp=2, ep_enabled=True, sp=True),
                                                           speculative=False)
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=False) is None
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False), speculative=False) is None
@@ -51,8 +52,9 @@ def test_multirank_graphs_reason(monkeypatch):
 
 
 LAYOUTS = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2),
-           dict(data_parallel_size=2, enable_expert_parallel=True), dict(tensor_parallel_size=2, enable_expert_parallel=True)]
-LAYOUT_IDS = ["tp2", "pp2", "dp2", "dp2-ep", "tp2-ep"]
+           dict(data_parallel_size=2, enable_expert_parallel=True), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+           dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)]  # SP MoE (auto)
+LAYOUT_IDS = ["tp2", "pp2", "dp2", "dp2-ep", "tp2-ep", "dp2-tp2-ep-sp"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)

@@ -37,8 +37,9 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     the next stage's static input buffer), data-parallel replicas of them (each replica replays its
     own plan's batch size: without EP no collective crosses replicas), and expert parallelism (its
     MoE gathers the replicas' rows padded to the largest and reduce-scatters them back: fixed shapes,
-    so captured, with every replica replaying one common size in lockstep, `replay_size`); not
-    sequence-parallel MoE or MTP. Opt-in while no run on several GPUs has checked it:
+    so captured, with every replica replaying one common size in lockstep, `replay_size`), and
+    sequence-parallel MoE in one stage (each TP rank's shard of the padded batch); not SP across
+    pipeline stages, nor MTP. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -47,8 +48,9 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
         raise ValueError(f"{MULTIRANK_GRAPHS_ENV} = {wanted!r} must be 0 or 1")
     if wanted == "0":
         return f"multi-rank decode graphs are opt-in ({MULTIRANK_GRAPHS_ENV}=1) until checked on several GPUs"
-    if plan.sp:
-        return "sequence-parallel MoE: decode runs eagerly"
+    if plan.sp and plan.pp > 1:
+        # a stage's output stream is its token shard of the padded batch, not of the real rows
+        return "sequence-parallel MoE across pipeline stages: decode runs eagerly"
     if speculative:
         return "speculative decoding on several ranks: verification runs eagerly"
     return None
