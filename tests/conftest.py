@@ -48,6 +48,16 @@ def qwen3_5_moe_short_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mtp_short_dir(tmp_path_factory, qwen3_5_moe_short_dir):
+    """The three-layer Qwen3.5-MoE with MTP weights: the MTP tests that run the Triton kernels under
+    the interpreter on the CPU, where every layer's launches are interpreted."""
+    import shutil
+
+    return tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_short_dir, tmp_path_factory.mktemp("mtp_short") / "q35"),
+                              fused_experts=True)
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_moe_vl_dir(tmp_path_factory):
     return tc.make_qwen3_5_moe_vl(tmp_path_factory.mktemp("q35vl") / "ckpt")
 

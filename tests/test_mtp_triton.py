@@ -33,14 +33,6 @@ def mtp_dir(tmp_path_factory, qwen3_5_moe_dir):
                               fused_experts=True)
 
 
-@pytest.fixture(scope="module")
-def mtp_short_dir(tmp_path_factory, qwen3_5_moe_short_dir):
-    """Three layers (delta net, attention, delta net) with MTP weights: the tests that run the
-    Triton kernels under the interpreter on the CPU, where every layer's launches are interpreted."""
-    return tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_short_dir, tmp_path_factory.mktemp("mtp_triton") / "q35"),
-                              fused_experts=True)
-
-
 def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, override=None, prompts=PROMPTS, **kw):
     """Greedy tokens, and how many verification launches (delta rule with Q > 1) ran."""
     monkeypatch.setenv("LAMINA_KERNELS", kernels)

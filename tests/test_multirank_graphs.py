@@ -29,8 +29,8 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n i
 _single: dict[str, list[list[int]]] = {}
 
 
-def _tokens(llm):
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+def _tokens(llm, params=PARAMS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -45,7 +45,10 @@ def test_multirank_graphs_reason(monkeypatch):
                                                           speculative=False)
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=False) is None
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False), speculative=False) is None
-    assert "speculative" in multirank_graphs_reason(plan, speculative=True)
+    assert "speculative" in multirank_graphs_reason(plan, speculative=True)  # MTP across pipeline stages
+    assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=True) is None
+    assert "speculative" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False),
+                                                    speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)
@@ -86,6 +89,44 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, l
         assert (len(set(replays)) == 1) == lockstep, replays  # with EP the finished replica replayed padding
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+def test_mtp_ranks_replay_their_verify_graphs(mtp_short_dir, layout, monkeypatch):
+    """MTP K=2 on TP2 / DP2: every rank runs the target's verification steps (Q = 1..3 tokens per
+    request) through its verification graphs' static buffers, then verifies and drafts; with
+    drafts planted from plain decoding (the second spoiled, so acceptance is partial and states are
+    rolled back) the greedy tokens equal plain single-rank decoding's. One length for all requests:
+    a step replays only when its requests verify as many drafts each."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU static-buffer path; the two-GPU test covers CUDA")
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    monkeypatch.setenv("LAMINA_KERNELS", "reference")
+    with LLM(str(mtp_short_dir), **engine) as one:
+        plain = _tokens(one, params)
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(str(mtp_short_dir), **engine, **layout, speculative_config=spec) as llm:
+        executor = llm.engine.executor
+        per_rank = executor.capture_decode_graphs(4, llm.engine.max_model_len, num_speculative_tokens=2,
+                                                  static_off_cuda=True)
+        assert all(ok for ok, _ in per_rank), per_rank
+
+        def planted(request, proposed):  # the plain continuation, its second draft spoiled
+            ahead = plain[PROMPTS.index(list(request.prompt_token_ids))][len(request.output_token_ids):]
+            drafts = (ahead + [0] * len(proposed))[: len(proposed)]
+            if len(drafts) > 1:
+                drafts[1] = (drafts[1] + 1) % 900
+            return drafts
+
+        llm.engine.draft_override = planted
+        got = _tokens(llm, params)
+        replays = executor.graph_replays()
+        accepted = llm.engine.spec_decode_metrics.num_accepted_tokens
+    assert got == plain
+    assert all(n > 0 for n in replays), replays
+    assert accepted > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeypatch):
@@ -102,6 +143,27 @@ def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeyp
     with LLM(str(qwen3_5_moe_short_dir), **layout, **engine) as llm:
         assert llm.engine.cuda_graphs, llm.engine.no_graphs_reason
         got = _tokens(llm)
+        replays = llm.engine.executor.graph_replays()
+    assert got == want
+    assert all(n > 0 for n in replays), replays
+
+
+@pytest.mark.gpu
+def test_mtp_verify_graphs_on_two_gpus_match_one_gpu(mtp_short_dir, monkeypatch):
+    """MTP K=2 on TP2 with the verification graphs captured on both GPUs (NCCL inside) gives one
+    GPU's float32 greedy tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
+    monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
+    engine = dict(device="cuda", dtype="float32", max_num_seqs=4, show_progress=False,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(mtp_short_dir), **engine) as one:
+        want = _tokens(one, params)
+    with LLM(str(mtp_short_dir), tensor_parallel_size=2, **engine) as llm:
+        assert llm.engine.cuda_graphs, llm.engine.no_graphs_reason
+        got = _tokens(llm, params)
         replays = llm.engine.executor.graph_replays()
     assert got == want
     assert all(n > 0 for n in replays), replays

@@ -233,11 +233,15 @@ class LLMEngine:
         # CUDA graphs of verification steps keep their captured states in persistent buffers
         # besides (lamina.worker.verify_graphs): max_verify_batch * K more states.
         graph_rows = 0
-        if self.parallel_config.is_single_rank and not self.args.enforce_eager and self.device.type == "cuda":
-            from lamina.worker.cuda_graphs import model_is_capturable
+        if not self.args.enforce_eager and self.device.type == "cuda":
+            from lamina.worker.cuda_graphs import model_is_capturable, multirank_graphs_reason
             from lamina.worker.verify_graphs import max_verify_batch
 
-            if model_is_capturable(self.executor.runner.model, verify=True):
+            if self.parallel_config.is_single_rank:
+                graphs = model_is_capturable(self.executor.runner.model, verify=True)
+            else:  # every rank of one stage captures when the layout allows it (a rank that cannot: none does)
+                graphs = multirank_graphs_reason(self.plan, speculative=True) is None
+            if graphs:
                 graph_rows = max_verify_batch(max_num_seqs) * k
         return max_num_seqs * per_request + graph_rows * per_slot
 
@@ -250,7 +254,8 @@ class LLMEngine:
         if self.no_graphs_reason is not None:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", self.no_graphs_reason)
             return
-        per_rank = self.executor.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+        per_rank = self.executor.capture_decode_graphs(max_num_seqs, self.max_model_len, num_speculative_tokens=k)
         self.cuda_graphs = all(ok for ok, _ in per_rank)
         if not self.cuda_graphs:
             self.no_graphs_reason = "; ".join(f"rank {r}: {why}" for r, (ok, why) in enumerate(per_rank) if not ok)

@@ -177,11 +177,13 @@ class MultiprocExecutor:
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self._call(("allocate", num_blocks, block_size, num_slots), "allocated")
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, static_off_cuda: bool = False) -> list:
-        """Every rank captures its decode graphs (`ModelRunner.capture_decode_graphs`); returns each
-        rank's (captured, why not). Ranks keep their graphs only when all captured. `static_off_cuda`
-        (tests on the CPU): the graphs' static buffers run eagerly."""
-        return self._call(("capture", max_batch, max_model_len, static_off_cuda), "captured")
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0,
+                              static_off_cuda: bool = False) -> list:
+        """Every rank captures its decode graphs (`ModelRunner.capture_decode_graphs`; with MTP the
+        verification graphs of K = `num_speculative_tokens`); returns each rank's (captured, why not).
+        Ranks keep their graphs only when all captured. `static_off_cuda` (tests on the CPU): the
+        graphs' static buffers run eagerly."""
+        return self._call(("capture", max_batch, max_model_len, num_speculative_tokens, static_off_cuda), "captured")
 
     def graph_replays(self) -> list[int]:
         """Each rank's count of decode steps replayed from its graphs."""

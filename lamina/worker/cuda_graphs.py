@@ -39,7 +39,9 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     MoE gathers the replicas' rows padded to the largest and reduce-scatters them back: fixed shapes,
     so captured, with every replica replaying one common size in lockstep, `replay_size`), and
     sequence-parallel MoE in one stage (each TP rank's shard of the padded batch); not SP across
-    pipeline stages, nor MTP. Opt-in while no run on several GPUs has checked it:
+    pipeline stages. With MTP (`speculative`) every rank of one stage captures the verification
+    graphs (lamina.worker.verify_graphs; TP, DP without EP): not across stages, with SP or with EP
+    across replicas. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -51,8 +53,12 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     if plan.sp and plan.pp > 1:
         # a stage's output stream is its token shard of the padded batch, not of the real rows
         return "sequence-parallel MoE across pipeline stages: decode runs eagerly"
-    if speculative:
-        return "speculative decoding on several ranks: verification runs eagerly"
+    if speculative and plan.pp > 1:
+        return "speculative decoding across pipeline stages: verification runs eagerly"
+    if speculative and plan.sp:
+        return "speculative decoding with sequence-parallel MoE: verification runs eagerly"
+    if speculative and plan.ep_enabled and plan.dp > 1:
+        return "speculative decoding with expert parallelism across replicas: verification runs eagerly"
     return None
 
 

@@ -265,6 +265,15 @@ class ModelRunner:
         self.graph_replays += 1
         return self.decode_graphs.run(plan.chunks, self.previous, stream_in, size=size)
 
+    @torch.inference_mode()
+    def replay_verify(self, plan: StepPlan, queries: int) -> dict[str, SampledToken]:
+        """MTP: the target's step of `queries` tokens per request replayed from its verification
+        graph (`VerifyGraphs.queries_for`), then verification and drafting (spec_step.finish_step)."""
+        self.graph_replays += 1
+        capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
+        hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
+        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits)
+
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
         return self.launch(plan).result()
@@ -282,11 +291,8 @@ class ModelRunner:
                 return self._sample_launch(self.replay_decode(plan), plan.chunks)  # logits [B, vocab]
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
-            if queries is not None:  # the target's step replayed from a graph, then verify and draft
-                with torch.inference_mode():
-                    capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
-                    hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
-                    return ReadyStep(self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits))
+            if queries is not None:
+                return ReadyStep(self.replay_verify(plan, queries))
         hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
             return ReadyStep(self.verify_and_propose(plan, hidden, inputs))

@@ -58,6 +58,11 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         size = replay_size(runner.decode_graphs, plans, me.dp, lockstep)
         if size is not None:
             return _replay_step(spec, me, runner, plan, size)
+    elif runner.verify_graphs is not None and (queries := runner.verify_graphs.queries_for(plan.chunks)) is not None:
+        # MTP in one stage (no EP across replicas): the target's step from this rank's verification
+        # graph, then verification and drafting as eagerly (every TP rank; rank 0 reports)
+        sampled = runner.replay_verify(plan, queries)
+        return (me.dp, sampled) if me.tp == 0 else None
     model = runner.model
     rows = plan.num_tokens
     if spec.plan.sp:
@@ -152,12 +157,13 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 if rank == 0:
                     conn.send(("allocated", None))
             elif kind == "capture":  # decode graphs on every rank, in step with the others (lamina.worker.cuda_graphs)
-                _, max_batch, max_model_len, static_off_cuda = command
-                captured = runner.capture_decode_graphs(max_batch, max_model_len, static_off_cuda=static_off_cuda)
+                _, max_batch, max_model_len, num_speculative_tokens, static_off_cuda = command
+                captured = runner.capture_decode_graphs(max_batch, max_model_len, num_speculative_tokens=num_speculative_tokens,
+                                                        static_off_cuda=static_off_cuda)
                 per_rank = pdist.gather_objects((captured, runner.no_graphs_reason), groups)  # on rank 0
                 every_rank = pdist.broadcast_object(all(ok for ok, _ in per_rank) if rank == 0 else None, groups)
                 if not every_rank:
-                    runner.decode_graphs = None  # all ranks replay, or none
+                    runner.decode_graphs = runner.verify_graphs = None  # all ranks replay, or none
                 if rank == 0:
                     conn.send(("captured", per_rank))
             elif kind == "graph_replays":
