@@ -138,6 +138,25 @@ def test_overlap_with_preemption_and_abort(qwen3_5_moe_dir):
     _assert_same(sync[1:], overlapped[1:])
 
 
+def test_warm_up_steps_reach_the_token_budget():
+    """Steps as large as the budget even when one prompt cannot be (max_model_len), never more
+    requests than max_num_seqs, never a prompt longer than max_model_len - 1."""
+    from types import SimpleNamespace
+
+    from lamina.engine.llm_engine import LLMEngine
+
+    def steps(budget, model_len, seqs, num_tokens=256):
+        engine = SimpleNamespace(max_num_batched_tokens=budget, max_model_len=model_len, max_num_seqs=seqs)
+        return LLMEngine.warm_up_steps(engine, num_tokens)
+
+    got = steps(8192, 1296, 128)  # bench throughput's engine: 1024 + 256 + 16
+    assert [sum(s) for s in got] == [32, 31, 256, 255, 8192, 8191]
+    assert [len(s) for s in got] == [1, 2, 1, 2, 7, 7] and max(map(max, got)) <= 1295
+    got = steps(8192, 512, 1)  # one request at a time: the largest step is one 511-token prompt
+    assert got == [[32], [31], [256], [255], [511], [510]]
+    assert steps(8192, 20000, 64, num_tokens=1) == [[1], [32], [16, 15], [8192], [4096, 4095]]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
 def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
     """The constructor's warm-up on CUDA (a throwaway prefill so the first request does not pay the
@@ -145,7 +164,8 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
     the next requests get the tokens a fresh engine gives."""
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
-    # the warm-up's prompts, one after another: 32 tokens, 40, and the longest chunk (48)
+    # the warm-up's steps: 32 tokens, 40 and the whole budget (48), each as one request and one
+    # token short over two
     options = dict(device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap,
                    max_num_batched_tokens=48)
     with LLM(str(qwen3_5_moe_dir), **options) as llm:
@@ -157,7 +177,8 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
         engine.add_request = lambda prompt, *a, **k: (seen.append(len(prompt["prompt_token_ids"])), add_request(prompt, *a, **k))[1]
         engine.warm_up(num_tokens=40)
         del engine.add_request
-        assert seen == [32, 40, 48]
+        assert engine.warm_up_steps(40) == [[32], [16, 15], [40], [20, 19], [48], [24, 23]]
+        assert seen == [32, 16, 15, 40, 20, 19, 48, 24, 23]
         assert not engine.has_unfinished_requests() and engine.cache_usage() == 0
         assert engine.num_prompt_tokens_processed == engine.num_generation_tokens_processed == 0
         assert not engine.step_token_counts

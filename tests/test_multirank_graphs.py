@@ -47,8 +47,9 @@ def test_multirank_graphs_reason(monkeypatch):
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False), speculative=False) is None
     assert "speculative" in multirank_graphs_reason(plan, speculative=True)  # MTP across pipeline stages
     assert multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=False, sp=False), speculative=True) is None
-    assert "speculative" in multirank_graphs_reason(types.SimpleNamespace(pp=1, dp=2, ep_enabled=True, sp=False),
-                                                    speculative=True)
+    for ep_layout in (dict(dp=2), dict(dp=1)):  # MTP graphs without EP only (tested layouts: TP2, DP2)
+        assert "speculative" in multirank_graphs_reason(types.SimpleNamespace(pp=1, ep_enabled=True, sp=False, **ep_layout),
+                                                        speculative=True)
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="LAMINA_MULTIRANK_GRAPHS = 'yes' must be 0 or 1"):
         multirank_graphs_reason(plan, speculative=False)

@@ -175,25 +175,42 @@ class LLMEngine:
         """Throwaway requests (prompts of ids, one greedy token each) through the normal path, so the
         first real request does not pay for compiling the prefill kernels (Triton's JIT, fla-core's
         autotuning: seconds to minutes on a cold cache; the decode steps were compiled by the graph
-        capture). Kernels pick tiles by a step's size (the fused MoE's prefill and long-prefill tiles),
-        so three prompts run one after another: a short one (WARM_UP_SHORT_PROMPT_TOKENS), one of
-        `num_tokens`, and one as long as the longest prefill chunk (`max_num_batched_tokens`; an 8k
-        chunk's tiles once cost the first 8k request 11 s of compiling). Leaves the engine as it found
-        it: no request, every cache block free, the statistics reset. Run by the constructor on CUDA."""
+        capture). Kernels are compiled per step size class: the fused MoE picks its tiles by the
+        step's token count (an 8k chunk's tiles once cost the first 8k request 11 s of compiling),
+        and Triton specialises integer arguments divisible by 16 and equal to 1. So the warm-up runs
+        steps of a short prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole
+        token budget (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each
+        once as one step of that many tokens and once one token short over two requests
+        (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
+        the statistics reset. Run by the constructor on CUDA."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
-        longest = max(1, min(self.max_num_batched_tokens, self.max_model_len - 1))
-        lengths = sorted({min(n, longest) for n in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), longest)})
         vocab = self.model_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for length in lengths:
-            prompt = [(7 * i + 1) % vocab for i in range(length)]
-            for replica in range(self.num_replicas):  # one each: a new request goes to the least busy replica
-                request_id = f"{WARM_UP_REQUEST_ID}-{length}-{replica}"
-                self.add_request({"prompt_token_ids": prompt}, params, request_id=request_id)
+        for step, lengths in enumerate(self.warm_up_steps(num_tokens)):
+            for replica in range(self.num_replicas):  # one set each: a new request goes to the least busy replica
+                for index, length in enumerate(lengths):
+                    prompt = [(7 * i + 3 * index + 1) % vocab for i in range(length)]
+                    request_id = f"{WARM_UP_REQUEST_ID}-{step}-{index}-{replica}"
+                    self.add_request({"prompt_token_ids": prompt}, params, request_id=request_id)
             while self.has_unfinished_requests():
                 self.step()
         self._reset_statistics()
+
+    def warm_up_steps(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> list[list[int]]:
+        """The warm-up's steps, each the prompt lengths of the requests added together."""
+        per_request = max(1, self.max_model_len - 1)  # the longest prompt that still samples a token
+        budget = min(self.max_num_batched_tokens, per_request * self.max_num_seqs)  # the largest step there can be
+        steps: list[list[int]] = []
+        for total in sorted({min(t, budget) for t in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), budget)}):
+            for tokens, fewest in ((total, 1), (total - 1, 2)):
+                count = min(max(fewest, -(-tokens // per_request)), self.max_num_seqs)
+                if tokens < count:
+                    continue
+                lengths = [tokens // count + (i < tokens % count) for i in range(count)]
+                if lengths not in steps and max(lengths) <= per_request:
+                    steps.append(lengths)
+        return steps
 
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
         args = self.args

@@ -40,8 +40,8 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
     so captured, with every replica replaying one common size in lockstep, `replay_size`), and
     sequence-parallel MoE in one stage (each TP rank's shard of the padded batch); not SP across
     pipeline stages. With MTP (`speculative`) every rank of one stage captures the verification
-    graphs (lamina.worker.verify_graphs; TP, DP without EP): not across stages, with SP or with EP
-    across replicas. Opt-in while no run on several GPUs has checked it:
+    graphs (lamina.worker.verify_graphs; TP and DP, without EP): not across stages, with SP or with
+    EP. Opt-in while no run on several GPUs has checked it:
     `LAMINA_MULTIRANK_GRAPHS=1` (read when the engine starts)."""
     import os
 
@@ -57,8 +57,8 @@ def multirank_graphs_reason(plan, *, speculative: bool) -> str | None:
         return "speculative decoding across pipeline stages: verification runs eagerly"
     if speculative and plan.sp:
         return "speculative decoding with sequence-parallel MoE: verification runs eagerly"
-    if speculative and plan.ep_enabled and plan.dp > 1:
-        return "speculative decoding with expert parallelism across replicas: verification runs eagerly"
+    if speculative and plan.ep_enabled:
+        return "speculative decoding with expert parallelism: verification runs eagerly"
     return None
 
 

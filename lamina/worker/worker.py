@@ -59,7 +59,7 @@ def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
         if size is not None:
             return _replay_step(spec, me, runner, plan, size)
     elif runner.verify_graphs is not None and (queries := runner.verify_graphs.queries_for(plan.chunks)) is not None:
-        # MTP in one stage (no EP across replicas): the target's step from this rank's verification
+        # MTP in one stage, without EP: the target's step from this rank's verification
         # graph, then verification and drafting as eagerly (every TP rank; rank 0 reports)
         sampled = runner.replay_verify(plan, queries)
         return (me.dp, sampled) if me.tp == 0 else None
