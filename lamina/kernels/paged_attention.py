@@ -143,8 +143,8 @@ def paged_attention(
     blocks = block_tables[:, :num_blocks_used].long()  # [B, nb]
     in_block = torch.arange(block_size, device=device)  # [bs]
     slots = (blocks[:, :, None] * block_size + in_block).reshape(bsz, ctx_len)  # [B, S]
-    if causal_from_start:  # no valid query reads past key max_len - 1: square [Lq, Lq] scores, as SDPA's fast causal kernels want
-        slots = slots[:, :max_len]  # [B, Lq]
+    if causal_from_start:  # no valid query reads past key max_len - 1: square scores, as SDPA's causal kernels want
+        slots = slots[:, :max_len]  # [B, S = Lq]
     keys = _gather_context(k_cache, slots)  # [B, S, Hkv, D]
     values = _gather_context(v_cache, slots)  # [B, S, Hkv, D]
 

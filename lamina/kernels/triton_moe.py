@@ -422,7 +422,7 @@ PREFILL_MAX_PAIRS = 16384  # 2,048 tokens of top-8; longer chunks take the long-
 def default_config(num_pairs: int, dtype: torch.dtype) -> dict:
     """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs. The tiles (and
     so the K-summation order) follow the call's size: on the GPU a token's bf16 result may round
-    differently with the size of its step (DESIGN.md, batch invariance: documented rounding)."""
+    differently with the size of its step (docs/ARCHITECTURE.md, "Batch invariance")."""
     if dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
         return DEFAULT_CONFIG_FP32
     if num_pairs <= 64:
