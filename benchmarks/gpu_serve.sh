@@ -45,7 +45,7 @@ LAMINA="$PY -m lamina.entrypoints.cli"
 # The server: the preset with dummy weights; no tokenizer (implied by --preset).
 LAYERS=${NUM_LAYERS:+--num-layers $NUM_LAYERS}
 $LAMINA serve --preset "$PRESET" $LAYERS --dtype "$DTYPE" --port "$PORT" --max-model-len 2048 --max-num-seqs 64 \
-  --no-access-log --drain-timeout 5 > "$OUT/server.log" 2>&1 &
+  --no-access-log --drain-timeout 5 --log-stats-interval ${LOG_STATS_INTERVAL:-2} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 stop_server() {
   if kill -0 "$SERVER" 2>/dev/null; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -149,8 +149,15 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
         --output-len 256 --max-num-seqs 128 --output-json $OUT/throughput_512.json 2>&1 | tail -4 ;;
     demomtp)  # the trained demo model's bf16 GPU tests (MTP included), cut off at 150 s in session 6
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_demo_model.py 2>&1 | tail -15 ;;
-    serve)
-      PROMPTS_C64=64 timeout 200 bash benchmarks/gpu_serve.sh 2>&1 | tail -25 ;;
+    serve)  # the server at c1 / c16 / c64 (engine-statistics lines every 2 s in $OUT/server.log)
+      PROMPTS_C64=64 timeout 240 bash benchmarks/gpu_serve.sh 2>&1 | tail -25
+      grep "engine: prompt" $OUT/server.log | tail -40 ;;
+    ttft8k)  # time to first token of one 8k prompt on a warmed-up engine (fla delta rule)
+      LAMINA_GDN_PREFILL=fla timeout 150 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -3 ;;
+    serveoffline)  # c64's workload offline (same engine settings as gpu_serve.sh, no HTTP), to split server from engine
+      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 64 --input-len 1024 \
+        --output-len 256 --max-num-seqs 64 --max-model-len 2048 --output-json $OUT/throughput_64_serveshape.json 2>&1 | tail -4 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -64,6 +64,7 @@ def test_serve_parser_defaults():
                                       "--served-model-name", "a", "b", "--dtype", "float32", "--max-num-seqs", "3"])
     assert (args.model_tag, args.api_key, args.max_waiting_requests, args.served_model_name) == ("/m", "k", 4, ["a", "b"])
     assert args.dtype == "float32" and args.max_num_seqs == 3
+    assert args.disable_log_stats is False and args.log_stats_interval == 10.0  # vLLM's default interval
 
 
 def test_serve_config_errors_exit_2(capsys):
@@ -72,8 +73,10 @@ def test_serve_config_errors_exit_2(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert cli_main(["serve", "--device", "cpu", "--port", str(taken.getsockname()[1])]) == 2
+    assert cli_main(["serve", "--device", "cpu", "--log-stats-interval", "0"]) == 2
     err = capsys.readouterr().err
     assert "--max-waiting-requests must be >= 1" in err and "cannot listen on 127.0.0.1" in err
+    assert "--log-stats-interval must be > 0 seconds, got 0.0" in err
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_0(qwen3_next_dir):

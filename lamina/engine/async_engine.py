@@ -18,10 +18,12 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from lamina.engine.llm_engine import LLMEngine
+from lamina.engine.stats_log import EngineStatsLogger
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 
@@ -106,6 +108,7 @@ class AsyncEngine:
         *,
         max_waiting_requests: int | None = None,
         fail_after_steps: int | None = None,
+        log_stats_interval_s: float | None = None,
     ):
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit), got {max_waiting_requests}")
@@ -114,6 +117,8 @@ class AsyncEngine:
         if fail_after_steps is None and os.environ.get(FAIL_AFTER_STEPS_ENV):
             fail_after_steps = int(os.environ[FAIL_AFTER_STEPS_ENV])
         self.fail_after_steps = fail_after_steps
+        # the periodic engine-statistics line (None: none), see lamina.engine.stats_log
+        self.stats_logger = EngineStatsLogger(log_stats_interval_s) if log_stats_interval_s is not None else None
         self.stats = EngineStats()
         self.dead_error: str | None = None
         self.draining = False
@@ -223,6 +228,9 @@ class AsyncEngine:
         engine = self.engine
         flush = False  # aborted requests to report to the workers in an (empty) step
         num_steps = 0
+        stats_logger = self.stats_logger
+        if stats_logger is not None:
+            stats_logger.start(engine)
         while True:
             with self._cv:
                 while not (self._commands or self._stop or flush or engine.has_unfinished_requests()):
@@ -249,7 +257,10 @@ class AsyncEngine:
             if engine.has_unfinished_requests() or flush:
                 if self.fail_after_steps is not None and num_steps >= self.fail_after_steps:
                     raise RuntimeError(f"injected engine failure after {num_steps} steps ({FAIL_AFTER_STEPS_ENV})")
+                started = time.perf_counter()
                 outputs = engine.step()
+                if stats_logger is not None:
+                    stats_logger.observe_step(time.perf_counter() - started)
                 num_steps += 1
                 flush = False
                 if outputs:
@@ -260,6 +271,8 @@ class AsyncEngine:
                 num_waiting=engine.num_waiting, num_running=engine.num_running,
                 cache_usage=engine.cache_usage(), num_steps=num_steps,
             )
+            if stats_logger is not None:
+                stats_logger.maybe_log(engine)
 
     def _post(self, fn, *args) -> None:
         loop = self._loop

@@ -55,6 +55,7 @@ class ServerConfig:
     retry_after_s: int = 1
     model_root: str | None = None
     chat: ChatOptions | None = None  # tool-call and reasoning parsers, chat template override
+    log_stats_interval_s: float | None = None  # the engine-statistics line every this many seconds (None: off)
 
 
 class ServerState:
@@ -62,7 +63,8 @@ class ServerState:
 
     def __init__(self, engine: LLMEngine, config: ServerConfig, async_engine: AsyncEngine | None = None):
         self.config = config
-        self.async_engine = async_engine or AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests)
+        self.async_engine = async_engine or AsyncEngine(
+            engine, max_waiting_requests=config.max_waiting_requests, log_stats_interval_s=config.log_stats_interval_s)
         self.metrics = ServerMetrics(self.async_engine, config.served_model_names[0])
         self.serving = OpenAIServing(self.async_engine, config.served_model_names, self.metrics,
                                      retry_after_s=config.retry_after_s)

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from lamina.engine.stats_log import DEFAULT_LOG_STATS_INTERVAL_S
 from lamina.entrypoints.openai.serve_flags import (
     add_chat_args, add_compat_args, check_compat_args, repair_served_model_name,
 )
@@ -50,6 +51,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--num-layers", type=int, default=None, metavar="N", help="with --preset: override its layer count")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the engine-statistics line (prompt / generation tok/s, running and waiting "
+                        "requests, KV cache use, step times)")
+    s.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S, metavar="SECONDS",
+                   help=f"seconds between engine-statistics lines while there is work (default: "
+                        f"{DEFAULT_LOG_STATS_INTERVAL_S:g})")
     add_chat_args(p)
     add_compat_args(p)
     p.set_defaults(func=run_serve)
@@ -104,6 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if not args.log_stats_interval > 0:
+        raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
     if args.max_request_body_bytes <= 0:
         raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -130,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             served_model_names=names, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
             max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, model_root=model,
-            chat=chat,
+            chat=chat, log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         )
         app = build_app(llm.engine, config)
         import uvicorn  # the server stack loads only for `lamina serve` (bench / generate run without it)
