@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|prefillkernels|prefillprofile|gputests8 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -155,6 +155,20 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
     ttft8k)  # time to first token of one 8k prompt on a warmed-up engine (fla delta rule)
       LAMINA_GDN_PREFILL=fla timeout 150 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
         --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -3 ;;
+    thrsteps)  # c64's workload offline, every engine step timed (prompt-bearing vs decode steps, the slowest)
+      timeout 150 python3 benchmarks/throughput_steps.py --num-prompts 64 --input-len 1024 --output-len 256 \
+        --max-num-seqs 64 --max-model-len 2048 --out $OUT/throughput_steps.json 2>&1 | tail -24 ;;
+    prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
+      timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
+    prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel
+      LAMINA_GDN_PREFILL=fla timeout 150 python3 benchmarks/profile_decode.py --prefill-len 8192 --steps 2 --out $OUT/profile_prefill_8k.json > /tmp/profile_prefill_8k.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_8k.json'))
+print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])" ;;
+    gputests8)  # GPU tests of the kernels, the engine (warm-up, graphs, async), batch invariance, paged attention
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_async_scheduling.py tests/test_triton_gdn_decode.py 2>&1 | tail -15 ;;
     serveoffline)  # c64's workload offline (same engine settings as gpu_serve.sh, no HTTP), to split server from engine
       timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 64 --input-len 1024 \
         --output-len 256 --max-num-seqs 64 --max-model-len 2048 --output-json $OUT/throughput_64_serveshape.json 2>&1 | tail -4 ;;

@@ -308,6 +308,31 @@ def test_norm_kernels_match_the_modules():
         torch.testing.assert_close(ours, ref(x.cpu(), gate.cpu()).to(DEVICE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_reads_strided_heads_in_row_blocks(dtype):
+    """The delta net's z rows are a strided split of its projection `[T, H, D]`: read through their
+    strides (several row blocks, a ragged last one), equal to the module on contiguous copies; a row's
+    result does not depend on how many rows the call has (fixed rows per program)."""
+    tokens, heads, dim = 7, 5, 32  # 35 rows: 3 blocks of 16
+    projected = _rand(tokens, 3 * heads * dim, seed=11).to(dtype)  # [T, 3*H*D]
+    x = _rand(tokens, heads, dim, seed=12).to(dtype)  # [T, H, D]
+    gate = projected[:, heads * dim:2 * heads * dim].reshape(tokens, heads, dim)  # [T, H, D], token stride 3*H*D
+    assert gate.stride(0) == 3 * heads * dim and not gate.is_contiguous()
+    ref = GatedRMSNorm(dim, 1e-6, activation="silu", dtype=dtype, device="cpu")
+    ref.weight.data.copy_(torch.randn(dim, generator=_gen(13)).to(dtype))
+    ref.kernels = "reference"
+    weight = ref.weight.to(DEVICE)
+    ours = gated_rms_norm(x, gate, weight, 1e-6, "silu")
+    assert ours.shape == (tokens, heads, dim)
+    expected = ref(x.cpu(), gate.contiguous().cpu()).to(DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: the rsqrt may round one ulp apart, then two roundings
+    torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
+    alone = gated_rms_norm(x[3:4], gate[3:4], weight, 1e-6, "silu")  # token 3 by itself
+    assert torch.equal(alone[0], ours[3])
+    with pytest.raises(ValueError, match="differ in shape"):
+        gated_rms_norm(x, gate[:, :2], weight, 1e-6, "silu")
+
+
 @pytest.mark.parametrize("num_tokens,expert_start,num_local", [(1, 0, 8), (5, 0, 8), (13, 3, 4), (0, 0, 8)])
 def test_fused_moe_matches_grouped_experts(num_tokens, expert_start, num_local):
     hidden, inter, top_k, total_experts = 48, 24, 3, 8

@@ -22,6 +22,9 @@ import triton.language as tl
 
 __all__ = ["causal_conv1d_prefill"]
 
+# (tokens, channels) per program of the output kernel (benchmarks/bench_prefill_kernels.py sweeps it)
+CONV_PREFILL_TILE = (32, 128)
+
 
 @triton.jit
 def _conv_prefill_out_kernel(
@@ -120,7 +123,7 @@ def causal_conv1d_prefill(
         if token_request_index is None:  # request of each token: the number of request ends <= t
             tokens = torch.arange(num_tokens, device=x.device, dtype=query_start_loc.dtype)  # [T]
             token_request_index = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)  # [T]
-        block_t, block_c = 32, 128
+        block_t, block_c = CONV_PREFILL_TILE
         _conv_prefill_out_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
             x, weight, state_pool, query_start_loc, token_request_index, slots, keep, out, num_tokens, channels,
             x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),

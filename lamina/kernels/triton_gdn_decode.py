@@ -2,8 +2,7 @@
 norm, gates from the raw projections, the delta-rule step and the gated RMSNorm, from the joint
 in_proj output to the input of out_proj.
 
-It replaces three launches of `lamina.kernels.triton_decode` / `triton_norm` (and, at batch > 1,
-the copy that `gated_rms_norm` made of the strided z rows): `causal_conv1d_decode`,
+It replaces three launches of `lamina.kernels.triton_decode` / `triton_norm`: `causal_conv1d_decode`,
 `gated_delta_rule_decode` (raw gates) and `gated_rms_norm`, and computes what they compute,
 rounding where they round (the conv output and the delta-rule output are rounded to the
 activations' dtype before the next stage reads them), so it agrees with them to float32 reduction
