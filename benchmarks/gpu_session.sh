@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|prefillkernels|prefillprofile|gputests8 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|prefillkernels|prefillprofile|gputests8 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -158,6 +158,9 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
     thrsteps)  # c64's workload offline, every engine step timed (prompt-bearing vs decode steps, the slowest)
       timeout 150 python3 benchmarks/throughput_steps.py --num-prompts 64 --input-len 1024 --output-len 256 \
         --max-num-seqs 64 --max-model-len 2048 --out $OUT/throughput_steps.json 2>&1 | tail -24 ;;
+    thrtrace)  # the same from an empty Triton cache, listing the kernels each step compiles
+      timeout 280 python3 benchmarks/throughput_steps.py --trace-compiles --num-prompts 64 --input-len 1024 --output-len 256 \
+        --max-num-seqs 64 --max-model-len 2048 --out $OUT/throughput_steps_trace.json 2>&1 | tail -30 | cut -c1-1500 ;;
     prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
       timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
     prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+if "--trace-compiles" in sys.argv:  # a fresh Triton cache, read before triton is imported: every compile lands there
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
 
 import torch
 
@@ -28,6 +34,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--trace-compiles", action="store_true",
+                    help="start from an empty Triton cache and list the kernels each step compiles")
     ap.add_argument("--preset", default=DEFAULT_PRESET)
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--out", default=None)
@@ -39,6 +47,21 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, show_progress=False,
               async_scheduling=False if args.no_async_scheduling else None)
     engine = llm.engine
+    seen: set[str] = set()
+
+    def new_compiles() -> list[str]:
+        """Kernels compiled since the last call (their metadata files in the fresh Triton cache)."""
+        if not args.trace_compiles:
+            return []
+        names = []
+        for path in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.json"):
+            if path.name.startswith("__grp__") or str(path) in seen:
+                continue
+            seen.add(str(path))
+            names.append(path.stem)
+        return sorted(names)
+
+    warm_up_compiles = new_compiles()
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(0, min(vocab, 200_000)) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -57,7 +80,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         tokens = engine.step_token_counts[-1][0] if len(engine.step_token_counts) > before else 0
         steps.append({"ms": 1e3 * dt, "tokens": tokens, "outputs": len(outputs), "running": engine.num_running,
-                      "preemptions": engine.num_preemptions})
+                      "preemptions": engine.num_preemptions, "compiled": new_compiles()})
     sync()
     total = time.perf_counter() - start
     out_tokens = args.num_prompts * args.output_len
@@ -74,12 +97,16 @@ def main() -> None:
         "mean_decode_step_ms": sum(s["ms"] for s in decode) / max(len(decode), 1),
         "preemptions": engine.num_preemptions, "num_kv_blocks": engine.num_kv_blocks,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "warm_up_compiles": len(warm_up_compiles),
         "slowest": sorted(steps, key=lambda s: -s["ms"])[:12],
         "first_steps": steps[:24],
     }
     print(json.dumps({k: v for k, v in summary.items() if k not in ("slowest", "first_steps")}, indent=1))
     print("slowest:", [(round(s["ms"], 1), s["tokens"]) for s in summary["slowest"]])
     print("first:", [(round(s["ms"], 1), s["tokens"], s["running"]) for s in summary["first_steps"]])
+    for i, s in enumerate(steps):
+        if s["compiled"]:
+            print(f"step {i} ({s['tokens']} tokens, {s['running']} running, {s['ms']:.0f} ms) compiled: {s['compiled']}")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
     llm.shutdown()
