@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|prefillkernels|prefillprofile|gputests8 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|prefillkernels|prefillprofile|gputests8 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -161,6 +161,11 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
     thrtrace)  # the same from an empty Triton cache, listing the kernels each step compiles
       timeout 280 python3 benchmarks/throughput_steps.py --trace-compiles --num-prompts 64 --input-len 1024 --output-len 256 \
         --max-num-seqs 64 --max-model-len 2048 --out $OUT/throughput_steps_trace.json 2>&1 | tail -30 | cut -c1-1500 ;;
+    thrprofile)  # the first 10 steps of that run (its prompt phase) under cProfile: where the slow prompt steps wait
+      timeout 200 python3 benchmarks/throughput_steps.py --cprofile 10 --num-prompts 64 --input-len 1024 --output-len 256 \
+        --max-num-seqs 64 --max-model-len 2048 > /tmp/thrprofile.txt 2>&1
+      grep -A45 "Ordered by: cumulative" /tmp/thrprofile.txt | cut -c1-180; grep -A30 "Ordered by: internal" /tmp/thrprofile.txt | cut -c1-180
+      grep "^slowest\|^first" /tmp/thrprofile.txt | cut -c1-600 ;;
     prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
       timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
     prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel

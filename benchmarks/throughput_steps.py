@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--trace-compiles", action="store_true",
                     help="start from an empty Triton cache and list the kernels each step compiles")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="run the first N steps under cProfile and print where their host time went")
     ap.add_argument("--preset", default=DEFAULT_PRESET)
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--out", default=None)
@@ -72,6 +74,12 @@ def main() -> None:
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, params)
     steps = []
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         before = len(engine.step_token_counts)
@@ -79,6 +87,13 @@ def main() -> None:
         outputs = engine.step()
         dt = time.perf_counter() - t0
         tokens = engine.step_token_counts[-1][0] if len(engine.step_token_counts) > before else 0
+        if profiler is not None and len(steps) + 1 == args.cprofile:
+            profiler.disable()
+            import pstats
+
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            profiler = None
         steps.append({"ms": 1e3 * dt, "tokens": tokens, "outputs": len(outputs), "running": engine.num_running,
                       "preemptions": engine.num_preemptions, "compiled": new_compiles()})
     sync()

@@ -34,6 +34,10 @@ DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 WARM_UP_PROMPT_TOKENS = 256  # several 64-token chunks of the delta-net prefill kernels
 WARM_UP_SHORT_PROMPT_TOKENS = 32  # a short prompt's step (the fused MoE's decode-sized tiles)
+# With 32 and 256, every power of two from 8 to 512 tokens: the fused MoE's alignment compiles once per
+# power-of-two bucket of (token, expert) pairs, and mixed steps of any size between decode and a long
+# chunk come (a 281-token step of an offline run compiled it for 4.3 s before these were warmed).
+WARM_UP_SIZE_CLASSES = (8, 16, 64, 128, 512)
 WARM_UP_REQUEST_ID = "lamina-warm-up"
 
 
@@ -177,11 +181,12 @@ class LLMEngine:
         autotuning: seconds to minutes on a cold cache; the decode steps were compiled by the graph
         capture). Kernels are compiled per step size class: the fused MoE picks its tiles by the
         step's token count (an 8k chunk's tiles once cost the first 8k request 11 s of compiling),
-        and Triton specialises integer arguments divisible by 16 and equal to 1. So the warm-up runs
-        steps of a short prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole
-        token budget (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each
-        once as one step of that many tokens and once one token short over two requests
-        (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
+        and Triton specialises integer arguments divisible by 16 and equal to 1 (fla-core's kernels;
+        lamina's leave their step-size counts unspecialised). So the warm-up runs steps of a short
+        prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole token budget
+        (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each once as one
+        step of that many tokens and once one token short over two requests, and one step of each
+        of WARM_UP_SIZE_CLASSES below the budget (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
         the statistics reset. Run by the constructor on CUDA."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
@@ -202,8 +207,10 @@ class LLMEngine:
         per_request = max(1, self.max_model_len - 1)  # the longest prompt that still samples a token
         budget = min(self.max_num_batched_tokens, per_request * self.max_num_seqs)  # the largest step there can be
         steps: list[list[int]] = []
-        for total in sorted({min(t, budget) for t in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), budget)}):
-            for tokens, fewest in ((total, 1), (total - 1, 2)):
+        both = {min(t, budget) for t in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), budget)}
+        size_classes = {t for t in WARM_UP_SIZE_CLASSES if t < budget} - both
+        for total in sorted(both | size_classes):
+            for tokens, fewest in ((total, 1), (total - 1, 2))[:2 if total in both else 1]:
                 count = min(max(fewest, -(-tokens // per_request)), self.max_num_seqs)
                 if tokens < count:
                     continue

@@ -26,7 +26,7 @@ __all__ = ["causal_conv1d_prefill"]
 CONV_PREFILL_TILE = (32, 128)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every step size (triton_moe.COUNT_ARGS says why)
 def _conv_prefill_out_kernel(
     x_ptr, w_ptr, state_ptr, qsl_ptr, req_ptr, slots_ptr, keep_ptr, out_ptr, num_tokens, channels,
     stride_xt, stride_wc, stride_ss, stride_sc, stride_ot,

@@ -32,6 +32,14 @@ __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
 ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
 
 
+# The step-size counts the grouped kernels take. Triton compiles a kernel again for every new pattern of
+# its integer arguments being divisible by 16 or equal to 1; counts that vary from step to step would
+# make a server compile at run time whenever a step brings a new pattern (seconds each: an offline
+# run of 64 x 1024-token prompts spent 4.3 s of one step compiling these). They are used only in
+# masks and comparisons, so they are left unspecialised: one compile for every step size.
+COUNT_ARGS = ["num_pairs", "num_tokens", "num_routed_blocks"]
+
+
 def _max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
 
@@ -101,7 +109,7 @@ def _sort_unique(x, LOG_N: tl.constexpr, REG_BITS: tl.constexpr):
     return tl.reshape(h, x.shape), tl.reshape(pos, x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_rows"])  # one compile for every pair count (see COUNT_ARGS)
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, expert_start, num_experts, max_rows,
                   BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, LOG_P: tl.constexpr, REG_BITS: tl.constexpr,
                   E_PAD: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
@@ -179,7 +187,8 @@ def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_st
         BLOCK_M=block_m, P_PAD=p_pad, LOG_P=p_pad.bit_length() - 1,
         REG_BITS=max(0, p_pad.bit_length() - 1 - 5 - (num_warps.bit_length() - 1)),
         E_PAD=max(32, triton.next_power_of_2(num_local_experts)),
-        FILL=min(2048, max(128, triton.next_power_of_2(max_rows))),
+        # from P_PAD, not from this P: every constexpr follows the pair count's power-of-two bucket
+        FILL=min(2048, max(128, triton.next_power_of_2(_max_rows(p_pad, num_local_experts, block_m)))),
         **pdl_kwargs(topk_ids.device), num_warps=num_warps,
     )
     return sorted_pairs, block_expert
@@ -236,7 +245,7 @@ def _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn
     return w_base, tl.where(is_shared, stride_swn, stride_wn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNT_ARGS)
 def _gate_up_kernel(
     x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
@@ -273,7 +282,7 @@ def _gate_up_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNT_ARGS)
 def _down_kernel(
     act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, shared_logit_ptr, out_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,

@@ -89,7 +89,7 @@ def add_rms_norm(
 GATED_NORM_ROWS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compile for every step size (triton_moe.COUNT_ARGS says why)
 def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, num_rows, heads, dim, eps,
                            stride_xt, stride_xh, stride_gt, stride_gh, stride_o,
                            SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
