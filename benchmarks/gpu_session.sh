@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|prefillkernels|prefillprofile|gputests8 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|prefillkernels|prefillprofile|gputests8 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -166,6 +166,8 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
         --max-num-seqs 64 --max-model-len 2048 > /tmp/thrprofile.txt 2>&1
       grep -A45 "Ordered by: cumulative" /tmp/thrprofile.txt | cut -c1-180; grep -A30 "Ordered by: internal" /tmp/thrprofile.txt | cut -c1-180
       grep "^slowest\|^first" /tmp/thrprofile.txt | cut -c1-600 ;;
+    sdpashapes)  # SDPA's first call at new prompt lengths per backend (cuDNN builds a plan per shape), causal and masked
+      timeout 150 python3 benchmarks/bench_sdpa_shapes.py --out $OUT/bench_sdpa_shapes.json 2>&1 | tail -40 ;;
     prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
       timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
     prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel
