@@ -169,7 +169,7 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
     sdpashapes)  # SDPA's first call at new prompt lengths per backend (cuDNN builds a plan per shape), causal and masked
       timeout 150 python3 benchmarks/bench_sdpa_shapes.py --out $OUT/bench_sdpa_shapes.json 2>&1 | tail -40 ;;
     sdpagqa)  # the same with 2 KV heads and enable_gqa (paged_attention's call): which backends take it, at what cost
-      timeout 100 python3 benchmarks/bench_sdpa_shapes.py --gqa --lens 997,1001,2039,8191 --backends efficient,flash,cudnn,default --out $OUT/bench_sdpa_shapes_gqa.json 2>&1 | tail -30 ;;
+      timeout 100 python3 benchmarks/bench_sdpa_shapes.py --gqa --lens 997,1001,2039,8191 --backends default,efficient,flash --out $OUT/bench_sdpa_shapes_gqa.json 2>&1 | tail -30 ;;
     prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
       timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
     prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel
