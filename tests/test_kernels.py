@@ -417,6 +417,44 @@ def test_paged_attention_mixed_batch(hq, hkv, reqs, causal_from_start):
         close(out[qsl[b] : qsl[b + 1]], ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lengths", [[997], [1001, 5, 64], [8191]])
+def test_fresh_prompts_on_cuda_take_flash_and_match_the_mask(lengths):
+    """On CUDA the causal rule prefers flash (no plan per shape, unlike SDPA's cuDNN choice): bf16 fresh
+    prompts at the Qwen3.5 attention shape (16 query heads, 2 KV heads, dim 256) agree with the
+    masked path, and a new length costs no plan build."""
+    import time
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d, bs = 16, 2, 256, 16
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(3)
+    blocks_per = [-(-n // bs) for n in lengths]
+    k_cache = torch.randn(sum(blocks_per) + 1, bs, hkv, d, device=dev, dtype=dtype, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    starts = [1 + sum(blocks_per[:i]) for i in range(len(lengths))]
+    width = max(blocks_per)
+    block_tables = torch.tensor([[s + j if j < n else 0 for j in range(width)] for s, n in zip(starts, blocks_per)],
+                                dtype=torch.int32, device=dev)
+    q = torch.randn(sum(lengths), hq, d, device=dev, dtype=dtype, generator=gen)
+    qsl = make_qsl(lengths).to(dev)
+    seq_lens = torch.tensor(lengths, device=dev)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(lengths), max(lengths), d**-0.5)
+    masked = paged_attention(*args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fresh = paged_attention(*args, causal_from_start=True)  # the first causal call at this shape
+    torch.cuda.synchronize()
+    first_ms = 1e3 * (time.perf_counter() - start)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # flash only: fails if flash cannot take the call
+        flash_only = paged_attention(*args, causal_from_start=True)
+    assert torch.equal(fresh, flash_only)
+    torch.testing.assert_close(fresh.float(), masked.float(), atol=2e-2, rtol=2e-2)
+    assert first_ms < 50, f"a new length took {first_ms:.1f} ms (cuDNN's plan build took 66-103 ms)"
+
+
 def test_paged_attention_decode_only():
     d, bs, nb, hq, hkv = 16, 8, 12, 4, 2
     gen = torch.Generator().manual_seed(21)
