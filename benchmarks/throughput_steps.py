@@ -103,8 +103,8 @@ def main() -> None:
     decode = [s for s in steps if 0 < s["tokens"] <= args.max_num_seqs]
     summary = {
         "command": "python benchmarks/throughput_steps.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "no_async_scheduling") and v is not None)
-        + (" --no-async-scheduling" if args.no_async_scheduling else ""),
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+            if k != "out" and v not in (None, False, 0)),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "total_s": total, "output_tok_per_s": out_tokens / total,
         "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / total, "steps": len(steps),
         "prompt_steps": len(prefill), "prompt_steps_ms": sum(s["ms"] for s in prefill),
