@@ -123,13 +123,35 @@ def test_conv_grouped_matches_one_call(eager_groups):
         close(a, b)
 
 
-@pytest.mark.parametrize("with_mask,fresh", [(False, False), (True, False), (False, True)])
-def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh):
-    """Groups give the one call's result; for fresh prompts also on SDPA's own causal rule."""
-    d, bs, hq, hkv = 8, 4, 4, 2
+@pytest.mark.parametrize("with_mask,fresh,fast", [(False, False, False), (True, False, False), (False, True, False),
+                                                  (False, False, True), (True, False, True)])
+def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh, fast, monkeypatch):
+    """Groups give the one call's result; for fresh prompts also on SDPA's own causal rule. With
+    `fast_groups` (the Triton kernel set; here Triton's interpreter) a mixed step's groups of decodes
+    run the paged decode kernel and its groups of fresh prompts the causal rule, unless a key_mask
+    (sparse attention) keeps every group on the masked call."""
+    d, bs, hq, hkv = 16, 4, 4, 2
     reqs = [(3, 1), (60, 1), (0, 12), (20, 1), (5, 4), (90, 1)]  # (cached context, new tokens)
     if fresh:
         reqs = [(0, 1), (0, 61), (0, 12), (0, 3), (0, 90)]
+    if fast:  # decodes, fresh prompts (one group of them) and a chunk continuing a prompt
+        reqs = [(3, 1), (60, 1), (0, 20), (0, 24), (20, 1), (5, 40), (90, 1)]
+        import importlib
+
+        from lamina.kernels import triton_decode
+
+        pa_module = importlib.import_module("lamina.kernels.paged_attention")  # the module, not the function
+
+        calls = {"decode": 0, "causal": 0}
+        decode, single = triton_decode.paged_decode_attention, pa_module.paged_attention
+        monkeypatch.setattr(triton_decode, "paged_decode_attention",
+                            lambda *a, **k: calls.__setitem__("decode", calls["decode"] + 1) or decode(*a, **k))
+
+        def spy(*a, **k):
+            calls["causal"] += bool(k.get("causal_from_start")) and k.get("groups") is None
+            return single(*a, **k)
+
+        monkeypatch.setattr(pa_module, "paged_attention", spy)
     gen = torch.Generator().manual_seed(5)
     max_blocks = max(-(-(c + n) // bs) for c, n in reqs)
     nb = len(reqs) * max_blocks + 1
@@ -156,8 +178,14 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh
     args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), max(seq), d**-0.5)
     ref = paged_attention(*args, key_mask=key_mask)
     groups = _groups(q_lens, seq, by_context=True)
-    got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh)
+    got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh, fast_groups=fast)
     close(got, ref)
+    if fast:
+        fresh_groups = [g for g in groups if g.from_start]
+        decode_groups = [g for g in groups if g.max_query_len == 1]
+        assert fresh_groups and decode_groups and len(groups) > len(fresh_groups) + len(decode_groups)
+        expected = (0, 0) if with_mask else (len(decode_groups), len(fresh_groups))
+        assert (calls["decode"], calls["causal"]) == expected
     if fresh:
         assert groups is not None and len(groups) > 1  # the grouped causal path really ran
         close(paged_attention(*args, causal_from_start=True), ref)

@@ -105,6 +105,7 @@ def paged_attention(
     key_mask: torch.Tensor | None = None,
     groups: list | None = None,
     causal_from_start: bool = False,
+    fast_groups: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -128,6 +129,13 @@ def paged_attention(
             on an H200: 0.88 against 4.26 ms per layer, equal outputs,
             benchmarks/results/bench_prefill_attention_h200.json). Same rule: query i of a fresh
             request sees keys 0..i, all inside its context.
+        fast_groups: with `groups` and no key_mask, on the Triton kernel set: a group of fresh
+            prompts (`RequestGroup.from_start`) takes the causal rule, and a group of one-query
+            requests (decodes riding a prefill step) the Triton paged decode kernel that pure
+            decode steps run (`lamina.kernels.triton_decode`), so a decode's attention is computed
+            the same way whatever shares its step, and neither kind needs the masked SDPA call
+            (cuDNN's, which builds a plan for every new shape: 70-95 ms on an H200,
+            benchmarks/results/bench_sdpa_shapes_gqa_h200.json).
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -136,7 +144,8 @@ def paged_attention(
         `[T, Hq, D]` in q's dtype.
     """
     if groups is not None:
-        return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start)
+        return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start,
+                        fast_groups and key_mask is None)
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
@@ -192,11 +201,20 @@ def paged_attention(
     return from_padded(out, valid, flat)  # [T, Hq, D]
 
 
-def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start):
+def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start, fast_groups):
     """`paged_attention` once per request group; outputs scattered back in batch order."""
     out = torch.empty_like(q)  # [T, Hq, D]
     block_size = k_cache.shape[1]
     for group in groups:
+        if fast_groups and group.max_query_len == 1:  # decodes: the paged decode kernel of decode steps
+            from lamina.kernels.triton_decode import paged_decode_attention
+
+            result = paged_decode_attention(
+                q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
+                seq_lens.index_select(0, group.requests), scale,
+            )  # [Tg, Hq, D]
+            out.index_copy_(0, group.tokens, result)
+            continue
         mask = None
         if callable(key_mask):
             mask = key_mask(group)
@@ -206,7 +224,8 @@ def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, group
         result = paged_attention(
             q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
             seq_lens.index_select(0, group.requests), group.query_start_loc, group.max_query_len,
-            group.max_seq_len, scale, key_mask=mask, causal_from_start=causal_from_start,
+            group.max_seq_len, scale, key_mask=mask,
+            causal_from_start=causal_from_start or (fast_groups and group.from_start),
         )
         out.index_copy_(0, group.tokens, result)
     return out

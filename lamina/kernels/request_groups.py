@@ -51,6 +51,9 @@ class RequestGroup:
     num_reqs: int
     max_query_len: int
     max_seq_len: int
+    # every member's queries start at position 0 (a fresh prompt: its context is its queries), from
+    # the host lengths; attention may take SDPA's own causal rule for such a group
+    from_start: bool = False
     # Speculative state capture inside the group: (req [Rg] group-local, offset [Rg], max offset),
     # and which rows of the step's capture list they are ([Rg]); None when the group has none.
     capture: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -124,6 +127,7 @@ def build_groups(
             query_start_loc=to_device(qsl, device),
             num_tokens=len(tokens), num_reqs=len(members), max_query_len=max(query_lens[r] for r in members),
             max_seq_len=max(seq_lens[r] for r in members),
+            from_start=all(seq_lens[r] == query_lens[r] for r in members),
         )
         if capture_host is not None:
             local = {r: i for i, r in enumerate(members)}

@@ -44,7 +44,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 ATTENTION_SPLITS = 16
 
 
-@triton.jit
+# The block table's row stride follows the width of the table it is given: the decode graphs' fixed
+# one, or a mixed step's (paged_attention's groups of decodes). Unspecialised, one compile serves
+# both (triton_moe.COUNT_ARGS says why).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, gate_ptr, out_ptr, scale,
     part_acc_ptr, part_ml_ptr, ticket_ptr,

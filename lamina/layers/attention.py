@@ -99,9 +99,11 @@ class GatedAttention(nn.Module):
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
             groups=meta.request_groups(by_context=True),
-            # SDPA's own causal rule on the fast kernel set (CUDA, or Triton's interpreter in CI);
-            # the reference set keeps the built mask
+            # SDPA's own causal rule for fresh prompts (the whole step, or per request group) and the
+            # paged decode kernel for groups of decodes, on the fast kernel set (CUDA, or Triton's
+            # interpreter in CI); the reference set keeps the built mask
             causal_from_start=self.kernels == "triton" and meta.prompts_from_start,
+            fast_groups=self.kernels == "triton",
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         attn = attn * torch.sigmoid(gate)
