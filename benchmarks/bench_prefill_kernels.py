@@ -15,19 +15,12 @@ from pathlib import Path
 import torch
 import triton
 
+from bench_prefill_attention import time_ms as _time_ms  # a sibling script
 from lamina.kernels import triton_conv, triton_norm
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def time_ms(fn) -> float:
+    return _time_ms(fn, reps=20)  # the repeats bench_prefill_kernels_h200.json was measured with
 
 
 def copy_gb_s() -> float:
