@@ -82,11 +82,12 @@ def main() -> None:
         profiler.enable()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        before = len(engine.step_token_counts)
+        before = engine.step_token_counts[-1] if engine.step_token_counts else None
         t0 = time.perf_counter()
         outputs = engine.step()
         dt = time.perf_counter() - t0
-        tokens = engine.step_token_counts[-1][0] if len(engine.step_token_counts) > before else 0
+        last = engine.step_token_counts[-1] if engine.step_token_counts else None
+        tokens = last[0] if last is not None and last is not before else 0  # a capped deque: by identity
         if profiler is not None and len(steps) + 1 == args.cprofile:
             profiler.disable()
             import pstats

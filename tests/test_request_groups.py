@@ -134,8 +134,8 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh
     reqs = [(3, 1), (60, 1), (0, 12), (20, 1), (5, 4), (90, 1)]  # (cached context, new tokens)
     if fresh:
         reqs = [(0, 1), (0, 61), (0, 12), (0, 3), (0, 90)]
-    if fast:  # decodes, fresh prompts (one group of them) and a chunk continuing a prompt
-        reqs = [(3, 1), (60, 1), (0, 20), (0, 24), (20, 1), (5, 40), (90, 1)]
+    if fast:  # decodes (two of one context length: a group of two), fresh prompts and a continued chunk
+        reqs = [(3, 1), (59, 1), (0, 20), (0, 24), (20, 1), (5, 40), (59, 1), (90, 1)]
         import importlib
 
         from lamina.kernels import triton_decode
@@ -180,11 +180,15 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh
     groups = _groups(q_lens, seq, by_context=True)
     got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh, fast_groups=fast)
     close(got, ref)
-    if fast:
+    if fast:  # the output gate: inside the decode kernel for decode groups, multiplied after for the others
+        gate = torch.randn(q.shape, generator=gen)
+        gated = paged_attention(*args, key_mask=key_mask, groups=groups, fast_groups=True, gate=gate)
+        close(gated, ref * torch.sigmoid(gate))
+        assert any(g.num_reqs > 1 and g.max_query_len == 1 for g in groups)  # a decode group of several requests
         fresh_groups = [g for g in groups if g.from_start]
         decode_groups = [g for g in groups if g.max_query_len == 1]
         assert fresh_groups and decode_groups and len(groups) > len(fresh_groups) + len(decode_groups)
-        expected = (0, 0) if with_mask else (len(decode_groups), len(fresh_groups))
+        expected = (0, 0) if with_mask else (2 * len(decode_groups), 2 * len(fresh_groups))  # two calls each
         assert (calls["decode"], calls["causal"]) == expected
     if fresh:
         assert groups is not None and len(groups) > 1  # the grouped causal path really ran

@@ -235,6 +235,8 @@ class AsyncEngine:
             with self._cv:
                 while not (self._commands or self._stop or flush or engine.has_unfinished_requests()):
                     self._cv.wait(timeout=1.0)
+                    if stats_logger is not None:  # idle: the burst's last window, then empty ones (no line)
+                        stats_logger.maybe_log(engine)
                 if self._stop:
                     return
                 commands = list(self._commands)

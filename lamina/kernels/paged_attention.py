@@ -106,6 +106,7 @@ def paged_attention(
     groups: list | None = None,
     causal_from_start: bool = False,
     fast_groups: bool = False,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -136,6 +137,9 @@ def paged_attention(
             the same way whatever shares its step, and neither kind needs the masked SDPA call
             (cuDNN's, which builds a plan for every new shape: 70-95 ms on an H200,
             benchmarks/results/bench_sdpa_shapes_gqa_h200.json).
+        gate: optional `[T, Hq, D]` output gate: the result becomes attn * sigmoid(gate) (the decode
+            kernel of a decode group applies it as decode steps' kernel does, the same compiled
+            variant; every other call multiplies afterwards).
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -145,7 +149,7 @@ def paged_attention(
     """
     if groups is not None:
         return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start,
-                        fast_groups and key_mask is None)
+                        fast_groups and key_mask is None, gate)
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
@@ -198,20 +202,23 @@ def paged_attention(
         )  # [B, Hq, Lq, D]
     out = out.transpose(1, 2)  # [B, Lq, Hq, D]
     flat = flat_positions(query_start_loc, max_len, total_tokens)  # [T]
-    return from_padded(out, valid, flat)  # [T, Hq, D]
+    out = from_padded(out, valid, flat)  # [T, Hq, D]
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
-def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start, fast_groups):
+def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start, fast_groups,
+             gate):
     """`paged_attention` once per request group; outputs scattered back in batch order."""
     out = torch.empty_like(q)  # [T, Hq, D]
     block_size = k_cache.shape[1]
     for group in groups:
+        group_gate = None if gate is None else gate.index_select(0, group.tokens)  # [Tg, Hq, D]
         if fast_groups and group.max_query_len == 1:  # decodes: the paged decode kernel of decode steps
             from lamina.kernels.triton_decode import paged_decode_attention
 
             result = paged_decode_attention(
                 q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
-                seq_lens.index_select(0, group.requests), scale,
+                seq_lens.index_select(0, group.requests), scale, gate=group_gate,
             )  # [Tg, Hq, D]
             out.index_copy_(0, group.tokens, result)
             continue
@@ -225,7 +232,7 @@ def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, group
             q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
             seq_lens.index_select(0, group.requests), group.query_start_loc, group.max_query_len,
             group.max_seq_len, scale, key_mask=mask,
-            causal_from_start=causal_from_start or (fast_groups and group.from_start),
+            causal_from_start=causal_from_start or (fast_groups and group.from_start), gate=group_gate,
         )
         out.index_copy_(0, group.tokens, result)
     return out

@@ -95,6 +95,7 @@ class GatedAttention(nn.Module):
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
         query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
+        fast = self.kernels == "triton"
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
@@ -102,11 +103,14 @@ class GatedAttention(nn.Module):
             # SDPA's own causal rule for fresh prompts (the whole step, or per request group) and the
             # paged decode kernel for groups of decodes, on the fast kernel set (CUDA, or Triton's
             # interpreter in CI); the reference set keeps the built mask
-            causal_from_start=self.kernels == "triton" and meta.prompts_from_start,
-            fast_groups=self.kernels == "triton",
+            causal_from_start=fast and meta.prompts_from_start, fast_groups=fast,
+            # on the fast set the output gate goes in too: a group of decodes gates inside the decode
+            # kernel, as decode steps do
+            gate=gate.view(num_tokens, self.num_heads, self.head_dim) if fast else None,  # [T, H, D]
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
-        attn = attn * torch.sigmoid(gate)
+        if not fast:
+            attn = attn * torch.sigmoid(gate)
         return self.o_proj(attn)
 
     def _project_and_cache(
