@@ -34,6 +34,7 @@ from lamina.kernels.triton_moe import (  # noqa: E402
     route_softmax_topk,
 )
 from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
+from lamina.kernels.triton_prefill_attention import PREFILL_BLOCK_M, paged_prefill_attention  # noqa: E402
 from lamina.kernels.triton_norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from lamina.kernels.triton_qk_prep import qk_norm_rope_cache  # noqa: E402
 from lamina.kernels.paged_attention import write_kv_cache  # noqa: E402
@@ -88,6 +89,78 @@ def test_paged_decode_attention_with_the_output_gate():
     ungated = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
     ours = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, gate=gate)
     torch.testing.assert_close(ours, ungated * torch.sigmoid(gate), atol=1e-6, rtol=1e-5)
+
+
+def _paged_step(reqs, hkv, head_dim, page, seed):
+    """Caches holding every request's keys (cached context and this step's, in shuffled blocks) and the
+    step's metadata, for (cached context, new tokens) per request."""
+    max_pages = max(-(-(c + n) // page) for c, n in reqs)
+    num_blocks = len(reqs) * max_pages + 2
+    k_cache = _rand(num_blocks, page, hkv, head_dim, seed=seed)
+    v_cache = _rand(num_blocks, page, hkv, head_dim, seed=seed + 1)
+    perm = torch.randperm(num_blocks, generator=_gen(seed + 2)).to(DEVICE)
+    block_tables = perm[: len(reqs) * max_pages].view(len(reqs), max_pages)
+    q_lens = [n for _, n in reqs]
+    qsl = torch.tensor([0] + [sum(q_lens[: i + 1]) for i in range(len(reqs))], device=DEVICE)
+    seq_lens = torch.tensor([c + n for c, n in reqs], device=DEVICE)
+    return k_cache, v_cache, block_tables, seq_lens, qsl, q_lens
+
+
+# (cached context, new tokens): fresh prompts (one longer than a query block), a prompt continued
+# over cached context, decodes (one at position 0's neighbour), a verification-sized chunk
+PREFILL_STEP = [(0, PREFILL_BLOCK_M + 6), (0, 1), (37, 9), (5, 1), (90, 1), (12, 4), (0, 16), (130, PREFILL_BLOCK_M)]
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,page", [(4, 2, 16, 4), (6, 1, 24, 16), (2, 2, 32, 8)])
+def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
+    """The flat varlen step in one launch against the padded reference: fresh prompts, continued
+    chunks, decodes, several query blocks; with the output gate; each request alone gives its rows
+    of the step (batch invariance)."""
+    k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(PREFILL_STEP, hkv, head_dim, page, seed=5)
+    q = _rand(sum(q_lens), hq, head_dim, seed=8)
+    gate = _rand(sum(q_lens), hq, head_dim, seed=9)
+    scale = head_dim**-0.5
+    ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), int(seq_lens.max()), scale)
+    ours = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+    gated = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale, gate=gate)
+    torch.testing.assert_close(gated, ref * torch.sigmoid(gate), atol=2e-5, rtol=2e-5)
+    b = 7  # the continued chunk of a query block, alone
+    rows = slice(int(qsl[b]), int(qsl[b + 1]))
+    alone = paged_prefill_attention(q[rows], k_cache, v_cache, block_tables[b : b + 1], seq_lens[b : b + 1],
+                                    torch.tensor([0, q_lens[b]], device=DEVICE), q_lens[b], scale)
+    assert torch.equal(alone, ours[rows])
+
+
+def test_paged_prefill_attention_bf16_and_empty_step():
+    k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(PREFILL_STEP[:4], 2, 16, 4, seed=11)
+    q = _rand(sum(q_lens), 4, 16, seed=12)
+    if DEVICE == "cuda":  # bf16 tiles: Triton's CPU interpreter computes garbage for them (the decode kernel's too)
+        k16, v16, q16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), q.to(torch.bfloat16)
+        ref = paged_attention(q16.float(), k16.float(), v16.float(), block_tables, seq_lens, qsl, max(q_lens),
+                              int(seq_lens.max()), 0.25)
+        ours = paged_prefill_attention(q16, k16, v16, block_tables, seq_lens, qsl, max(q_lens), 0.25)
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=3e-2)
+    empty = paged_prefill_attention(q[:0], k_cache, v_cache, block_tables[:0], seq_lens[:0],
+                                    torch.zeros(1, dtype=torch.long, device=DEVICE), 0, 0.25)
+    assert empty.shape == (0, 4, 16)
+    with pytest.raises(ValueError, match="not a multiple of Hkv"):
+        paged_prefill_attention(q[:, :3], k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), 0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_paged_prefill_attention_at_real_width():
+    """bf16 at the Qwen3.5-35B-A3B attention shape (16 query heads, 2 KV heads, dim 256, 16-token
+    pages): a mixed step of long chunks with and without cached context and decodes."""
+    reqs = [(0, 1000), (2048, 512), (300, 1), (4000, 1), (0, 17)]
+    k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(reqs, 2, 256, 16, seed=21)
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    q = _rand(sum(q_lens), 16, 256, seed=22).to(torch.bfloat16)
+    ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), int(seq_lens.max()), 1 / 16)
+    ours = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), 1 / 16)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("rotary_dim,zero_centred", [(16, True), (4, True), (8, False)])
@@ -599,6 +672,32 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_short_dir, graph
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+
+
+def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
+    """`LAMINA_PREFILL_ATTENTION=triton`: prompts chunked over several steps (an 8-token budget), so
+    steps mix continued chunks, fresh prompts and decodes, give the reference kernels' tokens."""
+    from lamina.kernels import triton_prefill_attention
+
+    calls = []
+    real = triton_prefill_attention.paged_prefill_attention
+    monkeypatch.setattr(triton_prefill_attention, "paged_prefill_attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    path = qwen3_5_moe_short_dir
+    prompts = [[5, 17, 300], [9] * 11, list(range(40, 53))]
+    options = dict(max_num_seqs=4, max_num_batched_tokens=8)
+    ref = _greedy(path, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, **options)
+    monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "triton")
+    ours = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
+    assert calls  # the varlen kernel ran
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+    monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "flash")
+    from lamina.kernels.selection import triton_prefill_attention_enabled
+
+    with pytest.raises(ValueError, match="must be 'sdpa' or 'triton'"):
+        triton_prefill_attention_enabled("triton")
 
 
 def test_moe_gemv_switch(monkeypatch):

@@ -19,6 +19,10 @@ kernel (`lamina.kernels.fla_prefill`) and the causal conv on lamina's Triton pre
 (`lamina.kernels.triton_conv`); `auto` (the default) takes fla on CUDA when the Triton kernel set is
 on and fla imports, else the delta-rule reference (the conv then still takes the Triton kernel under
 the Triton set); `reference` keeps both on the torch references.
+
+Attention of prefill and mixed steps (`triton_prefill_attention_enabled`): SDPA per request group
+(`lamina.kernels.paged_attention`) unless `LAMINA_PREFILL_ATTENTION=triton` (read at model build
+time), which takes lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`).
 """
 
 from __future__ import annotations
@@ -93,6 +97,19 @@ def qsa_fixed_shape_decode(kernels: str) -> bool:
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_QSA_DECODE = {wanted!r} must be 0 or 1")
     return kernels == "triton" and wanted == "1"
+
+
+def triton_prefill_attention_enabled(kernels: str) -> bool:
+    """Whether attention of prefill and mixed steps on the Triton kernel set runs lamina's varlen
+    paged attention (`lamina.kernels.triton_prefill_attention`: one launch over the flat step,
+    reading the paged cache, no per-shape plan) rather than SDPA per request group. Off unless
+    `LAMINA_PREFILL_ATTENTION=triton` until it is timed on a GPU (SDPA's masked call builds a cuDNN
+    plan per new shape, 70-95 ms on an H200, benchmarks/results/bench_sdpa_shapes_gqa_h200.json).
+    Sparse (indexed) attention keeps SDPA. Read at model build time."""
+    wanted = os.environ.get("LAMINA_PREFILL_ATTENTION", "sdpa")
+    if wanted not in ("sdpa", "triton"):
+        raise ValueError(f"LAMINA_PREFILL_ATTENTION = {wanted!r} must be 'sdpa' or 'triton'")
+    return kernels == "triton" and wanted == "triton"
 
 
 def fused_gdn_decode_enabled(kernels: str) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lamina.kernels.paged_attention import paged_attention, write_kv_cache
-from lamina.kernels.selection import decode_query_len, kernel_set
+from lamina.kernels.selection import decode_query_len, kernel_set, triton_prefill_attention_enabled
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
@@ -63,6 +63,7 @@ class GatedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
+        self.triton_prefill_attention = triton_prefill_attention_enabled(self.kernels)
         self.qkv_rows = None if attention_bias else share_weight_storage(self.q_proj, self.k_proj, self.v_proj)
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
@@ -95,6 +96,14 @@ class GatedAttention(nn.Module):
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
         query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
+        if self.triton_prefill_attention and key_mask is None:  # the whole flat step in one launch
+            from lamina.kernels.triton_prefill_attention import paged_prefill_attention
+
+            attn = paged_prefill_attention(
+                query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.max_query_len, self.scale, gate=gate.view(num_tokens, self.num_heads, self.head_dim),
+            )  # [T, H, D], gated
+            return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.head_dim))
         fast = self.kernels == "triton"
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -1,0 +1,122 @@
+"""Causal attention of a flat varlen step over the paged KV cache in one Triton launch: prompt chunks
+with or without cached context, decodes and verification chunks alike, with GQA and the output gate.
+
+The same operation as `lamina.kernels.paged_attention.paged_attention` (its docstring defines it:
+query i of request b sits at position seq_lens[b] - q_len_b + i and reads keys 0..that position;
+query head h reads KV head h // (Hq // Hkv)), without its padded `[B, Lq, S]` layout, its gathered
+context copies or SDPA's backends: SDPA's choice for a mask with GQA on an H200 is cuDNN, which
+builds an execution plan for every new shape (70-95 ms, benchmarks/results/bench_sdpa_shapes_gqa_h200.json),
+and a mixed step brings new shapes every step.
+
+Grid (request, query block of BLOCK_M, query head); a block past its request's queries returns at
+once. Each program streams its request's keys in BLOCK_N tiles through the block table, with the
+online softmax in float32, and stops at the block's last query position (the causal rule skips
+the rest). A row's result depends on its request only, never on the step's other requests.
+
+Opt-in (`LAMINA_PREFILL_ATTENTION=triton`, read at model build): tested against the reference
+under Triton's interpreter in CI; not yet timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lamina.kernels.triton_decode import _dot_precision
+
+__all__ = ["paged_prefill_attention", "PREFILL_BLOCK_M"]
+
+PREFILL_BLOCK_M = 64  # queries per program
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, gate_ptr, out_ptr, scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+):
+    req = tl.program_id(0)
+    m_block = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(qsl_ptr + req).to(tl.int64)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        first_pos = seq_len - q_len  # position of the request's query 0
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query index inside the request
+        m_ok = offs_m < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        rows = q_start + offs_m  # [BM] flat token rows
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+        pos = first_pos + offs_m  # [BM] the queries' positions (padding rows: past the last, harmless)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + req * stride_bt
+        end = tl.minimum(seq_len, first_pos + (m_block + 1) * BLOCK_M)  # keys the block's last query reads
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] key positions
+            n_ok = offs_n < end
+            page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)  # [BN]
+            in_page = offs_n % PAGE_SIZE
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[:, None]
+                        + offs_d[None, :], mask=kv_ok, other=0.0)  # [BN, BD]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BM, BN]
+            s = tl.where((offs_n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row reads key 0 in the first tile
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])  # [BM, BN]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
+                        + offs_d[None, :], mask=kv_ok, other=0.0)  # [BN, BD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        dtype = out_ptr.dtype.element_ty
+        out = (acc / l_i[:, None]).to(dtype)  # [BM, BD]
+        ok = m_ok[:, None] & d_ok[None, :]
+        if GATED:  # attn * sigmoid(gate), rounded as the layer's torch ops round (as the decode kernel)
+            gate = tl.load(gate_ptr + rows[:, None] * stride_gt + head * stride_gh + offs_d[None, :], mask=ok,
+                           other=0.0).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (out.to(tl.float32) * gate).to(dtype)
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=ok)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q `[T, Hq, D]` (unit last stride); caches `[num_blocks, block_size, Hkv, D]` holding this
+    step's keys; block_tables `[B, >= pages]`; seq_lens `[B]` (each >= its query count);
+    query_start_loc `[B+1]`; max_query_len: host int; gate: optional `[T, Hq, D]`, the output
+    becomes attn * sigmoid(gate). Returns `[T, Hq, D]` in q's dtype."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    bsz = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or bsz == 0:
+        return out
+    gated = gate is not None
+    gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
+    block_n = 32 if head_dim > 128 else 64
+    _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), PREFILL_BLOCK_M), num_q_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=page_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+        GATED=gated, num_warps=8 if head_dim > 128 else 4,
+    )
+    return out
