@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|prefillkernels|prefillprofile|gputests8 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -170,6 +170,9 @@ for k in d['top_kernels'][:20]: print(round(k['us_per_step'],1), k['calls_per_st
       timeout 150 python3 benchmarks/bench_sdpa_shapes.py --out $OUT/bench_sdpa_shapes.json 2>&1 | tail -40 ;;
     sdpagqa)  # the same with 2 KV heads and enable_gqa (paged_attention's call): which backends take it, at what cost
       timeout 100 python3 benchmarks/bench_sdpa_shapes.py --gqa --lens 997,1001,2039,8191 --backends default,efficient,flash --out $OUT/bench_sdpa_shapes_gqa.json 2>&1 | tail -30 ;;
+    varlenattn)  # prefill / mixed-step attention: SDPA per request group against the varlen Triton kernel, first call and repeat
+      timeout 150 python3 benchmarks/bench_varlen_attention.py --out $OUT/bench_varlen_attention.json 2>&1 | tail -8
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_triton_kernels.py -k "attention" 2>&1 | tail -4 ;;
     prefillkernels)  # gated RMSNorm rows per program and conv prefill tiles at 8k tokens, against the copy rate
       timeout 120 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json 2>&1 | tail -40 ;;
     prefillprofile)  # where the 8k prefill goes (fla), kernel by kernel
