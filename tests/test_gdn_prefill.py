@@ -75,6 +75,15 @@ def test_triton_conv_prefill_matches_reference(lens, channels, kernel):
     torch.testing.assert_close(ours_pool[slots], ref_state, atol=0, rtol=0)  # copies of inputs: exact
     others = [s for s in range(pool.shape[0]) if s not in slots.tolist()]
     assert torch.equal(ours_pool[others], pool[others])
+    # the delta net's q / k / v parts, each contiguous (boundaries inside a channel tile)
+    split = (channels // 4, channels // 4, channels - 2 * (channels // 4))
+    parts = causal_conv1d_prefill(x, weight, pool.clone(), slots, keep, qsl, split=split)
+    bounds = [0, split[0], split[0] + split[1], channels]
+    for part, lo, hi in zip(parts, bounds, bounds[1:]):
+        assert part.shape == (sum(lens), hi - lo) and part.is_contiguous()
+        assert torch.equal(part, out[:, lo:hi])
+    with pytest.raises(ValueError, match="summing to C"):
+        causal_conv1d_prefill(x, weight, pool.clone(), slots, keep, qsl, split=(1, 1, channels))
 
 
 def test_triton_conv_prefill_bf16_and_given_request_index():

@@ -29,8 +29,9 @@ CONV_PREFILL_TILE = (32, 128)
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile for every step size (triton_moe.COUNT_ARGS says why)
 def _conv_prefill_out_kernel(
     x_ptr, w_ptr, state_ptr, qsl_ptr, req_ptr, slots_ptr, keep_ptr, out_ptr, num_tokens, channels,
-    stride_xt, stride_wc, stride_ss, stride_sc, stride_ot,
+    stride_xt, stride_wc, stride_ss, stride_sc, stride_ot, split_1, split_2,
     KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] flat tokens (int64 offsets)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels
@@ -54,7 +55,14 @@ def _conv_prefill_out_kernel(
         acc += (xv + sv) * w[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_c[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    if SPLIT:  # three row-major parts [T, split_1], [T, split_2 - split_1], [T, C - split_2], one after the other
+        part_start = tl.where(offs_c >= split_2, split_2, tl.where(offs_c >= split_1, split_1, 0))  # [BC]
+        part_end = tl.where(offs_c >= split_2, channels, tl.where(offs_c >= split_1, split_2, split_1))  # [BC]
+        base = part_start.to(tl.int64) * num_tokens + (offs_c - part_start)  # [BC]
+        dest = base[None, :] + offs_t[:, None] * (part_end - part_start).to(tl.int64)[None, :]  # [BT, BC]
+    else:
+        dest = offs_t[:, None] * stride_ot + offs_c[None, :]
+    tl.store(out_ptr + dest, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
@@ -92,7 +100,8 @@ def causal_conv1d_prefill(
     query_start_loc: torch.Tensor,
     token_request_index: torch.Tensor | None = None,
     activation: str | None = "silu",
-) -> torch.Tensor:
+    split: tuple[int, int, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a flat varlen batch, conv state in the pool, in place.
 
     Args:
@@ -102,10 +111,13 @@ def causal_conv1d_prefill(
             written back there; slots: `[B]` long; keep: `[B]` bool;
         query_start_loc: `[B+1]` cumulative query lengths (requests may have no tokens);
         token_request_index: optional `[T]` request of each token (computed when absent);
-        activation: "silu" / "swish" or None.
+        activation: "silu" / "swish" or None;
+        split: optional channel counts (C1, C2, C3) summing to C: the output comes as three
+            contiguous tensors `[T, C1]`, `[T, C2]`, `[T, C3]` (the delta net's q, k, v, which
+            fla-core would otherwise copy to make contiguous) instead of one `[T, C]`.
 
     Returns:
-        `[T, C]` in x's dtype.
+        `[T, C]` in x's dtype, or the three parts with `split`.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
@@ -116,9 +128,12 @@ def causal_conv1d_prefill(
         raise ValueError("state_pool needs a unit last stride")
     if state_pool.shape[-1] != kernel - 1:
         raise ValueError(f"state_pool holds {state_pool.shape[-1]} inputs per channel, expected K-1 = {kernel - 1}")
+    if split is not None and (len(split) != 3 or sum(split) != channels or min(split) < 0):
+        raise ValueError(f"split {split} must be three channel counts summing to C = {channels}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight.contiguous()
-    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    flat = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)  # [T*C]: one [T, C], or the parts
+    out = flat.view(num_tokens, channels)  # [T, C]
     if num_tokens > 0:
         if token_request_index is None:  # request of each token: the number of request ends <= t
             tokens = torch.arange(num_tokens, device=x.device, dtype=query_start_loc.dtype)  # [T]
@@ -127,7 +142,8 @@ def causal_conv1d_prefill(
         _conv_prefill_out_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
             x, weight, state_pool, query_start_loc, token_request_index, slots, keep, out, num_tokens, channels,
             x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
-            KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation is not None,
+            *((split[0], split[0] + split[1]) if split is not None else (0, 0)),
+            KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation is not None, SPLIT=split is not None,
         )
     if num_reqs > 0 and kernel > 1:
         block_c = 256
@@ -136,4 +152,9 @@ def causal_conv1d_prefill(
             x.stride(0), state_pool.stride(0), state_pool.stride(1),
             STATE_LEN=kernel - 1, BLOCK_S=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=block_c,
         )
-    return out
+    if split is None:
+        return out
+    first, second, _ = split
+    return (flat[: num_tokens * first].view(num_tokens, first),  # [T, C1]
+            flat[num_tokens * first : num_tokens * (first + second)].view(num_tokens, second),  # [T, C2]
+            flat[num_tokens * (first + second):].view(num_tokens, channels - first - second))  # [T, C3]

@@ -155,16 +155,16 @@ class GatedDeltaNet(nn.Module):
         if fast and self.prefill_kernels.conv == "triton":
             from lamina.kernels.triton_conv import causal_conv1d_prefill
 
-            mixed_qkv = causal_conv1d_prefill(
+            query, key, value = causal_conv1d_prefill(
                 mixed_qkv, self.conv_weight, self.conv_state, slots, keep, meta.query_start_loc,
-                meta.token_request_index,
-            )  # [T, C]; the pool's conv states updated in place
+                meta.token_request_index, split=(self.key_dim, self.key_dim, self.value_dim),
+            )  # [T, Dq], [T, Dq], [T, Dv], each contiguous (fla-core copies strided inputs); pool updated in place
         else:
             conv_in = torch.where(keep[:, None, None], self.conv_state[slots], 0.0)  # [B, C, K-1]
             mixed_qkv, conv_out = conv_with_capture(self.conv_state, mixed_qkv, self.conv_weight, conv_in, meta)
             self.conv_state.index_copy_(0, slots, conv_out.to(self.conv_state.dtype))
+            query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
 
-        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
