@@ -14,7 +14,11 @@ online softmax in float32, and stops at the block's last query position (the cau
 the rest). A row's result depends on its request only, never on the step's other requests.
 
 Opt-in (`LAMINA_PREFILL_ATTENTION=triton`, read at model build): tested against the reference
-under Triton's interpreter in CI; not yet timed on a GPU.
+under Triton's interpreter in CI; not yet timed on a GPU. With it, the decode rows of a mixed step
+run here rather than on the paged decode kernel of decode steps, so they may round differently from
+the same decode in a pure decode step. Untimed design points: one program per query head (K/V
+read once per head of a GQA group), decode rows fill 1 of BLOCK_M query rows, no split over long
+contexts.
 """
 
 from __future__ import annotations
