@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from bench_sdpa_shapes import call_ms  # a sibling script: one call, synchronised, in ms
 from lamina.kernels import request_groups as rg
 from lamina.kernels.paged_attention import paged_attention
 from lamina.kernels.triton_prefill_attention import paged_prefill_attention
@@ -33,14 +33,6 @@ STEPS = {
     "c64_mixed": [(1024 + 40 + i, 1) for i in range(56)] + [(0, 1024)] * 8,
     "c64_mixed_continued": [(1024 + 40 + i, 1) for i in range(56)] + [(0, 1024)] * 7 + [(512, 512)],
 }
-
-
-def call_ms(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def step_inputs(reqs, gen):
