@@ -684,7 +684,7 @@ def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_shor
     monkeypatch.setattr(triton_prefill_attention, "paged_prefill_attention",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     path = qwen3_5_moe_short_dir
-    prompts = [[5, 17, 300], [9] * 11, list(range(40, 53))]
+    prompts = [[5, 17, 300], list(range(40, 53))]  # steps: 3 + 5 prompt tokens; a decode + 7 more; a decode + the last
     options = dict(max_num_seqs=4, max_num_batched_tokens=8)
     ref = _greedy(path, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, **options)
     monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "triton")
