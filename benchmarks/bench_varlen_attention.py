@@ -4,8 +4,9 @@ call (a backend that builds a plan per shape pays it there) and at a repeat, in 
 
 - `sdpa`: `paged_attention` per request group (as the attention layer calls it on the Triton set:
   fresh-prompt groups on the causal rule, decode groups on the decode kernel, the rest masked);
-- `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch
-  (`LAMINA_PREFILL_ATTENTION=triton`).
+- `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch;
+- `lamina`: `paged_attention(varlen=True)`, the attention layer's default: groups as `sdpa`, but
+  chunks that continue cached context on the varlen kernel instead of the masked call.
 
 Steps: one fresh 8k prompt; a 4k chunk continuing 4k of cached context; a concurrency-64 mixed step
 (56 decodes at ~1.1k context and 8 fresh 1k prompts); the same with one prompt continued instead.
@@ -74,17 +75,23 @@ def main() -> None:
             return paged_prefill_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
                                            x["qsl"], x["max_q"], DIM**-0.5, gate=x["gate"])
 
+        def hybrid():
+            return paged_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"],
+                                   x["max_q"], x["max_s"], DIM**-0.5, groups=x["groups"], causal_from_start=x["fresh"],
+                                   fast_groups=True, gate=x["gate"], varlen=True)
+
         row = {"step": name, "tokens": int(x["q"].shape[0]), "requests": len(reqs),
                "groups": 0 if x["groups"] is None else len(x["groups"])}
-        for label, fn in (("sdpa", sdpa), ("triton", triton_varlen)):
+        for label, fn in (("sdpa", sdpa), ("triton", triton_varlen), ("lamina", hybrid)):
             row[f"{label}_first_ms"] = call_ms(fn)
             row[f"{label}_ms"] = min(call_ms(fn) for _ in range(5))
         diff = (sdpa().float() - triton_varlen().float()).abs().max().item()
         row["max_abs_diff"] = diff
+        row["lamina_max_abs_diff"] = (sdpa().float() - hybrid().float()).abs().max().item()
         records.append(row)
         print(f"{name:22s} {row['tokens']:6d} tok, {row['groups']} groups: sdpa first {row['sdpa_first_ms']:8.1f} "
               f"then {row['sdpa_ms']:7.2f} ms | triton first {row['triton_first_ms']:8.1f} then {row['triton_ms']:7.2f} ms"
-              f" | max diff {diff:.3g}")
+              f" | lamina first {row['lamina_first_ms']:8.1f} then {row['lamina_ms']:7.2f} ms | max diff {diff:.3g}")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "command": "python benchmarks/bench_varlen_attention.py",

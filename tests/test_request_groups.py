@@ -123,13 +123,15 @@ def test_conv_grouped_matches_one_call(eager_groups):
         close(a, b)
 
 
-@pytest.mark.parametrize("with_mask,fresh,fast", [(False, False, False), (True, False, False), (False, True, False),
-                                                  (False, False, True), (True, False, True)])
-def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh, fast, monkeypatch):
+@pytest.mark.parametrize("with_mask,fresh,fast,varlen", [
+    (False, False, False, False), (True, False, False, False), (False, True, False, False),
+    (False, False, True, False), (True, False, True, False), (False, False, True, True), (True, False, True, True)])
+def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh, fast, varlen, monkeypatch):
     """Groups give the one call's result; for fresh prompts also on SDPA's own causal rule. With
     `fast_groups` (the Triton kernel set; here Triton's interpreter) a mixed step's groups of decodes
-    run the paged decode kernel and its groups of fresh prompts the causal rule, unless a key_mask
-    (sparse attention) keeps every group on the masked call."""
+    run the paged decode kernel and its groups of fresh prompts the causal rule, and with `varlen`
+    its continued chunks the varlen kernel, unless a key_mask (sparse attention) keeps every group
+    on the masked call."""
     d, bs, hq, hkv = 16, 4, 4, 2
     reqs = [(3, 1), (60, 1), (0, 12), (20, 1), (5, 4), (90, 1)]  # (cached context, new tokens)
     if fresh:
@@ -138,14 +140,17 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh
         reqs = [(3, 1), (59, 1), (0, 20), (0, 24), (20, 1), (5, 40), (59, 1), (90, 1)]
         import importlib
 
-        from lamina.kernels import triton_decode
+        from lamina.kernels import triton_decode, triton_prefill_attention
 
         pa_module = importlib.import_module("lamina.kernels.paged_attention")  # the module, not the function
 
-        calls = {"decode": 0, "causal": 0}
+        calls = {"decode": 0, "causal": 0, "varlen": 0}
         decode, single = triton_decode.paged_decode_attention, pa_module.paged_attention
         monkeypatch.setattr(triton_decode, "paged_decode_attention",
                             lambda *a, **k: calls.__setitem__("decode", calls["decode"] + 1) or decode(*a, **k))
+        chunked = triton_prefill_attention.paged_prefill_attention
+        monkeypatch.setattr(triton_prefill_attention, "paged_prefill_attention",
+                            lambda *a, **k: calls.__setitem__("varlen", calls["varlen"] + 1) or chunked(*a, **k))
 
         def spy(*a, **k):
             calls["causal"] += bool(k.get("causal_from_start")) and k.get("groups") is None
@@ -178,18 +183,28 @@ def test_paged_attention_grouped_matches_one_call(eager_groups, with_mask, fresh
     args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), max(seq), d**-0.5)
     ref = paged_attention(*args, key_mask=key_mask)
     groups = _groups(q_lens, seq, by_context=True)
-    got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh, fast_groups=fast)
+    got = paged_attention(*args, key_mask=key_mask, groups=groups, causal_from_start=fresh, fast_groups=fast,
+                          varlen=varlen)
     close(got, ref)
-    if fast:  # the output gate: inside the decode kernel for decode groups, multiplied after for the others
+    if fast:  # the output gate: inside the decode and varlen kernels, multiplied after for the others
         gate = torch.randn(q.shape, generator=gen)
-        gated = paged_attention(*args, key_mask=key_mask, groups=groups, fast_groups=True, gate=gate)
+        gated = paged_attention(*args, key_mask=key_mask, groups=groups, fast_groups=True, gate=gate, varlen=varlen)
         close(gated, ref * torch.sigmoid(gate))
         assert any(g.num_reqs > 1 and g.max_query_len == 1 for g in groups)  # a decode group of several requests
         fresh_groups = [g for g in groups if g.from_start]
         decode_groups = [g for g in groups if g.max_query_len == 1]
         assert fresh_groups and decode_groups and len(groups) > len(fresh_groups) + len(decode_groups)
-        expected = (0, 0) if with_mask else (2 * len(decode_groups), 2 * len(fresh_groups))  # two calls each
-        assert (calls["decode"], calls["causal"]) == expected
+        continued = len(groups) - len(fresh_groups) - len(decode_groups)
+        expected = (0, 0, 0) if with_mask else (  # two calls each
+            2 * len(decode_groups), 2 * len(fresh_groups), 2 * continued if varlen else 0)
+        assert (calls["decode"], calls["causal"], calls["varlen"]) == expected
+        if varlen and not with_mask:  # the whole step as one continued chunk: one varlen call, same result
+            one = [(c, n) for c, n in reqs].index((5, 40))
+            rows = slice(sum(q_lens[:one]), sum(q_lens[: one + 1]))
+            alone = paged_attention(q[rows], k_cache, v_cache, block_tables[one : one + 1], seq_lens[one : one + 1],
+                                    make_qsl([40]), 40, 45, d**-0.5, varlen=True)
+            close(alone, ref[rows])
+            assert calls["varlen"] == expected[2] + 1
     if fresh:
         assert groups is not None and len(groups) > 1  # the grouped causal path really ran
         close(paged_attention(*args, causal_from_start=True), ref)

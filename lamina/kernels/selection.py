@@ -20,9 +20,11 @@ kernel (`lamina.kernels.fla_prefill`) and the causal conv on lamina's Triton pre
 on and fla imports, else the delta-rule reference (the conv then still takes the Triton kernel under
 the Triton set); `reference` keeps both on the torch references.
 
-Attention of prefill and mixed steps (`triton_prefill_attention_enabled`): SDPA per request group
-(`lamina.kernels.paged_attention`) unless `LAMINA_PREFILL_ATTENTION=triton` (read at model build
-time), which takes lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`).
+Attention of prefill and mixed steps (`triton_prefill_attention_enabled`), per request group
+(`lamina.kernels.paged_attention`): fresh prompts on SDPA's causal rule, decodes on the paged decode
+kernel, chunks that continue cached context on lamina's varlen paged kernel
+(`lamina.kernels.triton_prefill_attention`), or on SDPA's masked call with
+`LAMINA_PREFILL_ATTENTION=sdpa` (read at model build time).
 """
 
 from __future__ import annotations
@@ -100,13 +102,16 @@ def qsa_fixed_shape_decode(kernels: str) -> bool:
 
 
 def triton_prefill_attention_enabled(kernels: str) -> bool:
-    """Whether attention of prefill and mixed steps on the Triton kernel set runs lamina's varlen
-    paged attention (`lamina.kernels.triton_prefill_attention`: one launch over the flat step,
-    reading the paged cache, no per-shape plan) rather than SDPA per request group. Off unless
-    `LAMINA_PREFILL_ATTENTION=triton` until it is timed on a GPU (SDPA's masked call builds a cuDNN
-    plan per new shape, 70-95 ms on an H200, benchmarks/results/bench_sdpa_shapes_gqa_h200.json).
-    Sparse (indexed) attention keeps SDPA. Read at model build time."""
-    wanted = os.environ.get("LAMINA_PREFILL_ATTENTION", "sdpa")
+    """Whether attention of prefill and mixed steps on the Triton kernel set runs queries that
+    continue cached context (prompt chunks after the first; verification chunks riding a prefill
+    step) on lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`: reads the
+    paged cache, no per-shape plan) rather than SDPA's masked call per request group. Fresh prompts
+    keep SDPA's causal rule (flash: 2.6 against 5.4 ms for the varlen kernel at 8k) and decode
+    groups the paged decode kernel either way. On an H200 (benchmarks/results/bench_varlen_attention_h200.json)
+    a 4k chunk over 4k of context took 4.2 against 20.9 ms, and SDPA's masked call (cuDNN with GQA)
+    builds a plan for every new shape (70-195 ms). On by default; `LAMINA_PREFILL_ATTENTION=sdpa`
+    keeps the masked SDPA call. Sparse (indexed) attention keeps SDPA. Read at model build time."""
+    wanted = os.environ.get("LAMINA_PREFILL_ATTENTION", "triton")
     if wanted not in ("sdpa", "triton"):
         raise ValueError(f"LAMINA_PREFILL_ATTENTION = {wanted!r} must be 'sdpa' or 'triton'")
     return kernels == "triton" and wanted == "triton"

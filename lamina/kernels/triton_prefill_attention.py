@@ -13,12 +13,13 @@ once. Each program streams its request's keys in BLOCK_N tiles through the block
 online softmax in float32, and stops at the block's last query position (the causal rule skips
 the rest). A row's result depends on its request only, never on the step's other requests.
 
-Opt-in (`LAMINA_PREFILL_ATTENTION=triton`, read at model build): tested against the reference
-under Triton's interpreter in CI; not yet timed on a GPU. With it, the decode rows of a mixed step
-run here rather than on the paged decode kernel of decode steps, so they may round differently from
-the same decode in a pure decode step. Untimed design points: one program per query head (K/V
-read once per head of a GQA group), decode rows fill 1 of BLOCK_M query rows, no split over long
-contexts.
+Where it runs (`paged_attention(varlen=True)`, the default on the Triton kernel set; off with
+`LAMINA_PREFILL_ATTENTION=sdpa`): queries that continue cached context, i.e. prompt chunks after the
+first and verification chunks riding a prefill step. Fresh prompts stay on SDPA's causal rule (flash
+on an H200: 2.6 ms at 8k against 5.4 here) and decodes on the paged decode kernel of decode steps,
+so a decode computes the same way whatever shares its step. Tested against the reference under
+Triton's interpreter in CI (float32) and on a GPU in bf16. Untimed design points: one program per
+query head (K/V read once per head of a GQA group), no split over long contexts.
 """
 
 from __future__ import annotations

@@ -96,14 +96,6 @@ class GatedAttention(nn.Module):
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
         query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
-        if self.triton_prefill_attention and key_mask is None:  # the whole flat step in one launch
-            from lamina.kernels.triton_prefill_attention import paged_prefill_attention
-
-            attn = paged_prefill_attention(
-                query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, self.scale, gate=gate.view(num_tokens, self.num_heads, self.head_dim),
-            )  # [T, H, D], gated
-            return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.head_dim))
         fast = self.kernels == "triton"
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -116,6 +108,8 @@ class GatedAttention(nn.Module):
             # on the fast set the output gate goes in too: a group of decodes gates inside the decode
             # kernel, as decode steps do
             gate=gate.view(num_tokens, self.num_heads, self.head_dim) if fast else None,  # [T, H, D]
+            # chunks that continue cached context: lamina's varlen kernel rather than SDPA's masked call
+            varlen=self.triton_prefill_attention,
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if not fast:
