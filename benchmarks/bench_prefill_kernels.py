@@ -1,7 +1,8 @@
 """The delta net's memory-bound prefill kernels at the Qwen3.5-35B-A3B shape on one GPU, at 8k tokens:
 the gated RMSNorm (rows per program swept; 1 row with a contiguous copy of z is the kernel before
-session 8) and the causal conv1d prefill (token x channel tiles and warps swept), each against the
-bytes it must move at the copy bandwidth measured in the same run.
+session 8) and the causal conv1d prefill (token x channel tiles and warps of its body kernel swept;
+session 9's run also timed session 8's one-kernel layout, since removed), each against the bytes it
+must move at the copy bandwidth measured in the same run.
 
     python benchmarks/bench_prefill_kernels.py [--tokens 8192] --out bench_prefill_kernels.json
 """
@@ -66,33 +67,39 @@ def gated_norm_rows(tokens: int, heads: int, dim: int, bandwidth: float) -> list
 
 
 def conv_tiles(tokens: int, channels: int, kernel: int, bandwidth: float) -> list[dict]:
-    x = torch.randn(tokens, channels + 4096, device="cuda", dtype=torch.bfloat16)[:, :channels]  # strided rows
+    """The delta net's conv prefill call (`causal_conv1d_prefill` with the q / k / v split, rows
+    strided as in_proj's joint output, 8 requests' worth of state) over the body kernel's token x
+    channel tiles and warps."""
+    x = torch.randn(tokens, channels + 4160, device="cuda", dtype=torch.bfloat16)[:, :channels]  # strided rows
     weight = torch.randn(channels, kernel, device="cuda", dtype=torch.bfloat16)
-    pool = torch.randn(4, channels, kernel - 1, device="cuda", dtype=torch.bfloat16)
-    slots = torch.tensor([1], device="cuda")
-    keep = torch.tensor([True], device="cuda")
-    qsl = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
-    req = torch.zeros(tokens, device="cuda", dtype=torch.int32)
-    out = torch.empty(tokens, channels, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(16, channels, kernel - 1, device="cuda", dtype=torch.bfloat16)
+    requests = 8
+    slots = torch.arange(1, requests + 1, device="cuda")
+    keep = torch.tensor([True, False] * (requests // 2), device="cuda")
+    bounds = [tokens * i // requests for i in range(requests + 1)]
+    qsl = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+    req = torch.repeat_interleave(torch.arange(requests, device="cuda", dtype=torch.int32),
+                                  torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device="cuda"))
+    split = (channels // 4, channels // 4, channels // 2)
     ideal_ms = 2 * tokens * channels * 2 / bandwidth / 1e6
     records = []
+    default_tile = (*triton_conv.CONV_PREFILL_TILE, triton_conv.CONV_PREFILL_WARPS)
     for block_t in (16, 32, 64, 128):
         for block_c in (64, 128, 256):
             for warps in (4, 8):
+                tile = (block_t, block_c, warps)
+
                 def launch():
-                    triton_conv._conv_prefill_out_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
-                        x, weight, pool, qsl, req, slots, keep, out, tokens, channels,
-                        x.stride(0), weight.stride(0), pool.stride(0), pool.stride(1), out.stride(0),
-                        KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=True, num_warps=warps)
+                    return triton_conv.causal_conv1d_prefill(x, weight, pool, slots, keep, qsl, req, split=split,
+                                                             tile=tile)
                 try:
                     ms = time_ms(launch)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                    records.append({"kernel": "conv_prefill_out", "block_t": block_t, "block_c": block_c,
-                                    "warps": warps, "error": str(e)[:200]})
+                    records.append({"kernel": "conv_prefill", "block_t": block_t, "block_c": block_c, "warps": warps,
+                                    "error": str(e)[:200]})
                     continue
-                records.append({"kernel": "conv_prefill_out", "block_t": block_t, "block_c": block_c, "warps": warps,
-                                "ms": ms, "ideal_ms": ideal_ms,
-                                "default": (block_t, block_c, warps) == (*triton_conv.CONV_PREFILL_TILE, 4)})
+                records.append({"kernel": "conv_prefill", "block_t": block_t, "block_c": block_c, "warps": warps,
+                                "ms": ms, "ideal_ms": ideal_ms, "default": tile == default_tile})
     return records
 
 
@@ -107,7 +114,7 @@ def main() -> None:
     records += conv_tiles(args.tokens, 8192, 4, bandwidth)
     for r in records:
         if "ms" in r:
-            print(f"{r['kernel']:18s} {r.get('variant') or (r['block_t'], r['block_c'], r['warps'])}: {r['ms'] * 1e3:8.1f} us"
+            print(f"{r['kernel']:18s} {r.get('variant')} {(r.get('block_t'), r.get('block_c'), r.get('warps'))}: {r['ms'] * 1e3:8.1f} us"
                   f"  ({r['ideal_ms'] / r['ms']:.0%} of the copy rate)" + ("  <- default" if r.get("default") else ""))
         else:
             print(r)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -203,6 +203,18 @@ for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_st
       for a in sdpa triton; do
         LAMINA_PREFILL_ATTENTION=$a LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 --input-len 16384 --output-len 2 \
           --max-num-batched-tokens 2048 --output-json $OUT/prefill_16k_chunked_attn_$a.json 2>&1 | tail -1
+      done ;;
+    convfinal)  # the conv prefill's body + edge kernels: GPU tests, the tile sweep of both layouts, the 8k TTFT, offline throughput
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_prefill.py -k "conv or engine" 2>&1 | tail -3
+      timeout 200 python3 benchmarks/bench_prefill_kernels.py --out $OUT/bench_prefill_kernels.json > /tmp/prefillkernels.txt 2>&1
+      python3 -c "
+import json; rs=[r for r in json.load(open('$OUT/bench_prefill_kernels.json')) if r.get('kernel')=='conv_prefill']
+for r in sorted([r for r in rs if 'ms' in r], key=lambda r: r['ms'])[:8] + [r for r in rs if (r.get('block_t'),r.get('block_c'),r.get('warps'))==(32,128,4) or 'check' in r or 'error' in r][:6]: print(r)" || tail -5 /tmp/prefillkernels.txt
+      LAMINA_GDN_PREFILL=fla timeout 150 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+        --output-json $OUT/prefill_8k_fla.json 2>&1 | tail -1
+      for seqs in 128 256; do
+        timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+          --output-len 256 --max-num-seqs $seqs --output-json $OUT/throughput_512_seqs$seqs.json 2>&1 | tail -1
       done ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1

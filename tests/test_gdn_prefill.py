@@ -62,6 +62,7 @@ def _conv_case(lens, channels, kernel, seed, dtype=torch.float32, num_slots=9):
         ([40, 1, 33], 200, 4),  # several token tiles (32) and channel tiles (128)
         ([3, 1, 6], 12, 2),  # K = 2: one input of state
         ([2, 7], 16, 5),
+        ([3, 4, 2], 8, 1),  # K = 1: no state
     ],
 )
 def test_triton_conv_prefill_matches_reference(lens, channels, kernel):

@@ -8,10 +8,14 @@ docstring defines the operation. Request b's sequence is [state (S = K-1 inputs)
     seq[m] = state[slot_b, c, m] (zero for a fresh request) if m < S, else x[start_b + m - S]
 
 and the new state is seq[n_b : n_b + S] (n_b: the request's token count; part of the old state
-survives when n_b < S). Two launches on one stream: the first computes every output from the old
-state, the second (one program per request and channel block) writes the new state once every
-output has read the old one. Tested against the reference under Triton's CPU interpreter
-(`TRITON_INTERPRET=1`) at tiny shapes in CI, and on CUDA on the GPU machine.
+survives when n_b < S). Two launches on one stream: the body kernel computes the outputs of every
+token at offset >= S inside its request, whose K inputs are all tokens of that request (no state
+read, no boundary test per input); the edge kernel, one program per request and channel block,
+computes the request's first S outputs from the old state and then writes the new state. On an
+H200 at 8k tokens and the delta net's 8,192 channels this took 114 us against 336 us for one
+kernel that read the state for every tap (session 8's, removed; bitwise-equal outputs,
+benchmarks/results/bench_prefill_kernels_session9_h200.json). Tested against the reference under
+Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes in CI, and on CUDA on the GPU machine.
 """
 
 from __future__ import annotations
@@ -22,16 +26,28 @@ import triton.language as tl
 
 __all__ = ["causal_conv1d_prefill"]
 
-# (tokens, channels) per program of the output kernel (benchmarks/bench_prefill_kernels.py sweeps it)
+# (tokens, channels) and warps per program of the body kernel (benchmarks/bench_prefill_kernels.py sweeps them;
+# best of 24 on an H200, bench_prefill_kernels_session9_h200.json)
 CONV_PREFILL_TILE = (32, 128)
+CONV_PREFILL_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every step size (triton_moe.COUNT_ARGS says why)
-def _conv_prefill_out_kernel(
-    x_ptr, w_ptr, state_ptr, qsl_ptr, req_ptr, slots_ptr, keep_ptr, out_ptr, num_tokens, channels,
-    stride_xt, stride_wc, stride_ss, stride_sc, stride_ot, split_1, split_2,
-    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
-    SPLIT: tl.constexpr,
+@triton.jit
+def _out_offsets(offs_t, offs_c, num_tokens, channels, stride_ot, split_1, split_2, SPLIT: tl.constexpr):
+    """[BT, BC] element offsets of outputs: one row-major [T, C], or (SPLIT) three row-major parts
+    [T, split_1], [T, split_2 - split_1], [T, C - split_2] one after the other."""
+    if SPLIT:
+        part_start = tl.where(offs_c >= split_2, split_2, tl.where(offs_c >= split_1, split_1, 0))  # [BC]
+        part_end = tl.where(offs_c >= split_2, channels, tl.where(offs_c >= split_1, split_2, split_1))  # [BC]
+        base = part_start.to(tl.int64) * num_tokens + (offs_c - part_start)  # [BC]
+        return base[None, :] + offs_t[:, None] * (part_end - part_start).to(tl.int64)[None, :]  # [BT, BC]
+    return offs_t[:, None] * stride_ot + offs_c[None, :]
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _conv_prefill_body_kernel(
+    x_ptr, w_ptr, qsl_ptr, req_ptr, out_ptr, num_tokens, channels, stride_xt, stride_wc, stride_ot, split_1, split_2,
+    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
 ):
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] flat tokens (int64 offsets)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels
@@ -39,56 +55,63 @@ def _conv_prefill_out_kernel(
     c_ok = offs_c < channels
     req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)  # [BT] request of each token
     start = tl.load(qsl_ptr + req, mask=t_ok, other=0)
-    slot = tl.load(slots_ptr + req, mask=t_ok, other=0)
-    keep = tl.load(keep_ptr + req, mask=t_ok, other=0) != 0
-    offset = offs_t - start  # [BT] offset inside the request
-    tile_ok = t_ok[:, None] & c_ok[None, :]  # [BT, BC]
+    body = t_ok & (offs_t - start >= KERNEL - 1)  # [BT] every input is a token of the same request
+    tile_ok = body[:, None] & c_ok[None, :]  # [BT, BC]
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     for j in tl.static_range(KERNEL):
-        m = offset + j  # [BT] position in [state, tokens]
-        from_x = m >= KERNEL - 1
         xv = tl.load(x_ptr + (offs_t + j - (KERNEL - 1))[:, None] * stride_xt + offs_c[None, :],
-                     mask=tile_ok & from_x[:, None], other=0.0).to(tl.float32)  # [BT, BC]
-        sv = tl.load(state_ptr + slot[:, None] * stride_ss + offs_c[None, :] * stride_sc + m[:, None],
-                     mask=tile_ok & (~from_x & keep)[:, None], other=0.0).to(tl.float32)  # [BT, BC]
+                     mask=tile_ok, other=0.0).to(tl.float32)  # [BT, BC]
+        w = tl.load(w_ptr + offs_c * stride_wc + j, mask=c_ok, other=0.0).to(tl.float32)  # [BC]
+        acc += xv * w[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    dest = _out_offsets(offs_t, offs_c, num_tokens, channels, stride_ot, split_1, split_2, SPLIT)  # [BT, BC]
+    tl.store(out_ptr + dest, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _conv_prefill_edge_kernel(
+    x_ptr, w_ptr, state_ptr, qsl_ptr, slots_ptr, keep_ptr, out_ptr, num_tokens, channels,
+    stride_xt, stride_wc, stride_ss, stride_sc, stride_ot, split_1, split_2,
+    KERNEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
+):
+    STATE_LEN: tl.constexpr = KERNEL - 1
+    req = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+    offs_s = tl.arange(0, BLOCK_S)  # [BS] the request's first tokens; entries of the new state
+    c_ok = offs_c < channels
+    start = tl.load(qsl_ptr + req).to(tl.int64)
+    length = tl.load(qsl_ptr + req + 1) - start
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    keep = tl.load(keep_ptr + req) != 0
+    row = state_ptr + slot * stride_ss + offs_c[None, :] * stride_sc  # [1, BC]
+    # outputs of tokens 0 .. min(S, length) - 1: inputs m = i + j of [old state, tokens]
+    head_ok = ((offs_s < STATE_LEN) & (offs_s < length))[:, None] & c_ok[None, :]  # [BS, BC]
+    acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    for j in tl.static_range(KERNEL):
+        m = offs_s + j  # [BS]
+        from_x = (m >= STATE_LEN)[:, None]  # [BS, 1]
+        xv = tl.load(x_ptr + (start + m - STATE_LEN)[:, None] * stride_xt + offs_c[None, :],
+                     mask=head_ok & from_x, other=0.0).to(tl.float32)  # [BS, BC]
+        sv = tl.load(row + m[:, None], mask=head_ok & (~from_x), other=0.0).to(tl.float32)  # [BS, BC]
+        sv = tl.where(keep, sv, tl.zeros_like(sv))  # a fresh request starts from zeros
         w = tl.load(w_ptr + offs_c * stride_wc + j, mask=c_ok, other=0.0).to(tl.float32)  # [BC]
         acc += (xv + sv) * w[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    if SPLIT:  # three row-major parts [T, split_1], [T, split_2 - split_1], [T, C - split_2], one after the other
-        part_start = tl.where(offs_c >= split_2, split_2, tl.where(offs_c >= split_1, split_1, 0))  # [BC]
-        part_end = tl.where(offs_c >= split_2, channels, tl.where(offs_c >= split_1, split_2, split_1))  # [BC]
-        base = part_start.to(tl.int64) * num_tokens + (offs_c - part_start)  # [BC]
-        dest = base[None, :] + offs_t[:, None] * (part_end - part_start).to(tl.int64)[None, :]  # [BT, BC]
-    else:
-        dest = offs_t[:, None] * stride_ot + offs_c[None, :]
-    tl.store(out_ptr + dest, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
-
-
-@triton.jit
-def _conv_prefill_state_kernel(
-    x_ptr, state_ptr, qsl_ptr, slots_ptr, keep_ptr, channels,
-    stride_xt, stride_ss, stride_sc,
-    STATE_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    req = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
-    offs_s = tl.arange(0, BLOCK_S)  # [BS] entries of the new state
-    start = tl.load(qsl_ptr + req).to(tl.int64)
-    length = tl.load(qsl_ptr + req + 1) - start
-    slot = tl.load(slots_ptr + req)
-    keep = tl.load(keep_ptr + req) != 0
-    m = length + offs_s  # [BS] position in [old state, tokens] of new-state entry s
-    from_x = m >= STATE_LEN
-    tile_ok = (offs_c < channels)[:, None] & (offs_s < STATE_LEN)[None, :]  # [BC, BS]
-    row = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc  # [BC, 1]
-    xv = tl.load(x_ptr + (start + m - STATE_LEN)[None, :] * stride_xt + offs_c[:, None],
-                 mask=tile_ok & from_x[None, :], other=0.0)  # [BC, BS]
-    sv = tl.load(row + m[None, :], mask=tile_ok & (~from_x)[None, :], other=0.0)  # [BC, BS]
+    dest = _out_offsets(start + offs_s, offs_c, num_tokens, channels, stride_ot, split_1, split_2, SPLIT)  # [BS, BC]
+    tl.store(out_ptr + dest, acc.to(out_ptr.dtype.element_ty), mask=head_ok)
+    # the new state: entry s is input m = length + s of [old state, tokens]
+    m = length + offs_s  # [BS]
+    from_x = (m >= STATE_LEN)[:, None]  # [BS, 1]
+    state_ok = (offs_s < STATE_LEN)[:, None] & c_ok[None, :]  # [BS, BC]
+    xv = tl.load(x_ptr + (start + m - STATE_LEN)[:, None] * stride_xt + offs_c[None, :],
+                 mask=state_ok & from_x, other=0.0)  # [BS, BC]
+    sv = tl.load(row + m[:, None], mask=state_ok & (~from_x), other=0.0)  # [BS, BC]
     sv = tl.where(keep, sv, tl.zeros_like(sv))  # a fresh request starts from zeros
-    new = tl.where(from_x[None, :], xv.to(sv.dtype), sv)
+    new = tl.where(from_x, xv.to(sv.dtype), sv)
     tl.debug_barrier()  # every lane has read the old state before any writes it
-    tl.store(row + offs_s[None, :], new, mask=tile_ok)
+    tl.store(row + offs_s[:, None], new, mask=state_ok)
 
 
 def causal_conv1d_prefill(
@@ -101,6 +124,7 @@ def causal_conv1d_prefill(
     token_request_index: torch.Tensor | None = None,
     activation: str | None = "silu",
     split: tuple[int, int, int] | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a flat varlen batch, conv state in the pool, in place.
 
@@ -115,6 +139,8 @@ def causal_conv1d_prefill(
         split: optional channel counts (C1, C2, C3) summing to C: the output comes as three
             contiguous tensors `[T, C1]`, `[T, C2]`, `[T, C3]` (the delta net's q, k, v, which
             fla-core would otherwise copy to make contiguous) instead of one `[T, C]`.
+        tile: (tokens, channels, warps) per program of the body kernel (default CONV_PREFILL_TILE,
+            CONV_PREFILL_WARPS), for benchmarks/bench_prefill_kernels.py's sweep.
 
     Returns:
         `[T, C]` in x's dtype, or the three parts with `split`.
@@ -138,19 +164,23 @@ def causal_conv1d_prefill(
         if token_request_index is None:  # request of each token: the number of request ends <= t
             tokens = torch.arange(num_tokens, device=x.device, dtype=query_start_loc.dtype)  # [T]
             token_request_index = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)  # [T]
-        block_t, block_c = CONV_PREFILL_TILE
-        _conv_prefill_out_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
-            x, weight, state_pool, query_start_loc, token_request_index, slots, keep, out, num_tokens, channels,
-            x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
-            *((split[0], split[0] + split[1]) if split is not None else (0, 0)),
-            KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation is not None, SPLIT=split is not None,
+        block_t, block_c, warps = tile or (*CONV_PREFILL_TILE, CONV_PREFILL_WARPS)
+        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+        splits = (split[0], split[0] + split[1]) if split is not None else (0, 0)
+        _conv_prefill_body_kernel[grid](
+            x, weight, query_start_loc, token_request_index, out, num_tokens, channels,
+            x.stride(0), weight.stride(0), out.stride(0), *splits,
+            KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation is not None,
+            SPLIT=split is not None, num_warps=warps,
         )
-    if num_reqs > 0 and kernel > 1:
+    if num_reqs > 0 and kernel > 1:  # the first S outputs of every request, then its new state
         block_c = 256
-        _conv_prefill_state_kernel[(num_reqs, triton.cdiv(channels, block_c))](
-            x, state_pool, query_start_loc, slots, keep, channels,
-            x.stride(0), state_pool.stride(0), state_pool.stride(1),
-            STATE_LEN=kernel - 1, BLOCK_S=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=block_c,
+        splits = (split[0], split[0] + split[1]) if split is not None else (0, 0)
+        _conv_prefill_edge_kernel[(num_reqs, triton.cdiv(channels, block_c))](
+            x, weight, state_pool, query_start_loc, slots, keep, out, num_tokens, channels,
+            x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0), *splits,
+            KERNEL=kernel, BLOCK_S=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=block_c,
+            SILU=activation is not None, SPLIT=split is not None,
         )
     if split is None:
         return out
