@@ -12,6 +12,10 @@ Steps: one fresh 8k prompt; a 4k chunk continuing 4k of cached context; a concur
 (56 decodes at ~1.1k context and 8 fresh 1k prompts); the same with one prompt continued instead.
 
     python benchmarks/bench_varlen_attention.py --out bench_varlen_attention.json
+    python benchmarks/bench_varlen_attention.py --sweep --out bench_varlen_tiles.json   # the varlen kernel's tiles
+
+`--sweep` times the varlen kernel over (BLOCK_M, BLOCK_N, warps, stages) on the fresh 8k prompt and
+the continued 4k chunk instead (FLOP rate against the causal work; best first).
 """
 
 from __future__ import annotations
@@ -57,11 +61,57 @@ def step_inputs(reqs, gen):
                 groups=groups, fresh=fresh)
 
 
+def causal_flop(reqs) -> float:
+    """Multiply-adds x 2 of QK^T and PV over the causal pairs of a step, all query heads."""
+    pairs = sum(n * c + n * (n + 1) / 2 for c, n in reqs)
+    return 2 * 2 * pairs * DIM * HQ
+
+
+def sweep(gen, out: str | None) -> list[dict]:
+    records = []
+    for name in ("continued_4k_over_4k", "fresh_8k"):
+        x = step_inputs(STEPS[name], gen)
+        ref = None
+        for block_m in (64, 128):
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        tile = (block_m, block_n, warps, stages)
+
+                        def fn():
+                            return paged_prefill_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"],
+                                                           x["seq_lens"], x["qsl"], x["max_q"], DIM**-0.5,
+                                                           gate=x["gate"], tile=tile)
+                        row = {"step": name, "tile": list(tile)}
+                        try:
+                            out = fn()
+                            ref = out if ref is None else ref
+                            row["ms"] = min(call_ms(fn) for _ in range(5))
+                            row["tflop_s"] = causal_flop(STEPS[name]) / row["ms"] / 1e9
+                            row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                        except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+                            row["error"] = str(e)[:160]
+                        records.append(row)
+                        if out:  # after every tile: a run cut short keeps what it measured
+                            Path(out).write_text(json.dumps({
+                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "command": "python benchmarks/bench_varlen_attention.py --sweep", "records": records},
+                                indent=2))
+        timed = sorted((r for r in records if r["step"] == name and "ms" in r), key=lambda r: r["ms"])
+        for r in timed[:6]:
+            print(f"{name:22s} tile {r['tile']}: {r['ms']:7.2f} ms, {r['tflop_s']:6.1f} TFLOP/s, diff {r['max_abs_diff']:.3g}")
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="the varlen kernel's tiles instead of the three paths")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.sweep:
+        sweep(gen, args.out)
+        return
     records = []
     for name, reqs in STEPS.items():
         x = step_inputs(reqs, gen)

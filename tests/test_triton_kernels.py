@@ -130,6 +130,10 @@ def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
     alone = paged_prefill_attention(q[rows], k_cache, v_cache, block_tables[b : b + 1], seq_lens[b : b + 1],
                                     torch.tensor([0, q_lens[b]], device=DEVICE), q_lens[b], scale)
     assert torch.equal(alone, ours[rows])
+    # another tile (the benchmark's sweep): several query blocks per request, keys past a page
+    other = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
+                                    tile=(16, 16, 4, 2))
+    torch.testing.assert_close(other, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_paged_prefill_attention_bf16_and_empty_step():

@@ -98,11 +98,14 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
     gate: torch.Tensor | None = None,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """q `[T, Hq, D]` (unit last stride); caches `[num_blocks, block_size, Hkv, D]` holding this
     step's keys; block_tables `[B, >= pages]`; seq_lens `[B]` (each >= its query count);
     query_start_loc `[B+1]`; max_query_len: host int; gate: optional `[T, Hq, D]`, the output
-    becomes attn * sigmoid(gate). Returns `[T, Hq, D]` in q's dtype."""
+    becomes attn * sigmoid(gate); tile: (BLOCK_M, BLOCK_N, warps, stages), for
+    benchmarks/bench_varlen_attention.py's sweep (default: PREFILL_BLOCK_M, and BLOCK_N / warps by
+    head dim). Returns `[T, Hq, D]` in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -114,14 +117,16 @@ def paged_prefill_attention(
         return out
     gated = gate is not None
     gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
-    block_n = 32 if head_dim > 128 else 64
-    _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), PREFILL_BLOCK_M), num_q_heads)](
+    block_m, block_n, warps, stages = tile or (
+        PREFILL_BLOCK_M, 32 if head_dim > 128 else 64, 8 if head_dim > 128 else 4, None)
+    launch = {} if stages is None else {"num_stages": stages}
+    _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), block_m), num_q_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=page_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        GATED=gated, num_warps=8 if head_dim > 128 else 4,
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+        GATED=gated, num_warps=warps, **launch,
     )
     return out
