@@ -5,7 +5,8 @@ call (a backend that builds a plan per shape pays it there) and at a repeat, in 
 - `sdpa`: `paged_attention` per request group (as the attention layer calls it on the Triton set:
   fresh-prompt groups on the causal rule, decode groups on the decode kernel, the rest masked);
 - `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch;
-- `lamina`: `paged_attention(varlen=True)`, the attention layer's default: groups as `sdpa`, but
+- `lamina`: `paged_attention(varlen=True)` on groups planned by kind (`plan_groups(by_kind=True)`),
+  the attention layer's default: decodes on the decode kernel, fresh prompts on the causal rule,
   chunks that continue cached context on the varlen kernel instead of the masked call.
 
 Steps: one fresh 8k prompt; a 4k chunk continuing 4k of cached context; a concurrency-64 mixed step
@@ -56,7 +57,9 @@ def step_inputs(reqs, gen):
     plan = rg.plan_groups(q_lens, seq)
     groups = rg.build_groups(plan, q_lens, seq, "cuda") if plan is not None else None
     fresh = all(c == 0 for c, _ in reqs)
-    return dict(q=q, gate=gate, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+    kinds = rg.plan_groups(q_lens, seq, by_kind=True)  # the attention layer's plan with the varlen kernel
+    kind_groups = rg.build_groups(kinds, q_lens, seq, "cuda") if kinds is not None else None
+    return dict(kind_groups=kind_groups, q=q, gate=gate, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                 seq_lens=torch.tensor(seq, device="cuda"), qsl=qsl, max_q=max(q_lens), max_s=max(seq),
                 groups=groups, fresh=fresh)
 
@@ -127,8 +130,8 @@ def main() -> None:
 
         def hybrid():
             return paged_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"],
-                                   x["max_q"], x["max_s"], DIM**-0.5, groups=x["groups"], causal_from_start=x["fresh"],
-                                   fast_groups=True, gate=x["gate"], varlen=True)
+                                   x["max_q"], x["max_s"], DIM**-0.5, groups=x["kind_groups"],
+                                   causal_from_start=x["fresh"], fast_groups=True, gate=x["gate"], varlen=True)
 
         row = {"step": name, "tokens": int(x["q"].shape[0]), "requests": len(reqs),
                "groups": 0 if x["groups"] is None else len(x["groups"])}

@@ -52,6 +52,75 @@ def test_plan_caps_the_context_rows_of_a_group():
     assert rg.plan_groups([1] * 16, [32768] * 16) is None  # 512k rows: one call
 
 
+def test_plan_by_kind_separates_decodes_continued_chunks_and_fresh_prompts():
+    # a step padding alone would not split: three decodes and a short continued chunk
+    assert rg.plan_groups([1, 1, 1, 40], [101, 101, 101, 100]) is None
+    assert rg.plan_groups([1, 1, 1, 40], [101, 101, 101, 100], by_kind=True) == [[0, 1, 2], [3]]
+    # decodes (a one-token fresh prompt among them), continued chunks (verification-sized too),
+    # fresh prompts by context length
+    q = [1, 30, 1, 4, 50, 100000, 1, 60]
+    s = [80, 30, 1, 70, 90, 100000, 500, 60]
+    assert rg.plan_groups(q, s, by_kind=True) == [[0, 2, 6], [3, 4], [1, 7], [5]]
+    # one kind: one call
+    assert rg.plan_groups([1] * 64, [100 + i for i in range(64)], by_kind=True) is None
+    assert rg.plan_groups([5, 7], [50, 70], by_kind=True) is None
+    assert rg.plan_groups([1], [1], by_kind=True) is None
+    assert rg.plan_groups([30, 60], [30, 60], by_kind=True) is None  # fresh, similar lengths
+
+
+def test_paged_attention_by_kind_groups_on_a_step_padding_keeps_whole(monkeypatch):
+    """Triton set (here Triton's interpreter) with the varlen kernel: a mixed step that padding
+    alone keeps whole still runs its decodes on the decode kernel, its continued chunk on the
+    varlen kernel and its fresh prompt on the causal rule; a step of decodes only, ungrouped, the
+    decode kernel. Results equal the masked reference."""
+    import importlib
+
+    from lamina.kernels import triton_decode, triton_prefill_attention
+
+    pa_module = importlib.import_module("lamina.kernels.paged_attention")
+    calls = {"decode": [], "varlen": [], "causal": []}
+    decode, chunked, single = (triton_decode.paged_decode_attention,
+                               triton_prefill_attention.paged_prefill_attention, pa_module.paged_attention)
+    monkeypatch.setattr(triton_decode, "paged_decode_attention",
+                        lambda *a, **k: calls["decode"].append(a[0].shape[0]) or decode(*a, **k))
+    monkeypatch.setattr(triton_prefill_attention, "paged_prefill_attention",
+                        lambda *a, **k: calls["varlen"].append(a[0].shape[0]) or chunked(*a, **k))
+
+    def spy(*a, **k):
+        if k.get("causal_from_start") and k.get("groups") is None:
+            calls["causal"].append(a[0].shape[0])
+        return single(*a, **k)
+
+    monkeypatch.setattr(pa_module, "paged_attention", spy)
+    d, bs, hq, hkv = 16, 4, 4, 2
+    reqs = [(20, 1), (0, 6), (9, 1), (11, 5), (30, 1)]  # (cached context, new tokens)
+    gen = torch.Generator().manual_seed(3)
+    max_blocks = max(-(-(c + n) // bs) for c, n in reqs)
+    nb = len(reqs) * max_blocks + 1
+    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=gen), torch.randn(nb, bs, hkv, d, generator=gen)
+    block_tables = torch.randperm(nb - 1, generator=gen)[: len(reqs) * max_blocks].view(len(reqs), max_blocks) + 1
+    q_lens, seq = [n for _, n in reqs], [c + n for c, n in reqs]
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    gate = torch.randn(q.shape, generator=gen)
+    qsl, seq_lens = make_qsl(q_lens), torch.tensor(seq)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), max(seq), d**-0.5)
+    ref = single(*args) * torch.sigmoid(gate)
+    assert rg.plan_groups(q_lens, seq) is None  # padding keeps it whole
+    plan = rg.plan_groups(q_lens, seq, by_kind=True)
+    assert plan == [[0, 2, 4], [3], [1]]
+    groups = rg.build_groups(plan, q_lens, seq, "cpu")
+    got = single(*args, groups=groups, fast_groups=True, gate=gate, varlen=True)
+    close(got, ref)
+    assert calls == {"decode": [3], "varlen": [5], "causal": [6]}
+    decodes = [0, 2, 4]  # the decodes alone, one call without groups
+    rows = torch.tensor([int(qsl[r]) for r in decodes])
+    alone = single(q[rows], k_cache, v_cache, block_tables[decodes], seq_lens[decodes], make_qsl([1, 1, 1]), 1,
+                   max(seq), d**-0.5, fast_groups=True, gate=gate[rows], varlen=True)
+    close(alone, ref[rows])
+    assert calls["decode"] == [3, 3] and calls["varlen"] == [5]
+    assert torch.equal(alone, got[rows])  # a decode computes the same way whatever shares its step
+
+
 # ---- kernels: grouped == one call --------------------------------------------------------
 def _groups(lens, seq_lens=None, capture=None, by_context=False):
     seq = seq_lens if seq_lens is not None else lens

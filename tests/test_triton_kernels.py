@@ -679,8 +679,9 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_short_dir, graph
 
 
 def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
-    """`LAMINA_PREFILL_ATTENTION=triton`: prompts chunked over several steps (an 8-token budget), so
-    steps mix continued chunks, fresh prompts and decodes, give the reference kernels' tokens."""
+    """`LAMINA_PREFILL_ATTENTION=triton` (the default) and `=sdpa`: prompts chunked over several steps
+    (an 8-token budget), so steps mix continued chunks, fresh prompts and decodes, give the
+    reference kernels' tokens."""
     from lamina.kernels import triton_prefill_attention
 
     calls = []
@@ -695,6 +696,13 @@ def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_shor
     ours = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
     assert calls  # the varlen kernel ran
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+    calls.clear()
+    monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "sdpa")  # continued chunks on SDPA's masked call
+    masked = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
+    assert not calls
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, masked):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
     monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "flash")

@@ -131,11 +131,11 @@ def paged_attention(
             on an H200: 0.88 against 4.26 ms per layer, equal outputs,
             benchmarks/results/bench_prefill_attention_h200.json). Same rule: query i of a fresh
             request sees keys 0..i, all inside its context.
-        fast_groups: with `groups` and no key_mask, on the Triton kernel set: a group of fresh
-            prompts (`RequestGroup.from_start`) takes the causal rule, and a group of one-query
-            requests (decodes riding a prefill step) the Triton paged decode kernel that pure
-            decode steps run (`lamina.kernels.triton_decode`), so a decode's attention is computed
-            the same way whatever shares its step, and neither kind needs the masked SDPA call
+        fast_groups: with no key_mask, on the Triton kernel set: a step or request group of
+            one-query requests (decodes riding a prefill step) runs the Triton paged decode kernel
+            that pure decode steps run (`lamina.kernels.triton_decode`), so a decode's attention
+            is computed the same way whatever shares its step, and a group of fresh prompts
+            (`RequestGroup.from_start`) takes the causal rule; neither needs the masked SDPA call
             (cuDNN's, which builds a plan for every new shape: 70-95 ms on an H200,
             benchmarks/results/bench_sdpa_shapes_gqa_h200.json).
         gate: optional `[T, Hq, D]` output gate: the result becomes attn * sigmoid(gate) (the decode
@@ -145,7 +145,8 @@ def paged_attention(
             (prompt chunks after the first, verification chunks riding a prefill step) run
             lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`) instead of
             the masked SDPA call, with the gate inside; fresh prompts keep the causal rule and
-            decode groups the decode kernel (with groups). On an H200 a 4k chunk over 4k of
+            decodes the decode kernel (the attention layer then plans groups by kind,
+            `request_groups.plan_groups(by_kind=True)`). On an H200 a 4k chunk over 4k of
             context took 4.2 against 20.9 ms, and no per-shape plan (cuDNN's masked call: 195 ms
             at its first 4k shape), benchmarks/results/bench_varlen_attention_h200.json.
 
@@ -161,6 +162,8 @@ def paged_attention(
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
+    if fast_groups and key_mask is None and max_query_len == 1:  # decodes only: the decode steps' kernel
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, gate)
     if varlen and key_mask is None and not causal_from_start:
         return _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, gate)
     total_tokens, num_q_heads, head_dim = q.shape
@@ -216,6 +219,12 @@ def paged_attention(
     return out if gate is None else out * torch.sigmoid(gate)
 
 
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, gate):
+    from lamina.kernels import triton_decode  # Triton: only on the fast kernel set
+
+    return triton_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, gate=gate)
+
+
 def _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, gate):
     from lamina.kernels import triton_prefill_attention  # Triton: only on the fast kernel set
 
@@ -232,12 +241,9 @@ def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, group
     for group in groups:
         group_gate = None if gate is None else gate.index_select(0, group.tokens)  # [Tg, Hq, D]
         if fast_groups and group.max_query_len == 1:  # decodes: the paged decode kernel of decode steps
-            from lamina.kernels.triton_decode import paged_decode_attention
-
-            result = paged_decode_attention(
-                q.index_select(0, group.tokens), k_cache, v_cache, block_tables.index_select(0, group.requests),
-                seq_lens.index_select(0, group.requests), scale, gate=group_gate,
-            )  # [Tg, Hq, D]
+            result = _decode(q.index_select(0, group.tokens), k_cache, v_cache,
+                             block_tables.index_select(0, group.requests), seq_lens.index_select(0, group.requests),
+                             scale, group_gate)  # [Tg, Hq, D]
             out.index_copy_(0, group.tokens, result)
             continue
         if varlen and not (causal_from_start or group.from_start):  # continued chunks: the varlen kernel

@@ -76,12 +76,26 @@ def _greedy(order: list[int], size: Sequence[int], slack: int, cap: int | None =
     return groups
 
 
-def plan_groups(query_lens: Sequence[int], seq_lens: Sequence[int] | None = None) -> list[list[int]] | None:
+def plan_groups(
+    query_lens: Sequence[int], seq_lens: Sequence[int] | None = None, by_kind: bool = False,
+) -> list[list[int]] | None:
     """Request indices per group, each in batch order; None when one call over the whole batch
     pads little enough. Without `seq_lens`: groups by query length (delta rule, conv). With
     them: short queries (decode, verification) apart from prompt chunks, then by context length
-    (attention)."""
+    (attention). With them and `by_kind` (attention on the Triton set, whose decode and varlen
+    kernels pad nothing): one group of one-token decodes, one of queries that continue cached
+    context, and fresh prompts (context = queries) by context length, for SDPA's causal call;
+    None only when the step holds one group."""
     n = len(query_lens)
+    if by_kind and seq_lens is not None:
+        decodes = [r for r in range(n) if query_lens[r] == 1]
+        fresh = [r for r in range(n) if query_lens[r] > 1 and seq_lens[r] == query_lens[r]]
+        continued = [r for r in range(n) if query_lens[r] > 1 and seq_lens[r] != query_lens[r]]
+        groups = [decodes, continued]
+        if fresh:
+            groups += _greedy(sorted(fresh, key=lambda r: seq_lens[r]), seq_lens, CONTEXT_SLACK, CONTEXT_ROWS_CAP)
+        groups = [sorted(g) for g in groups if g]
+        return groups if len(groups) > 1 else None
     if n <= 1:
         return None
     if seq_lens is None:

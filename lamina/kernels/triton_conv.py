@@ -132,7 +132,8 @@ def causal_conv1d_prefill(
         x: `[T, C]` (rows may be strided; unit last stride); weight: `[C, K]` (no bias);
         state_pool: `[num_slots, C, K-1]`: request b starts from `state_pool[slots[b]]` (zeros where
             `keep[b]` is False) and its new state (the last K-1 inputs of [state, tokens]) is
-            written back there; slots: `[B]` long; keep: `[B]` bool;
+            written back there; slots: `[B]` long, distinct (the edge kernel of one request writes
+            its slot while another's could still read it); keep: `[B]` bool;
         query_start_loc: `[B+1]` cumulative query lengths (requests may have no tokens);
         token_request_index: optional `[T]` request of each token (computed when absent);
         activation: "silu" / "swish" or None;

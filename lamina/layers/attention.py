@@ -100,7 +100,8 @@ class GatedAttention(nn.Module):
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
-            groups=meta.request_groups(by_context=True),
+            # with the varlen kernel, groups by kind: decodes, continued chunks, fresh prompts
+            groups=meta.request_groups(by_context=True, by_kind=self.triton_prefill_attention and key_mask is None),
             # SDPA's own causal rule for fresh prompts (the whole step, or per request group) and the
             # paged decode kernel for groups of decodes, on the fast kernel set (CUDA, or Triton's
             # interpreter in CI); the reference set keeps the built mask

@@ -115,20 +115,22 @@ class ForwardMetadata:
         return (self.query_lens_host is not None and self.seq_lens_host is not None
                 and tuple(self.query_lens_host) == tuple(self.seq_lens_host))
 
-    def request_groups(self, by_context: bool = False):
+    def request_groups(self, by_context: bool = False, by_kind: bool = False):
         """Groups of similar requests for the padded kernels (by query length, or for attention by
-        context length too), or None when one call over the whole step pads little enough."""
-        if by_context in self._groups:
-            return self._groups[by_context]
+        context length too; `by_kind`: decodes, continued chunks and fresh prompts apart, see
+        `request_groups.plan_groups`), or None when one call over the whole step will do."""
+        key = (by_context, by_kind and by_context)
+        if key in self._groups:
+            return self._groups[key]
         from lamina.kernels import request_groups as rg
 
         groups = None
         if self.allow_groups and self.query_lens_host is not None and self.seq_lens_host is not None:
-            plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None)
+            plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None, by_kind=key[1])
             if plan is not None:
                 capture = None if by_context or self.state_capture is None else self.state_capture.host
                 groups = rg.build_groups(
                     plan, self.query_lens_host, self.seq_lens_host, self.query_start_loc.device, capture,
                 )
-        self._groups[by_context] = groups
+        self._groups[key] = groups
         return groups
