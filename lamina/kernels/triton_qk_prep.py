@@ -2,7 +2,7 @@
 leading `rotary_dim` features (rotate-half form) and the paged K/V cache write.
 
 The references are `RMSNorm`, `RotaryEmbedding.apply` and `write_kv_cache` (about 35 torch
-launches per layer at decode); this rounds to the activation dtype where they do (after the norm,
+launches per layer; the attention layer runs this for decode and prefill steps on the Triton set); this rounds to the activation dtype where they do (after the norm,
 after each rotary product and the sum), so it agrees with them up to float32 reduction order.
 """
 
@@ -26,7 +26,7 @@ def _qk_prep_kernel(
     ZERO_CENTRED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # int64 offsets: prefill steps of many tokens
     head = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)

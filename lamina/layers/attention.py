@@ -95,8 +95,12 @@ class GatedAttention(nn.Module):
         queries = decode_query_len(meta) if self.kernels == "triton" and key_mask is None else None
         if queries is not None and self.qkv_rows is not None:
             return self._decode_fused(x, meta, cos, sin, queries)
-        query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
         fast = self.kernels == "triton"
+        if fast and self.qkv_rows is not None:  # one GEMM for q/gate, k, v; norms, rotary, cache write in one launch
+            query, gate = self._project_and_cache_fused(x, meta, cos, sin)  # [T, H, D] each
+        else:
+            query, gate = self._project_and_cache(x, meta, cos, sin)  # [T, H, D], [T, H*D]
+            gate = gate.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         attn = paged_attention(
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
@@ -108,13 +112,13 @@ class GatedAttention(nn.Module):
             causal_from_start=fast and meta.prompts_from_start, fast_groups=fast,
             # on the fast set the output gate goes in too: a group of decodes gates inside the decode
             # kernel, as decode steps do
-            gate=gate.view(num_tokens, self.num_heads, self.head_dim) if fast else None,  # [T, H, D]
+            gate=gate if fast else None,  # [T, H, D]
             # chunks that continue cached context: lamina's varlen kernel rather than SDPA's masked call
             varlen=self.triton_prefill_attention,
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if not fast:
-            attn = attn * torch.sigmoid(gate)
+            attn = attn * torch.sigmoid(gate.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, H*D]
         return self.o_proj(attn)
 
     def _project_and_cache(
@@ -137,8 +141,9 @@ class GatedAttention(nn.Module):
     def _project_and_cache_fused(
         self, x: torch.Tensor, meta: ForwardMetadata, cos: torch.Tensor, sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_project_and_cache` on the Triton kernels (needs `qkv_rows`): one GEMV for q/gate, k and
-        v; q/k norm, rotary and the cache write in one launch. Returns (query [T, H, D], gate [T, H, D])."""
+        """`_project_and_cache` on the Triton kernels (needs `qkv_rows`), for decode and prefill steps
+        alike: one GEMV (or, beyond a few rows, one GEMM) for q/gate, k and v; q/k norm, rotary and
+        the cache write in one launch. Returns (query [T, H, D], gate [T, H, D])."""
         from lamina.kernels.triton_qk_prep import qk_norm_rope_cache
 
         num_tokens, heads, kv_heads, dim = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
