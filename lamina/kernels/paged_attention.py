@@ -162,7 +162,8 @@ def paged_attention(
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
-    if fast_groups and key_mask is None and max_query_len == 1:  # decodes only: the decode steps' kernel
+    one_each = max_query_len == 1 and q.shape[0] == query_start_loc.shape[0] - 1  # one query per request (host ints)
+    if fast_groups and key_mask is None and one_each:  # decodes only: the decode steps' kernel
         return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, gate)
     if varlen and key_mask is None and not causal_from_start:
         return _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, gate)

@@ -2,7 +2,8 @@
 leading `rotary_dim` features (rotate-half form) and the paged K/V cache write.
 
 The references are `RMSNorm`, `RotaryEmbedding.apply` and `write_kv_cache` (about 35 torch
-launches per layer; the attention layer runs this for decode and prefill steps on the Triton set); this rounds to the activation dtype where they do (after the norm,
+launches per layer; the attention layer runs this kernel for decode and prefill steps on the
+Triton set); this rounds to the activation dtype where they do (after the norm,
 after each rotary product and the sum), so it agrees with them up to float32 reduction order.
 """
 
@@ -70,8 +71,9 @@ def qk_norm_rope_cache(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> torch.Tensor:
     """query `[T, H, D]`, key / value `[T, Hkv, D]` (strided views of one projection are fine);
-    cos / sin `[T, rotary_dim]` float32; caches `[num_blocks, block_size, Hkv, D]` contiguous, written
-    at `slot_mapping [T]` (entries < 0 skipped). Returns the normed, rotated query `[T, H, D]`."""
+    cos / sin `[T, rotary_dim]` float32 (same strides); caches `[num_blocks, block_size, Hkv, D]`
+    contiguous, written at `slot_mapping [T]` (entries < 0 skipped; the others distinct, as a
+    step's slots are). Returns the normed, rotated query `[T, H, D]`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rotary_dim = cos.shape[-1]
