@@ -115,11 +115,12 @@ def test_paged_attention_by_kind_groups_on_a_step_padding_keeps_whole(monkeypatc
     decodes = [0, 2, 4]  # the decodes alone, one call without groups
     rows = torch.tensor([int(qsl[r]) for r in decodes])
     alone = single(q[rows], k_cache, v_cache, block_tables[decodes], seq_lens[decodes], make_qsl([1, 1, 1]), 1,
-                   max(seq), d**-0.5, fast_groups=True, gate=gate[rows], varlen=True)
+                   max(seq), d**-0.5, fast_groups=True, gate=gate[rows], varlen=True, decodes_only=True)
     close(alone, ref[rows])
     assert calls["decode"] == [3, 3] and calls["varlen"] == [5]
     assert torch.equal(alone, got[rows])  # a decode computes the same way whatever shares its step
-    # a request without tokens among the decodes: not the one-query-each decode kernel
+    # a request without tokens among the decodes (the step's metadata: 3 tokens, 4 requests): not
+    # the one-query-each decode kernel
     with_empty = [0, 2, 3, 4]
     rows = torch.tensor([int(qsl[0]), int(qsl[2]), int(qsl[4])])
     empty_qsl = torch.tensor([0, 1, 2, 2, 3])  # request 3 (the continued chunk) scheduled no token

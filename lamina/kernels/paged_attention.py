@@ -108,6 +108,7 @@ def paged_attention(
     fast_groups: bool = False,
     gate: torch.Tensor | None = None,
     varlen: bool = False,
+    decodes_only: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -149,6 +150,8 @@ def paged_attention(
             `request_groups.plan_groups(by_kind=True)`). On an H200 a 4k chunk over 4k of
             context took 4.2 against 20.9 ms, and no per-shape plan (cuDNN's masked call: 195 ms
             at its first 4k shape), benchmarks/results/bench_varlen_attention_h200.json.
+        decodes_only: the caller knows from the step's metadata (host ints) that every request has
+            exactly one query; with `fast_groups` and no groups, the step runs the decode kernel.
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -162,8 +165,7 @@ def paged_attention(
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
-    one_each = max_query_len == 1 and q.shape[0] == query_start_loc.shape[0] - 1  # one query per request (host ints)
-    if fast_groups and key_mask is None and one_each:  # decodes only: the decode steps' kernel
+    if fast_groups and key_mask is None and decodes_only:  # the decode steps' kernel
         return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, gate)
     if varlen and key_mask is None and not causal_from_start:
         return _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, gate)

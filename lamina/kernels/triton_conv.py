@@ -161,13 +161,13 @@ def causal_conv1d_prefill(
     weight = weight.contiguous()
     flat = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)  # [T*C]: one [T, C], or the parts
     out = flat.view(num_tokens, channels)  # [T, C]
+    splits = (split[0], split[0] + split[1]) if split is not None else (0, 0)  # the parts' first channels
     if num_tokens > 0:
         if token_request_index is None:  # request of each token: the number of request ends <= t
             tokens = torch.arange(num_tokens, device=x.device, dtype=query_start_loc.dtype)  # [T]
             token_request_index = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)  # [T]
         block_t, block_c, warps = tile or (*CONV_PREFILL_TILE, CONV_PREFILL_WARPS)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
-        splits = (split[0], split[0] + split[1]) if split is not None else (0, 0)
         _conv_prefill_body_kernel[grid](
             x, weight, query_start_loc, token_request_index, out, num_tokens, channels,
             x.stride(0), weight.stride(0), out.stride(0), *splits,
@@ -176,7 +176,6 @@ def causal_conv1d_prefill(
         )
     if num_reqs > 0 and kernel > 1:  # the first S outputs of every request, then its new state
         block_c = 256
-        splits = (split[0], split[0] + split[1]) if split is not None else (0, 0)
         _conv_prefill_edge_kernel[(num_reqs, triton.cdiv(channels, block_c))](
             x, weight, state_pool, query_start_loc, slots, keep, out, num_tokens, channels,
             x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0), *splits,

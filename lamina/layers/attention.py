@@ -115,6 +115,7 @@ class GatedAttention(nn.Module):
             gate=gate if fast else None,  # [T, H, D]
             # chunks that continue cached context: lamina's varlen kernel rather than SDPA's masked call
             varlen=self.triton_prefill_attention,
+            decodes_only=meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs,  # one query per request
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if not fast:
