@@ -87,11 +87,11 @@ def sweep(gen, out: str | None) -> list[dict]:
                                                            gate=x["gate"], tile=tile)
                         row = {"step": name, "tile": list(tile)}
                         try:
-                            out = fn()
-                            ref = out if ref is None else ref
+                            result = fn()
+                            ref = result if ref is None else ref
                             row["ms"] = min(call_ms(fn) for _ in range(5))
                             row["tflop_s"] = causal_flop(STEPS[name]) / row["ms"] / 1e9
-                            row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                            row["max_abs_diff"] = (result.float() - ref.float()).abs().max().item()
                         except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
                             row["error"] = str(e)[:160]
                         records.append(row)

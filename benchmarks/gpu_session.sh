@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -218,6 +218,21 @@ for r in sorted([r for r in rs if 'ms' in r], key=lambda r: r['ms'])[:8] + [r fo
       done ;;
     varlentiles)  # the varlen attention kernel's (BLOCK_M, BLOCK_N, warps, stages) on a fresh 8k prompt and a continued 4k chunk
       timeout 300 python3 benchmarks/bench_varlen_attention.py --sweep --out $OUT/bench_varlen_tiles.json 2>&1 | tail -14 ;;
+    gputests10)  # GPU tests of session 10's kernels (gated norm in the out_proj GEMV, one-warp routing, down GEMV's early reads) and the engine
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 -k "not fla_prefill_matches_reference" \
+        tests/test_triton_kernels.py tests/test_pdl.py tests/test_triton_router.py tests/test_gpu_engine.py \
+        tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -14 | cut -c1-200 ;;
+    b1ab)  # batch-1 decode (128 in / 64 out): this tree against the session's first commit (.baseline, carried), alternating,
+      # then this tree with the gated norm as its own launch again (LAMINA_GEMV_GATED_NORM=0)
+      for i in 1 2; do
+        dir=/tmp; [ $i = 2 ] && dir=$OUT
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 90 python3 -m lamina.entrypoints.cli bench latency \
+          --dtype bfloat16 --batch-size 1 --input-len 128 --output-len 64 --output-json $dir/latency_b1_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json $dir/latency_b1_new_$i.json 2>&1 | tail -1
+      done
+      LAMINA_GEMV_GATED_NORM=0 LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
+        --output-json $OUT/latency_b1_new_gated_norm_off.json 2>&1 | tail -1 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

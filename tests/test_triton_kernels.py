@@ -364,6 +364,20 @@ def test_routing_kernel_matches_the_router(renormalize, top_k):
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
 
 
+def test_routing_kernel_ties_go_to_the_lower_expert_id():
+    """Equal probabilities are taken lowest expert id first, whatever their positions (one packed
+    (probability, id) max per round), and a tie across the k-th slot keeps the lower id."""
+    logits = torch.zeros(3, 40)
+    logits[0, [31, 4, 17, 22]] = 2.0  # four equal largest: ids 4, 17, 22 (31 left out)
+    logits[1, [39, 0]] = 3.0
+    logits[1, [12, 5]] = 1.0  # the second pair ties for slot 3 of 3: id 5 wins
+    logits[2] = 0.5  # all equal: ids 0, 1, 2
+    weights, ids = route_softmax_topk(logits.to(DEVICE), 3, False, torch.float32)
+    assert ids.tolist() == [[4, 17, 22], [0, 39, 5], [0, 1, 2]]
+    probs = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(weights.cpu(), probs.gather(1, ids.cpu()), atol=1e-7, rtol=1e-6)
+
+
 def test_norm_kernels_match_the_modules():
     x, gate = _rand(5, 3, 48, seed=1), _rand(5, 3, 48, seed=2)
     for zero_centred in (True, False):
@@ -592,6 +606,48 @@ def test_gemv_matches_linear(rows):
         gemv(x, _rand(300, 37, seed=4).t())
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_gated_norm_equals_the_norm_then_the_gemv(rows, activation, dtype):
+    """The delta net's out_proj with its gated RMSNorm in the GEMV's input blocks (groups of 16
+    features, two or four per 32- or 64-column step; one program per tile and two splits) against
+    the norm kernel then the GEMV, and against the reference module then F.linear; the gate read
+    through a row stride of its own (a split of a projection); each row alone equals its row in
+    the batch."""
+    from lamina.kernels.triton_gemv import gated_norm_fits, gemv, gemv_gated_norm
+
+    heads, group = 6, 16
+    weight = _rand(37, heads * group, seed=1, scale=0.1).to(dtype)
+    x = _rand(rows, heads * group, seed=2).to(dtype)
+    projected = _rand(rows, 3 * heads * group, seed=3, scale=2.0).to(dtype)
+    gate = projected[:, heads * group : 2 * heads * group]  # [rows, 96], row stride 288
+    norm = GatedRMSNorm(group, 1e-6, activation=activation, device="cpu")
+    norm.weight.data.copy_(torch.randn(group, generator=_gen(4)))
+    norm.kernels = "reference"
+    norm_weight = norm.weight.to(DEVICE, dtype)
+    x, gate, weight = x.to(DEVICE), gate.to(DEVICE), weight.to(DEVICE)
+    normed = gated_rms_norm(x.view(rows, heads, group), gate.view(rows, heads, group), norm_weight, 1e-6, activation)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    module_ref = torch.nn.functional.linear(
+        norm.to(dtype)(x.cpu().view(rows, heads, group), gate.cpu().view(rows, heads, group)).reshape(rows, -1).float(),
+        weight.cpu().float())
+    for block_k, split in ((32, 1), (32, 2), (64, 1)):
+        cfg = dict(block_n=16, block_k=block_k, split=split)
+        ours = gemv_gated_norm(x, gate, norm_weight, 1e-6, activation, weight, cfg)
+        torch.testing.assert_close(ours, gemv(normed.reshape(rows, -1), weight, cfg), **tol)
+        torch.testing.assert_close(ours.cpu().float(), module_ref, **{k: 4 * v for k, v in tol.items()})
+        for r in range(rows):
+            assert torch.equal(gemv_gated_norm(x[r : r + 1], gate[r : r + 1], norm_weight, 1e-6, activation, weight, cfg),
+                               ours[r : r + 1])
+    assert gated_norm_fits(2048, 4096, 128) and not gated_norm_fits(2048, 4096, 96)
+    assert not gated_norm_fits(2048, 4096, 512)  # wider than the out_proj shape's 128-column steps
+    with pytest.raises(ValueError, match="power of two dividing block_k"):
+        gemv_gated_norm(x, gate, norm_weight, 1e-6, activation, weight, dict(block_n=16, block_k=8, split=1))
+    with pytest.raises(ValueError, match="differ in shape"):
+        gemv_gated_norm(x, gate[:, :group], norm_weight, 1e-6, activation, weight)
+
+
 @pytest.mark.parametrize("rows,top_k,renormalize", [(1, 4, True), (3, 10, False), (4, 4, False)])
 def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
     """The router GEMV with the routing in its last tile's program: the logits are `gemv`'s and
@@ -723,6 +779,42 @@ def test_moe_gemv_switch(monkeypatch):
     monkeypatch.setenv("LAMINA_MOE_GEMV", "yes")
     with pytest.raises(ValueError, match="LAMINA_MOE_GEMV"):
         moe_gemv_max_tokens()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_gated_norm_bf16_at_real_width(rows):
+    """The Qwen3.5 delta net's out_proj (32 value heads of 128 -> 2048, the tuned split-4 tiles)
+    with its gated norm inside, against the norm kernel then the GEMV, in bf16 on the GPU."""
+    from lamina.kernels.triton_gemv import gemv, gemv_gated_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(2048, 4096, generator=gen, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
+    gate = torch.randn(rows, 3 * 4096, generator=gen, device="cuda").bfloat16()[:, 4096:8192]
+    norm_weight = (1 + 0.1 * torch.randn(128, generator=gen, device="cuda")).bfloat16()
+    normed = gated_rms_norm(x.view(rows, 32, 128), gate.view(rows, 32, 128), norm_weight, 1e-6, "silu")
+    ref = gemv(normed.reshape(rows, 4096), weight)
+    ours = gemv_gated_norm(x, gate, norm_weight, 1e-6, "silu", weight)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert (ours.float() - ref.float()).abs().mean() < 1e-3
+
+
+def test_gemv_gated_norm_switch(monkeypatch):
+    from lamina.kernels.selection import gemv_gated_norm_enabled
+
+    monkeypatch.delenv("LAMINA_GEMV_GATED_NORM", raising=False)
+    monkeypatch.delenv("LAMINA_TRITON_GEMV", raising=False)
+    assert gemv_gated_norm_enabled("triton") and not gemv_gated_norm_enabled("reference")
+    monkeypatch.setenv("LAMINA_TRITON_GEMV", "0")  # needs the decode GEMV
+    assert not gemv_gated_norm_enabled("triton")
+    monkeypatch.delenv("LAMINA_TRITON_GEMV")
+    monkeypatch.setenv("LAMINA_GEMV_GATED_NORM", "0")
+    assert not gemv_gated_norm_enabled("triton")
+    monkeypatch.setenv("LAMINA_GEMV_GATED_NORM", "on")
+    with pytest.raises(ValueError, match="LAMINA_GEMV_GATED_NORM"):
+        gemv_gated_norm_enabled("triton")
 
 
 def test_gemv_tiles_fit_shared_memory():
