@@ -215,20 +215,14 @@ def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_short_dir
 
     if DEVICE == "cuda":  # the CUDA engine run of the prefill kernels is the bf16 gpu test below
         pytest.skip("on CUDA: test_engine_greedy_with_fla_prefill")
-    from lamina.kernels import triton_gemv
-
     prompts = [[5, 17, 300, 8, 9, 10, 11], [9] * 11, [40, 41]]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
     runs = {}
-    fused_norm_rows = []  # decode-sized steps take the gated norm inside the out_proj GEMV
-    inner = triton_gemv.gemv_gated_norm
-    monkeypatch.setattr(triton_gemv, "gemv_gated_norm", lambda x, *a: fused_norm_rows.append(x.shape[0]) or inner(x, *a))
     for kernels in ("reference", "triton"):
         monkeypatch.setenv("LAMINA_KERNELS", kernels)
         with LLM(str(qwen3_5_moe_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
                  max_num_seqs=3, max_num_batched_tokens=6, async_scheduling=kernels == "triton") as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert bool(fused_norm_rows) == (kernels == "triton") and max(fused_norm_rows, default=0) <= 4
         runs[kernels] = [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs])
                          for o in outs]
     for (ref_ids, ref_lp), (ids, lp) in zip(runs["reference"], runs["triton"]):

@@ -111,11 +111,11 @@ def _paged_step(reqs, hkv, head_dim, page, seed):
 PREFILL_STEP = [(0, PREFILL_BLOCK_M + 6), (0, 1), (37, 9), (5, 1), (90, 1), (12, 4), (0, 16), (130, PREFILL_BLOCK_M)]
 
 
-@pytest.mark.parametrize("hq,hkv,head_dim,page", [(4, 2, 16, 4), (6, 1, 24, 16), (2, 2, 32, 8)])
+@pytest.mark.parametrize("hq,hkv,head_dim,page", [(4, 2, 16, 4), (6, 1, 24, 16), (2, 2, 32, 8), (2, 1, 256, 16)])
 def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
     """The flat varlen step in one launch against the padded reference: fresh prompts, continued
     chunks, decodes, several query blocks; with the output gate; each request alone gives its rows
-    of the step (batch invariance)."""
+    of the step (batch invariance). Head dim 256 takes the wide-head tile (128 x 64, 3 stages)."""
     k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(PREFILL_STEP, hkv, head_dim, page, seed=5)
     q = _rand(sum(q_lens), hq, head_dim, seed=8)
     gate = _rand(sum(q_lens), hq, head_dim, seed=9)
@@ -134,6 +134,41 @@ def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
     other = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
                                     tile=(16, 16, 4, 2))
     torch.testing.assert_close(other, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_prefill_attention_falls_back_to_a_tile_that_fits(monkeypatch):
+    """A tile that does not fit the device's shared memory (Triton raises OutOfResources before
+    launching) gives way to the next of `prefill_tiles`, and the device keeps that one."""
+    from triton.runtime.errors import OutOfResources
+
+    from lamina.kernels import triton_prefill_attention as tpa
+
+    assert tpa.prefill_tiles(256)[0] == (128, 64, 8, 3) and tpa.prefill_tiles(128)[0][0] == PREFILL_BLOCK_M
+    monkeypatch.setattr(tpa, "_CHOSEN_TILE", {})
+    monkeypatch.setattr(tpa, "_TILES", ((16, 999, 4, None), (16, 16, 4, 2)))
+    real, tried = tpa._paged_prefill_attention_kernel, []
+
+    class TooBig:  # the kernel, except that a 999-key tile is out of shared memory
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                tried.append(kwargs["BLOCK_N"])
+                if kwargs["BLOCK_N"] == 999:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(tpa, "_paged_prefill_attention_kernel", TooBig())
+    k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(PREFILL_STEP[:4], 2, 16, 4, seed=11)
+    q = _rand(sum(q_lens), 4, 16, seed=12)
+    ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), int(seq_lens.max()), 0.25)
+    for _ in range(2):
+        ours = tpa.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), 0.25)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+    assert tried == [999, 16, 16] and list(tpa._CHOSEN_TILE.values()) == [(16, 16, 4, 2)]
+    monkeypatch.setattr(tpa, "_CHOSEN_TILE", {})
+    monkeypatch.setattr(tpa, "_TILES", ((16, 999, 4, None),))
+    with pytest.raises(OutOfResources):  # nothing fits: the error, not a silent skip
+        tpa.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), 0.25)
 
 
 def test_paged_prefill_attention_bf16_and_empty_step():
@@ -365,8 +400,8 @@ def test_routing_kernel_matches_the_router(renormalize, top_k):
 
 
 def test_routing_kernel_ties_go_to_the_lower_expert_id():
-    """Equal probabilities are taken lowest expert id first, whatever their positions (one packed
-    (probability, id) max per round), and a tie across the k-th slot keeps the lower id."""
+    """Equal probabilities are taken lowest expert id first, whatever their positions, and a tie
+    across the k-th slot keeps the lower id."""
     logits = torch.zeros(3, 40)
     logits[0, [31, 4, 17, 22]] = 2.0  # four equal largest: ids 4, 17, 22 (31 left out)
     logits[1, [39, 0]] = 3.0
@@ -606,48 +641,6 @@ def test_gemv_matches_linear(rows):
         gemv(x, _rand(300, 37, seed=4).t())
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_gated_norm_equals_the_norm_then_the_gemv(rows, activation, dtype):
-    """The delta net's out_proj with its gated RMSNorm in the GEMV's input blocks (groups of 16
-    features, two or four per 32- or 64-column step; one program per tile and two splits) against
-    the norm kernel then the GEMV, and against the reference module then F.linear; the gate read
-    through a row stride of its own (a split of a projection); each row alone equals its row in
-    the batch."""
-    from lamina.kernels.triton_gemv import gated_norm_fits, gemv, gemv_gated_norm
-
-    heads, group = 6, 16
-    weight = _rand(37, heads * group, seed=1, scale=0.1).to(dtype)
-    x = _rand(rows, heads * group, seed=2).to(dtype)
-    projected = _rand(rows, 3 * heads * group, seed=3, scale=2.0).to(dtype)
-    gate = projected[:, heads * group : 2 * heads * group]  # [rows, 96], row stride 288
-    norm = GatedRMSNorm(group, 1e-6, activation=activation, device="cpu")
-    norm.weight.data.copy_(torch.randn(group, generator=_gen(4)))
-    norm.kernels = "reference"
-    norm_weight = norm.weight.to(DEVICE, dtype)
-    x, gate, weight = x.to(DEVICE), gate.to(DEVICE), weight.to(DEVICE)
-    normed = gated_rms_norm(x.view(rows, heads, group), gate.view(rows, heads, group), norm_weight, 1e-6, activation)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    module_ref = torch.nn.functional.linear(
-        norm.to(dtype)(x.cpu().view(rows, heads, group), gate.cpu().view(rows, heads, group)).reshape(rows, -1).float(),
-        weight.cpu().float())
-    for block_k, split in ((32, 1), (32, 2), (64, 1)):
-        cfg = dict(block_n=16, block_k=block_k, split=split)
-        ours = gemv_gated_norm(x, gate, norm_weight, 1e-6, activation, weight, cfg)
-        torch.testing.assert_close(ours, gemv(normed.reshape(rows, -1), weight, cfg), **tol)
-        torch.testing.assert_close(ours.cpu().float(), module_ref, **{k: 4 * v for k, v in tol.items()})
-        for r in range(rows):
-            assert torch.equal(gemv_gated_norm(x[r : r + 1], gate[r : r + 1], norm_weight, 1e-6, activation, weight, cfg),
-                               ours[r : r + 1])
-    assert gated_norm_fits(2048, 4096, 128) and not gated_norm_fits(2048, 4096, 96)
-    assert not gated_norm_fits(2048, 4096, 512)  # wider than the out_proj shape's 128-column steps
-    with pytest.raises(ValueError, match="power of two dividing block_k"):
-        gemv_gated_norm(x, gate, norm_weight, 1e-6, activation, weight, dict(block_n=16, block_k=8, split=1))
-    with pytest.raises(ValueError, match="differ in shape"):
-        gemv_gated_norm(x, gate[:, :group], norm_weight, 1e-6, activation, weight)
-
-
 @pytest.mark.parametrize("rows,top_k,renormalize", [(1, 4, True), (3, 10, False), (4, 4, False)])
 def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
     """The router GEMV with the routing in its last tile's program: the logits are `gemv`'s and
@@ -779,42 +772,6 @@ def test_moe_gemv_switch(monkeypatch):
     monkeypatch.setenv("LAMINA_MOE_GEMV", "yes")
     with pytest.raises(ValueError, match="LAMINA_MOE_GEMV"):
         moe_gemv_max_tokens()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gemv_gated_norm_bf16_at_real_width(rows):
-    """The Qwen3.5 delta net's out_proj (32 value heads of 128 -> 2048, the tuned split-4 tiles)
-    with its gated norm inside, against the norm kernel then the GEMV, in bf16 on the GPU."""
-    from lamina.kernels.triton_gemv import gemv, gemv_gated_norm
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weight = (torch.randn(2048, 4096, generator=gen, device="cuda") * 0.02).bfloat16()
-    x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
-    gate = torch.randn(rows, 3 * 4096, generator=gen, device="cuda").bfloat16()[:, 4096:8192]
-    norm_weight = (1 + 0.1 * torch.randn(128, generator=gen, device="cuda")).bfloat16()
-    normed = gated_rms_norm(x.view(rows, 32, 128), gate.view(rows, 32, 128), norm_weight, 1e-6, "silu")
-    ref = gemv(normed.reshape(rows, 4096), weight)
-    ours = gemv_gated_norm(x, gate, norm_weight, 1e-6, "silu", weight)
-    torch.testing.assert_close(ours.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    assert (ours.float() - ref.float()).abs().mean() < 1e-3
-
-
-def test_gemv_gated_norm_switch(monkeypatch):
-    from lamina.kernels.selection import gemv_gated_norm_enabled
-
-    monkeypatch.delenv("LAMINA_GEMV_GATED_NORM", raising=False)
-    monkeypatch.delenv("LAMINA_TRITON_GEMV", raising=False)
-    assert gemv_gated_norm_enabled("triton") and not gemv_gated_norm_enabled("reference")
-    monkeypatch.setenv("LAMINA_TRITON_GEMV", "0")  # needs the decode GEMV
-    assert not gemv_gated_norm_enabled("triton")
-    monkeypatch.delenv("LAMINA_TRITON_GEMV")
-    monkeypatch.setenv("LAMINA_GEMV_GATED_NORM", "0")
-    assert not gemv_gated_norm_enabled("triton")
-    monkeypatch.setenv("LAMINA_GEMV_GATED_NORM", "on")
-    with pytest.raises(ValueError, match="LAMINA_GEMV_GATED_NORM"):
-        gemv_gated_norm_enabled("triton")
 
 
 def test_gemv_tiles_fit_shared_memory():

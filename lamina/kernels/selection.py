@@ -75,18 +75,6 @@ def decode_gemv_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "1"
 
 
-def gemv_gated_norm_enabled(kernels: str) -> bool:
-    """Whether the delta net's gated RMSNorm runs inside its out_proj GEMV for a few-row decode
-    input (`lamina.kernels.triton_gemv.gemv_gated_norm`: each program normalises the value heads
-    it reads, one launch fewer per layer) rather than as its own launch before the GEMV. Needs the
-    decode GEMV (`decode_gemv_enabled`); on unless `LAMINA_GEMV_GATED_NORM=0`. Read at model
-    build time."""
-    wanted = os.environ.get("LAMINA_GEMV_GATED_NORM", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_GEMV_GATED_NORM = {wanted!r} must be 0 or 1")
-    return decode_gemv_enabled(kernels) and wanted == "1"
-
-
 def gemv_route_enabled(kernels: str) -> bool:
     """Whether an MoE layer on the Triton kernel set routes a few-row decode input in its router
     GEMV's last program (`lamina.kernels.triton_gemv.gemv_route`: one launch) rather than the GEMV

@@ -25,7 +25,7 @@ import triton.language as tl
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.triton_moe import softmax_topk
 
-__all__ = ["GEMV_MAX_ROWS", "gated_norm_fits", "gemv", "gemv_config", "gemv_gated_norm", "gemv_route"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
 
 GEMV_MAX_ROWS = 4
 
@@ -34,11 +34,9 @@ GEMV_MAX_ROWS = 4
 def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_features, in_features,
                         stride_xm, stride_wn, stride_ym, k_steps,
                         route_weights_ptr, route_ids_ptr, route_ticket_ptr, num_experts,
-                        gate_ptr, norm_w_ptr, stride_gm, eps,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                         PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, NORM_GROUP: tl.constexpr,
-                        SILU: tl.constexpr):
+                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,14 +51,13 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
     k_ok = k < in_features
     w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
     wait_for_producer(PDL)
-    x = _input_block(x_ptr, gate_ptr, norm_w_ptr, stride_xm, stride_gm, eps, offs_m, m_ok, k, k_ok,
-                     BLOCK_K, NORM_GROUP, SILU)  # [16, K]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [16, K]
     acc = tl.dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
     for step in range(1, k_steps):
         k = k_first + step * BLOCK_K + offs_k
         k_ok = k < in_features
-        x = _input_block(x_ptr, gate_ptr, norm_w_ptr, stride_xm, stride_gm, eps, offs_m, m_ok, k, k_ok,
-                         BLOCK_K, NORM_GROUP, SILU)  # [16, K]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [16, K]
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)  # [K, N]
         acc += tl.dot(x, w, input_precision=PRECISION)
@@ -87,31 +84,6 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
             if ROUTE:
                 _route_epilogue(y_ptr, route_weights_ptr, route_ids_ptr, route_ticket_ptr, rows, num_experts,
                                 stride_ym, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-
-
-@triton.jit
-def _input_block(x_ptr, gate_ptr, norm_w_ptr, stride_xm, stride_gm, eps, offs_m, m_ok, k, k_ok,
-                 BLOCK_K: tl.constexpr, NORM_GROUP: tl.constexpr, SILU: tl.constexpr):
-    """The `[16, BLOCK_K]` input block of columns k (rows past `rows` zero). With NORM_GROUP > 0 the
-    input is first put through the gated RMSNorm (`triton_norm.gated_rms_norm`'s math and rounding)
-    over each NORM_GROUP consecutive columns: the block holds whole groups (BLOCK_K a multiple of
-    NORM_GROUP, the split and step starts multiples of BLOCK_K), so every program normalises the
-    groups it reads itself, without the separate launch and its round trip."""
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)  # [16, K]
-    if NORM_GROUP > 0:
-        dtype = x.dtype
-        grouped = tl.reshape(x.to(tl.float32), [16, BLOCK_K // NORM_GROUP, NORM_GROUP])  # [16, groups, G]
-        inv_rms = tl.rsqrt(tl.sum(grouped * grouped, axis=2) / NORM_GROUP + eps)  # [16, groups]
-        normed = tl.reshape((grouped * inv_rms[:, :, None]).to(dtype), [16, BLOCK_K])  # [16, K]
-        scale = tl.load(norm_w_ptr + k % NORM_GROUP, mask=k_ok, other=0.0).to(tl.float32)  # [K]
-        normed = (scale[None, :] * normed.to(tl.float32)).to(dtype).to(tl.float32)
-        gate = tl.load(gate_ptr + offs_m[:, None] * stride_gm + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        act = 1.0 / (1.0 + tl.exp(-gate))
-        if SILU:
-            act = gate * act
-        x = (normed * act).to(dtype)
-    return x
 
 
 @triton.jit
@@ -177,32 +149,7 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, num_experts: int, top_k: i
     return _gemv(x, weight, config, (num_experts, top_k, renormalize))
 
 
-def gated_norm_fits(out_features: int, in_features: int, group: int) -> bool:
-    """Whether `gemv_gated_norm` takes a norm over `group` columns for a weight of this shape: the
-    group a power of two that divides both the input features and the shape's step of columns."""
-    block_k = gemv_config(out_features, in_features)["block_k"]
-    return 0 < group <= block_k and group & (group - 1) == 0 and in_features % group == 0 and block_k % group == 0
-
-
-def gemv_gated_norm(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str,
-                    weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """`gemv(gated_rms_norm(x, gate, norm_weight, eps, activation), weight)` in one launch, the
-    norm taken over each `norm_weight.numel()` consecutive input features (the delta net's value
-    heads before its out_proj). x and gate `[M, K]` with contiguous rows (gate may have a row
-    stride of its own: a split of a projection); weight `[N, K]`. Needs `gated_norm_fits`."""
-    group = norm_weight.numel()
-    if gate.shape != x.shape:
-        raise ValueError(f"gemv_gated_norm: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ in shape")
-    if activation not in ("silu", "sigmoid"):
-        raise ValueError(f"gemv_gated_norm: activation {activation!r} is not one of 'silu', 'sigmoid'")
-    if config is None and not gated_norm_fits(weight.shape[0], x.shape[1], group):
-        raise ValueError(f"gemv_gated_norm: a norm over {group} of {x.shape[1]} features does not fit the GEMV's "
-                         f"column steps (see gated_norm_fits)")
-    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    return _gemv(x, weight, config, None, (gate, norm_weight, eps, activation == "silu"))[0]
-
-
-def _gemv(x, weight, config, route, norm=None):
+def _gemv(x, weight, config, route):
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
@@ -232,17 +179,12 @@ def _gemv(x, weight, config, route, norm=None):
 
         tickets = _tickets(x.device, tiles + 1)  # one per tile, then the route's over the tiles
     partial = torch.empty(split, 16, out_features, dtype=torch.float32, device=x.device) if split > 1 else y  # [SPLIT, 16, N]
-    gate, norm_weight, eps, silu = norm or (x, x, 0.0, True)
-    norm_group = norm_weight.numel() if norm else 0
-    if norm_group and (block_k % norm_group or in_features % norm_group or norm_group & (norm_group - 1)):
-        raise ValueError(f"gemv: a norm over {norm_group} features needs a power of two dividing block_k = {block_k} "
-                         f"and the {in_features} input features")
     _gemv_splitk_kernel[(tiles, split)](
         x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
-        weights, ids, tickets[tiles:], num_experts, gate, norm_weight, gate.stride(0), eps,
+        weights, ids, tickets[tiles:], num_experts,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, NORM_GROUP=norm_group, SILU=silu,
+        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
         **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return y, weights, ids

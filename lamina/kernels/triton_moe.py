@@ -450,28 +450,18 @@ def softmax_topk(logits, experts, ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, 
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     slots = tl.arange(0, K_PAD)  # tl.arange needs a power of 2 (Qwen4-Exp routes to 10 experts)
-    # k rounds of one max over key = (probability bits << 32) | (E_PAD - 1 - expert): non-negative
-    # floats order as their bits, so a round picks the highest probability and, among equal ones,
-    # the lowest expert id, in one reduction where an argmax takes two (a max, then a min of ids).
-    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - experts).to(tl.int64)
-    key = tl.where(ok, key, -1)  # padding experts never win (real keys are >= 0)
-    top = tl.zeros([K_PAD], tl.int64)
-    for j in tl.static_range(TOP_K):  # highest first
-        best = tl.max(key, axis=0)
-        top = tl.where(slots == j, best, top)
-        key = tl.where(key == best, -1, key)  # keys are distinct: removes exactly one
-    top_p = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # [K_PAD]
-    top_i = ((E_PAD - 1) - (top & (E_PAD - 1))).to(tl.int32)
-    top_p = tl.where(slots < TOP_K, top_p, 0.0)
+    top_p = tl.zeros([K_PAD], tl.float32)
+    top_i = tl.zeros([K_PAD], tl.int32)
+    remaining = tl.where(ok, probs, -1.0)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax: highest first, ties to the lower expert id
+        best = tl.max(remaining, axis=0)
+        idx = tl.min(tl.where(remaining == best, experts, E_PAD), axis=0)
+        top_p = tl.where(slots == j, best, top_p)
+        top_i = tl.where(slots == j, idx, top_i)
+        remaining = tl.where(experts == idx, -1.0, remaining)
     if RENORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)
     return top_p, top_i
-
-
-# One warp per token: the softmax's and the k rounds' reductions stay in warp shuffles (with four
-# warps each of them also crosses shared memory behind a barrier); a decode step waits on this
-# kernel between the router GEMV and the experts.
-ROUTE_WARPS = 1
 
 
 @triton.jit
@@ -501,6 +491,6 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, **pdl_kwargs(logits.device), num_warps=ROUTE_WARPS,
+            RENORMALIZE=renormalize, **pdl_kwargs(logits.device),
         )
     return weights, ids

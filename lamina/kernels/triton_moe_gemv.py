@@ -135,6 +135,7 @@ def _gemv_down_pipelined_kernel(
     are read once before the loop: no weight address in the loop waits on a load. The slots of a
     group accumulate in slot order in float32; with GROUPS > 1 the groups' partials are summed in
     group order by the last program of a (token, tile) (atomic ticket, reset after): deterministic."""
+    wait_for_producer(PDL)
     token = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.program_id(2)
@@ -144,10 +145,6 @@ def _gemv_down_pipelined_kernel(
     first = tl.arange(0, 16)[:, None] == 0  # the token sits in row 0 of a 16-row tl.dot tile
     offs_j = tl.arange(0, GROUP_P2)
     slots = group * GROUP + offs_j  # [G]: this program's slots (slot TOP_K = the shared expert)
-    # Before the wait for the gate/up kernel (lamina.kernels.pdl): the routing (ids, weights) and
-    # the shared expert's gate logit were written two and more kernels earlier (the routing kernel
-    # completed before the gate/up kernel's wait returned, and that let this kernel launch), and
-    # the first weight block is no kernel's output. The activations are read after the wait.
     ids_at = token * TOP_K + tl.minimum(slots, TOP_K - 1)
     experts = tl.load(ids_ptr + ids_at).to(tl.int32) - expert_start  # [G]
     is_shared = slots == TOP_K
@@ -158,21 +155,8 @@ def _gemv_down_pipelined_kernel(
     weights = tl.where(ok, weights, 0.0)  # [G]: a slot of another EP rank's expert adds nothing
     experts = tl.where(ok & ~is_shared, experts, 0)
     rows = tl.where(ok, 1, 0)  # [G]: 0 masks the slot's loads off (no bytes read)
-    # Step 0 (slot 0 of the group, the first BLOCK_K columns), peeled: its weights load before the wait.
-    slot = group * GROUP
-    expert = tl.sum(tl.where(offs_j == 0, experts, 0))
-    weight = tl.sum(tl.where(offs_j == 0, weights, 0.0))
-    slot_ok = tl.sum(tl.where(offs_j == 0, rows, 0)) > 0
-    base = tl.where(slot == TOP_K, shared_w_ptr, w_ptr + expert.to(tl.int64) * stride_we)
-    stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
-    k = offs_k
-    k_ok = k < tl.where(slot_ok, inter, 0)
-    w = tl.load(base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
-    wait_for_producer(PDL)
-    a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k[None, :] + tl.zeros([16, 1], tl.int32),
-                mask=first & k_ok[None, :], other=0.0)  # [16, K]
-    acc = weight * tl.dot(a, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
-    for step in range(1, GROUP * K_STEPS):
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for step in range(0, GROUP * K_STEPS):
         j = step // K_STEPS  # the slot within the group
         pick = offs_j == j
         slot = group * GROUP + j

@@ -27,12 +27,28 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from lamina.kernels.triton_decode import _dot_precision
 
-__all__ = ["paged_prefill_attention", "PREFILL_BLOCK_M"]
+__all__ = ["paged_prefill_attention", "prefill_tiles", "PREFILL_BLOCK_M"]
 
-PREFILL_BLOCK_M = 64  # queries per program
+PREFILL_BLOCK_M = 64  # queries per program at head dims up to 128
+
+# (BLOCK_M, BLOCK_N, warps, stages) by head dim, in order of preference. Head dim 256 (Qwen3.5 /
+# Qwen3-Next attention): 128 x 64 tiles on 8 warps, 3 stages, the best of 36 tiles on an H200 at
+# 221 / 237 TFLOP/s for a 4k chunk over 4k of context / a fresh 8k prompt, against 104 for the
+# earlier 64 x 32 (benchmarks/bench_varlen_attention.py --sweep, results/bench_varlen_tiles_h200.json);
+# it takes ~200 KB of shared memory, so a GPU with less falls back to the next tile (decided on a
+# device's first call, kept after). Up to 128: 64 x 64 on 4 warps (not swept).
+_TILES_WIDE_HEADS = ((128, 64, 8, 3), (PREFILL_BLOCK_M, 32, 8, None))
+_TILES = ((PREFILL_BLOCK_M, 64, 4, None),)
+_CHOSEN_TILE: dict[tuple, tuple[int, int, int, int | None]] = {}
+
+
+def prefill_tiles(head_dim: int) -> tuple[tuple[int, int, int, int | None], ...]:
+    """The tiles `paged_prefill_attention` tries for this head dim, best first."""
+    return _TILES_WIDE_HEADS if head_dim > 128 else _TILES
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -104,8 +120,8 @@ def paged_prefill_attention(
     step's keys; block_tables `[B, >= pages]`; seq_lens `[B]` (each >= its query count);
     query_start_loc `[B+1]`; max_query_len: host int; gate: optional `[T, Hq, D]`, the output
     becomes attn * sigmoid(gate); tile: (BLOCK_M, BLOCK_N, warps, stages), for
-    benchmarks/bench_varlen_attention.py's sweep (default: PREFILL_BLOCK_M, and BLOCK_N / warps by
-    head dim). Returns `[T, Hq, D]` in q's dtype."""
+    benchmarks/bench_varlen_attention.py's sweep (default: `prefill_tiles(head_dim)`'s first that
+    fits the device). Returns `[T, Hq, D]` in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -117,16 +133,33 @@ def paged_prefill_attention(
         return out
     gated = gate is not None
     gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
-    block_m, block_n, warps, stages = tile or (
-        PREFILL_BLOCK_M, 32 if head_dim > 128 else 64, 8 if head_dim > 128 else 4, None)
-    launch = {} if stages is None else {"num_stages": stages}
-    _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), block_m), num_q_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        GATED=gated, num_warps=warps, **launch,
-    )
+
+    def launch(block_m: int, block_n: int, warps: int, stages: int | None) -> None:
+        _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), block_m), num_q_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0),
+            gate.stride(1), out.stride(0), out.stride(1),
+            GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+            GATED=gated, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
+        )
+
+    if tile is not None:
+        launch(*tile)
+        return out
+    key = (q.device, head_dim, q.dtype)
+    if key in _CHOSEN_TILE:
+        launch(*_CHOSEN_TILE[key])
+        return out
+    tiles = prefill_tiles(head_dim)
+    for i, candidate in enumerate(tiles):
+        try:
+            launch(*candidate)
+        except OutOfResources:  # shared memory: raised at compile time, before the launch
+            if i == len(tiles) - 1:
+                raise
+            continue
+        _CHOSEN_TILE[key] = candidate  # the same tile for every later call: a row's sums never change order
+        return out
     return out

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, gemv_gated_norm_enabled, kernel_set
+from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
@@ -95,7 +95,6 @@ class GatedDeltaNet(nn.Module):
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
-        self.norm_in_out_proj = gemv_gated_norm_enabled(self.kernels) and self._gated_norm_fits(hidden_size)
 
     # ---- loading -------------------------------------------------------------------------
     def load_conv_weight(self, name: str, loaded: torch.Tensor) -> None:
@@ -194,19 +193,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
         return g, beta
 
-    def _gated_norm_fits(self, hidden_size: int) -> bool:
-        """Whether the out_proj GEMV can take the gated norm over this layer's value heads."""
-        from lamina.kernels.triton_gemv import gated_norm_fits
-
-        return gated_norm_fits(hidden_size, self.value_dim, self.head_v_dim)
-
     def _output(self, core: torch.Tensor, z: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        if self.norm_in_out_proj and num_tokens <= _gemv_max_rows():  # a decode-sized step: one launch
-            from lamina.kernels.triton_gemv import gemv_gated_norm
-
-            core = core.reshape(num_tokens, self.value_dim)  # [T, Hv*Dv]
-            z = z.reshape(num_tokens, self.value_dim)  # [T, Hv*Dv], a strided split: no copy
-            return gemv_gated_norm(core, z, self.norm.weight, self.norm.eps, self.norm.activation, self.out_proj.weight)
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         core = self.norm(core, z).reshape(num_tokens, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(core)
@@ -251,9 +238,3 @@ class GatedDeltaNet(nn.Module):
             capture.keep(self.conv_state, conv_rows)
             capture.keep(self.ssm_state, ssm_rows)
         return self._output(core, z, num_tokens)
-
-
-def _gemv_max_rows() -> int:
-    from lamina.kernels.triton_gemv import GEMV_MAX_ROWS
-
-    return GEMV_MAX_ROWS
