@@ -218,12 +218,12 @@ for r in sorted([r for r in rs if 'ms' in r], key=lambda r: r['ms'])[:8] + [r fo
       done ;;
     varlentiles)  # the varlen attention kernel's (BLOCK_M, BLOCK_N, warps, stages) on a fresh 8k prompt and a continued 4k chunk
       timeout 300 python3 benchmarks/bench_varlen_attention.py --sweep --out $OUT/bench_varlen_tiles.json 2>&1 | tail -14 ;;
-    gputests10)  # GPU tests of session 10's kernels (gated norm in the out_proj GEMV, one-warp routing, down GEMV's early reads) and the engine
+    gputests10)  # GPU tests of the kernels, the engine and batch invariance (ran on acc4290, whose GEMV / routing changes were reverted)
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 -k "not fla_prefill_matches_reference" \
         tests/test_triton_kernels.py tests/test_pdl.py tests/test_triton_router.py tests/test_gpu_engine.py \
         tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -14 | cut -c1-200 ;;
-    b1ab)  # batch-1 decode (128 in / 64 out): this tree against the session's first commit (.baseline, carried), alternating,
-      # then this tree with the gated norm as its own launch again (LAMINA_GEMV_GATED_NORM=0)
+    b1ab)  # batch-1 decode (128 in / 64 out): this tree against an earlier tree in .baseline (git archive, carried), alternating,
+      # then this tree with LAMINA_GEMV_GATED_NORM=0 (acc4290's switch; reverted since, ignored by later trees)
       for i in 1 2; do
         dir=/tmp; [ $i = 2 ] && dir=$OUT
         (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 90 python3 -m lamina.entrypoints.cli bench latency \
