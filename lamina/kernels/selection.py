@@ -106,7 +106,8 @@ def triton_prefill_attention_enabled(kernels: str) -> bool:
     continue cached context (prompt chunks after the first; verification chunks riding a prefill
     step) on lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`: reads the
     paged cache, no per-shape plan) rather than SDPA's masked call per request group. Fresh prompts
-    keep SDPA's causal rule (flash: 2.6 against 5.4 ms for the varlen kernel at 8k) and decode
+    keep SDPA's causal rule (flash: 2.45 against 2.32 ms for the varlen kernel's wide-head tile at
+    8k, not compared in the engine) and decode
     groups the paged decode kernel either way. On an H200 (benchmarks/results/bench_varlen_attention_h200.json)
     a 4k chunk over 4k of context took 4.2 against 20.9 ms, and SDPA's masked call (cuDNN with GQA)
     builds a plan for every new shape (70-195 ms). On by default; `LAMINA_PREFILL_ATTENTION=sdpa`

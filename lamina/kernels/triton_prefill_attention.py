@@ -146,21 +146,19 @@ def paged_prefill_attention(
             GATED=gated, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
         )
 
-    if tile is not None:
-        launch(*tile)
-        return out
     key = (q.device, head_dim, q.dtype)
-    if key in _CHOSEN_TILE:
-        launch(*_CHOSEN_TILE[key])
+    chosen = tile or _CHOSEN_TILE.get(key)
+    if chosen is not None:
+        launch(*chosen)
         return out
-    tiles = prefill_tiles(head_dim)
-    for i, candidate in enumerate(tiles):
+    *fallible, last = prefill_tiles(head_dim)
+    for candidate in fallible:
         try:
             launch(*candidate)
         except OutOfResources:  # shared memory: raised at compile time, before the launch
-            if i == len(tiles) - 1:
-                raise
             continue
         _CHOSEN_TILE[key] = candidate  # the same tile for every later call: a row's sums never change order
         return out
+    launch(*last)  # nothing smaller to fall back to: its error, if any, goes to the caller
+    _CHOSEN_TILE[key] = last
     return out
