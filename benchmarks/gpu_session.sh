@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -239,6 +239,10 @@ for r in sorted([r for r in rs if 'ms' in r], key=lambda r: r['ms'])[:8] + [r fo
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=6 -k "not fla_prefill_matches_reference" \
         tests/test_kernels.py tests/test_request_groups.py tests/test_triton_kernels.py tests/test_gpu_engine.py \
         tests/test_batch_invariance.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -16 | cut -c1-200 ;;
+    moesweep)  # the MoE GEMV tiles at 1 / 2 / 4 tokens (L2-cold, graph replays), with the many-program tiles at one token
+      timeout 400 python3 benchmarks/tune_gemv.py --only moe --many-programs --out $OUT/tune_gemv_moe_many.json 2>&1 | grep -v "^skip" | tail -8 | cut -c1-1500 ;;
+    b1)  # batch-1 decode, 128 in / 64 out
+      LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_b1.json 2>&1 | tail -1 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -8,6 +8,7 @@ would replace, in the same run:
 
     python benchmarks/tune_gemv.py --out tune_gemv.json
     python benchmarks/tune_gemv.py --only moe --out tune_gemv_moe.json   # the MoE sweep alone
+    python benchmarks/tune_gemv.py --only moe --many-programs --out ...  # and many-program tiles at one token
 
 The MoE sweep (about 25 trials, each printed record says how many and how long) is coordinate
 descent at one token: gate/up tiles and split, then the down tile (down_n x down_k), warps,
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.triton_gemv import gemv, gemv_config  # noqa: E402
 from lamina.kernels.triton_moe import DEFAULT_CONFIG_SMALL, fused_moe  # noqa: E402
-from lamina.kernels.triton_moe_gemv import GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN, fused_moe_gemv  # noqa: E402
+from lamina.kernels.triton_moe_gemv import GEMV_CONFIG, GEMV_CONFIG_ONE_TOKEN, _shared_memory, fused_moe_gemv  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -61,7 +62,7 @@ def best(rows, **match) -> dict | None:
     return min(matching, key=lambda r: r[0])[1] if matching else None
 
 
-def tune_moe(dev, results):
+def tune_moe(dev, results, many_programs: bool = False):
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02
@@ -117,6 +118,23 @@ def tune_moe(dev, results):
             for key, values in (("down_warps", (2, 8)), ("down_stages", (2, 4)), ("down_slots", (3, top_k + 1))):
                 for value in values:
                     trial({**best(rows), key: value})
+            if many_programs:
+                # Tiles that put several programs on each SM (shared memory <= ~110 KB) and many
+                # programs in the grid: 72 gate/up programs of 512 KB leave 60 SMs idle, and 144 or
+                # 288 programs that fit one per SM run in 2-3 uneven waves (the earlier split
+                # trials, at up_k 256 and 4 stages, were all of that kind).
+                base = best(rows)
+                for up_n, up_k, up_split, stages, warps in itertools.product(
+                        (16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (2, 4)):
+                    cfg = {**base, "up_n": up_n, "up_k": up_k, "up_split": up_split, "up_stages": stages, "up_warps": warps}
+                    programs = (top_k + 1) * (inter // up_n) * up_split
+                    if programs >= 256 and up_k * up_split <= hidden and _shared_memory(cfg, 2)[0] <= 110 * 1024:
+                        trial(cfg)
+                base = best(rows)
+                for down_n, down_k, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4), (1, 2, 4)):
+                    cfg = {**base, "down_n": down_n, "down_k": down_k, "down_stages": stages, "down_warps": warps}
+                    if _shared_memory(cfg, 2)[1] <= 110 * 1024:
+                        trial(cfg)
             best_batch1 = best(rows)
         else:
             trial(dict(GEMV_CONFIG))
@@ -178,12 +196,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", choices=("moe", "linear"), default=None)
+    ap.add_argument("--many-programs", action="store_true",
+                    help="at one token, also the MoE tiles of >= 256 programs and <= 110 KB of shared memory")
     args = ap.parse_args()
     dev = "cuda"
     results = [{"op": "copy", "gb_s": copy_bandwidth(dev), "gpu": torch.cuda.get_device_name()}]
     print(json.dumps(results[0]))
     if args.only in (None, "moe"):
-        tune_moe(dev, results)
+        tune_moe(dev, results, many_programs=args.many_programs)
     if args.only in (None, "linear"):
         tune_linear(dev, results)
     if args.out:
