@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -243,6 +243,17 @@ for r in sorted([r for r in rs if 'ms' in r], key=lambda r: r['ms'])[:8] + [r fo
       timeout 400 python3 benchmarks/tune_gemv.py --only moe --many-programs --out $OUT/tune_gemv_moe_many.json 2>&1 | grep -v "^skip" | tail -8 | cut -c1-1500 ;;
     b1)  # batch-1 decode, 128 in / 64 out
       LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 --output-json $OUT/latency_b1.json 2>&1 | tail -1 ;;
+    profile16k)  # where a 16k prompt in 2k chunks goes (fla delta rule): wall against GPU time, kernel by kernel
+      LAMINA_GDN_PREFILL=fla timeout 200 python3 benchmarks/profile_decode.py --prefill-len 16384 --chunk 2048 --steps 1 \
+        --out $OUT/profile_prefill_16k_chunked.json > /tmp/profile_prefill_16k.txt 2>&1 || tail -20 /tmp/profile_prefill_16k.txt
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_16k_chunked.json'))
+print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:30]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:100])" ;;
+    trace16k)  # what the first 16k prompt in 2k chunks compiles after the engine's warm-up (empty Triton cache), step by step
+      LAMINA_GDN_PREFILL=fla timeout 300 python3 benchmarks/throughput_steps.py --trace-compiles --no-first-request --num-prompts 1 \
+        --input-len 16384 --output-len 2 --max-num-seqs 1 --max-model-len 16400 --max-num-batched-tokens 2048 \
+        --out $OUT/trace_16k_chunked.json 2>&1 | tail -12 | cut -c1-1500 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -3,6 +3,7 @@ GPU kernel time per step, kernel launches per step, and the top kernels.
 
     python benchmarks/profile_decode.py --batch 1 [--enforce-eager] [--out profile.json]
     python benchmarks/profile_decode.py --prefill-len 8192 [--out profile.json]   # one prefill step instead
+    python benchmarks/profile_decode.py --prefill-len 16384 --chunk 2048 --steps 1  # a prompt in 2k chunks
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="profile prefill steps of one prompt of this many tokens (one chunk) instead of decode")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="with --prefill-len: the token budget per step (default: the whole prompt in one chunk)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prefill_len:
@@ -93,13 +96,13 @@ def kernel_table(prof, steps: int) -> dict:
 
 
 def profile_prefill(args) -> None:
-    """One prompt of --prefill-len tokens prefilled in one chunk; the first prefill compiles and is
-    not profiled, the next --steps prompts are (each is a fresh request, so every step is the full
+    """One prompt of --prefill-len tokens prefilled in one chunk (or in --chunk-token steps); the
+    first prefill compiles and is not profiled, the next --steps prompts are (each is a fresh request, so every step is the full
     prefill and the 1-token decode after it is excluded by max_tokens=1)."""
     n = args.prefill_len
     path = preset_dir("qwen3.5-35b-a3b", args.layers)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=n + 16,
-              max_num_seqs=1, max_num_batched_tokens=n, show_progress=False, enforce_eager=args.enforce_eager)
+              max_num_seqs=1, max_num_batched_tokens=args.chunk or n, show_progress=False, enforce_eager=args.enforce_eager)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -117,7 +120,7 @@ def profile_prefill(args) -> None:
             one_prefill(2 + i)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
-    result = {"prefill_len": n, "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
+    result = {"prefill_len": n, "chunk": args.chunk or n, "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
               **kernel_table(prof, args.steps)}
     print(json.dumps(result, indent=1))
     if args.out:

@@ -4,6 +4,8 @@ steps, with the slowest ones listed. Same engine settings and prompts as `lamina
 
     python benchmarks/throughput_steps.py --num-prompts 64 --input-len 1024 --output-len 256 \
         --max-num-seqs 64 --max-model-len 2048 --out throughput_steps.json
+    python benchmarks/throughput_steps.py --trace-compiles --no-first-request --num-prompts 1 --input-len 16384 \
+        --output-len 2 --max-num-seqs 1 --max-model-len 16400 --max-num-batched-tokens 2048   # what a first long prompt compiles
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--no-first-request", action="store_true",
+                    help="time the workload as the engine's first requests after its warm-up (no 2-token request before)")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--trace-compiles", action="store_true",
                     help="start from an empty Triton cache and list the kernels each step compiles")
@@ -47,6 +52,7 @@ def main() -> None:
     llm = LLM(str(preset_dir(args.preset, args.num_layers)), load_format="dummy", dtype="bfloat16" if cuda else "float32",
               skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, show_progress=False,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               async_scheduling=False if args.no_async_scheduling else None)
     engine = llm.engine
     seen: set[str] = set()
@@ -68,8 +74,9 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(0, min(vocab, 200_000)) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)
+    if not args.no_first_request:
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
     sync()
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, params)

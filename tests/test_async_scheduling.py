@@ -151,16 +151,16 @@ def test_warm_up_steps_reach_the_token_budget():
 
     got = steps(8192, 1296, 128)  # bench throughput's engine: 1024 + 256 + 16
     # 32, 256 and the budget as one request and one token short over two; the other powers of two
-    # from 8 to 512 (the fused MoE's alignment buckets) once; last, 16 tokens past the budget, so
-    # the budget cuts the last prompt and its next step continues cached context
-    assert [sum(s) for s in got] == [8, 16, 32, 31, 64, 128, 256, 255, 512, 8192, 8191, 8208]
-    assert [len(s) for s in got] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 7, 7, 7] and max(map(max, got)) <= 1295
+    # from 8 to 512 (the fused MoE's alignment buckets) once; last, twice the budget, so the budget
+    # cuts a prompt and the next step continues it over its cached context
+    assert [sum(s) for s in got] == [8, 16, 32, 31, 64, 128, 256, 255, 512, 8192, 8191, 16384]
+    assert [len(s) for s in got] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 7, 7, 13] and max(map(max, got)) <= 1295
     # one request at a time, prompts of at most 511 tokens: a budget of 8192 never cuts a prompt
     got = steps(8192, 512, 1)
     assert got == [[8], [16], [32], [31], [64], [128], [256], [255], [511], [510]]
     assert steps(8192, 20000, 64, num_tokens=1) == [[1], [8], [16], [32], [16, 15], [64], [128], [512], [8192],
-                                                    [4096, 4095], [8208]]
-    assert steps(2048, 20000, 1)[-1] == [2064]  # one long prompt: 2048 tokens, then 16 that continue it
+                                                    [4096, 4095], [16384]]
+    assert steps(2048, 20000, 1)[-1] == [4096]  # one long prompt: 2048 tokens, then 2048 that continue it
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
@@ -171,7 +171,7 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     # the warm-up's steps: 8 and 16 tokens, then 32, 40 and the whole budget (48), each as one
-    # request and one token short over two, then a 64-token prompt the budget cuts at 48
+    # request and one token short over two, then a 96-token prompt the budget cuts at 48
     options = dict(device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap,
                    max_num_batched_tokens=48)
     with LLM(str(qwen3_5_moe_dir), **options) as llm:
@@ -186,9 +186,9 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
             (c.start_position, len(c.token_ids)) for c in plan.chunks), plan)[1])(schedule(*a, **k))
         engine.warm_up(num_tokens=40)
         del engine.add_request, engine.scheduler.schedule
-        assert engine.warm_up_steps(40) == [[8], [16], [32], [16, 15], [40], [20, 19], [48], [24, 23], [64]]
-        assert seen == [8, 16, 32, 16, 15, 40, 20, 19, 48, 24, 23, 64]
-        assert chunks[-2:] == [(0, 48), (48, 16)]  # the cut prompt's rest runs over its cached context
+        assert engine.warm_up_steps(40) == [[8], [16], [32], [16, 15], [40], [20, 19], [48], [24, 23], [96]]
+        assert seen == [8, 16, 32, 16, 15, 40, 20, 19, 48, 24, 23, 96]
+        assert chunks[-2:] == [(0, 48), (48, 48)]  # the cut prompt's rest runs over its cached context
         assert not engine.has_unfinished_requests() and engine.cache_usage() == 0
         assert engine.num_prompt_tokens_processed == engine.num_generation_tokens_processed == 0
         assert not engine.step_token_counts

@@ -38,7 +38,6 @@ WARM_UP_SHORT_PROMPT_TOKENS = 32  # a short prompt's step (the fused MoE's decod
 # power-of-two bucket of (token, expert) pairs, and mixed steps of any size between decode and a long
 # chunk come (a 281-token step of an offline run compiled it for 4.3 s before these were warmed).
 WARM_UP_SIZE_CLASSES = (8, 16, 64, 128, 512)
-WARM_UP_CONTINUED_TOKENS = 16  # what the warm-up's cut prompt continues with in its second step
 WARM_UP_REQUEST_ID = "lamina-warm-up"
 
 
@@ -187,8 +186,8 @@ class LLMEngine:
         prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole token budget
         (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each once as one
         step of that many tokens and once one token short over two requests, and one step of each
-        of WARM_UP_SIZE_CLASSES below the budget, and a step whose last prompt the budget cuts, so the
-        next step continues it over its cached context (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
+        of WARM_UP_SIZE_CLASSES below the budget, and twice the budget's prompt tokens, so the budget
+        cuts one and the next step continues it over its cached context (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
         the statistics reset. Run by the constructor on CUDA."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
@@ -219,11 +218,14 @@ class LLMEngine:
                 lengths = [tokens // count + (i < tokens % count) for i in range(count)]
                 if lengths not in steps and max(lengths) <= per_request:
                     steps.append(lengths)
-        # A prompt chunk that continues cached context (the varlen attention kernel, compiled on its
-        # first such chunk: ~1.5 s at head dim 256 once landed in a 16k prompt's TTFT). Only a prompt
-        # the budget cuts makes one, so: prompts CONTINUED_TOKENS past the budget, in as few requests
-        # as max_model_len allows; the last is cut and its rest continues in the next step.
-        tokens = self.max_num_batched_tokens + WARM_UP_CONTINUED_TOKENS
+        # Prompt chunks that continue cached context: the varlen attention kernel and fla's chunked
+        # delta rule from an initial state compile on their first such chunk (~1.5 s at head dim 256
+        # once landed in a 16k prompt's TTFT), and Triton specialises integer arguments equal to 1
+        # or divisible by 16 (a 16-token rest is one 64-token chunk of fla's, a budget-sized one is
+        # many), so the rest is as long as a long prompt's middle chunks: prompts of twice the
+        # budget in as few requests as max_model_len allows; the budget cuts one of them, and the
+        # next step continues it (with one request, over a whole budget).
+        tokens = 2 * self.max_num_batched_tokens
         count = -(-tokens // per_request)
         if count <= self.max_num_seqs:
             steps.append([tokens // count + (i < tokens % count) for i in range(count)])
