@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -254,6 +254,10 @@ for k in d['top_kernels'][:30]: print(round(k['us_per_step'],1), k['calls_per_st
       LAMINA_GDN_PREFILL=fla timeout 300 python3 benchmarks/throughput_steps.py --trace-compiles --no-first-request --num-prompts 1 \
         --input-len 16384 --output-len 2 --max-num-seqs 1 --max-model-len 16400 --max-num-batched-tokens 2048 \
         --out $OUT/trace_16k_chunked.json 2>&1 | tail -12 | cut -c1-1500 ;;
+    steps16k)  # bench latency's 16k prompt in 2k chunks (varlen kernel), with the wall time of each step up to the first token
+      LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 --input-len 16384 --output-len 2 --max-num-batched-tokens 2048 \
+        --output-json $OUT/prefill_16k_chunked_steps.json 2>&1 | tail -1
+      python3 -c "import json; r=json.load(open('$OUT/prefill_16k_chunked_steps.json'))[-1]; print(r['ttft_ms'], r['first_token_steps_ms'], sum(r['first_token_steps_ms']))" ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -214,9 +214,13 @@ def run_latency(args, model_path: str) -> list[dict]:
             decode_steps = 0
             start = time.perf_counter()
             produced = {}
+            first_steps_ms = []  # each step's wall time until every request has its first token
             while engine.has_unfinished_requests():
+                before = time.perf_counter()
                 outs = engine.step()
                 now = time.perf_counter()
+                if ttft is None:
+                    first_steps_ms.append(round((now - before) * 1e3, 3))
                 all_started = len(produced) == batch
                 for o in outs:
                     produced[o.request_id] = len(o.outputs[0].token_ids)
@@ -235,7 +239,7 @@ def run_latency(args, model_path: str) -> list[dict]:
                 "total_tok_per_s": batch * (args.input_len + args.output_len) / (time.perf_counter() - start),
                 "tpot_ms": tpot * 1e3, "ttft_ms": ttft * 1e3 if ttft is not None else None,
                 "cuda_graphs": engine.cuda_graphs, "async_scheduling": engine.async_scheduling,
-                "decode_steps": decode_steps,
+                "decode_steps": decode_steps, "first_token_steps_ms": first_steps_ms,
             }
             if bandwidth is not None:
                 distinct = distinct_experts_per_layer(llm, prompts, args.output_len)
