@@ -254,10 +254,13 @@ for k in d['top_kernels'][:30]: print(round(k['us_per_step'],1), k['calls_per_st
       LAMINA_GDN_PREFILL=fla timeout 300 python3 benchmarks/throughput_steps.py --trace-compiles --no-first-request --num-prompts 1 \
         --input-len 16384 --output-len 2 --max-num-seqs 1 --max-model-len 16400 --max-num-batched-tokens 2048 \
         --out $OUT/trace_16k_chunked.json 2>&1 | tail -12 | cut -c1-1500 ;;
-    steps16k)  # bench latency's 16k prompt in 2k chunks (varlen kernel), with the wall time of each step up to the first token
-      LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 --input-len 16384 --output-len 2 --max-num-batched-tokens 2048 \
+    steps16k)  # bench latency's 16k prompt in 2k chunks (varlen kernel), twice in one process (the first request, then
+      # another), with the wall time of each step up to the first token
+      LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 1 --input-len 16384 --output-len 2 --max-num-batched-tokens 2048 \
         --output-json $OUT/prefill_16k_chunked_steps.json 2>&1 | tail -1
-      python3 -c "import json; r=json.load(open('$OUT/prefill_16k_chunked_steps.json'))[-1]; print(r['ttft_ms'], r['first_token_steps_ms'], sum(r['first_token_steps_ms']))" ;;
+      python3 -c "
+import json
+for r in json.load(open('$OUT/prefill_16k_chunked_steps.json')): print(r['ttft_ms'], r['first_token_steps_ms'], sum(r['first_token_steps_ms']))" ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
