@@ -161,6 +161,8 @@ def test_warm_up_steps_reach_the_token_budget():
     assert steps(8192, 20000, 64, num_tokens=1) == [[1], [8], [16], [32], [16, 15], [64], [128], [512], [8192],
                                                     [4096, 4095], [16384]]
     assert steps(2048, 20000, 1)[-1] == [4096]  # one long prompt: 2048 tokens, then 2048 that continue it
+    # 10 prompts of at most 1023 tokens outgrow a budget of 8192 by less than a budget: all 10, cut once
+    assert steps(8192, 1024, 10)[-1] == [1023] * 10
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])

@@ -187,8 +187,9 @@ class LLMEngine:
         (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each once as one
         step of that many tokens and once one token short over two requests, and one step of each
         of WARM_UP_SIZE_CLASSES below the budget, and twice the budget's prompt tokens, so the budget
-        cuts one and the next step continues it over its cached context (`warm_up_steps`). Leaves the engine as it found it: no request, every cache block free,
-        the statistics reset. Run by the constructor on CUDA."""
+        cuts one and the next step continues it over its cached context (`warm_up_steps`). Leaves
+        the engine as it found it: no request, every cache block free, the statistics reset. Run by
+        the constructor on CUDA."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
         vocab = self.model_config.vocab_size
@@ -225,9 +226,11 @@ class LLMEngine:
         # many), so the rest is as long as a long prompt's middle chunks: prompts of twice the
         # budget in as few requests as max_model_len allows; the budget cuts one of them, and the
         # next step continues it (with one request, over a whole budget).
-        tokens = 2 * self.max_num_batched_tokens
-        count = -(-tokens // per_request)
-        if count <= self.max_num_seqs:
+        # (Fewer when max_num_seqs prompts of max_model_len hold less; none when they fit one
+        # budget: then no prompt is ever cut.)
+        tokens = min(2 * self.max_num_batched_tokens, per_request * self.max_num_seqs)
+        if tokens > self.max_num_batched_tokens:
+            count = -(-tokens // per_request)
             steps.append([tokens // count + (i < tokens % count) for i in range(count)])
         return steps
 
