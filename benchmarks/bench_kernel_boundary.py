@@ -5,8 +5,10 @@ this measures what one boundary costs at those sizes:
 
 1. `empty`: N one-program kernels that each read one float and write one (a dependency chain):
    microseconds per kernel = the launch-to-launch floor of a graph.
-2. `stream`: N kernels that each read `mb` MB of their own slice of one large buffer (the slices
-   together far beyond L2, so every read comes from HBM) and write one float per program, against
+2. `stream`: N kernels that each read about `mb` MB of their own slice of one large buffer (each
+   program reads whole 2,048-element blocks, so the size is rounded per grid: the records hold the
+   real one; the slices together, >= 256 MB of the requested size, far beyond the 50 MB L2, so
+   every read comes from HBM) and write one float per program, against
    ONE kernel that reads all N slices (the same bytes, no boundaries). The difference divided by N
    is the cost of a boundary at that size; bytes over time give each its bandwidth.
 
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from graph_timing import time_graph
-from lamina.kernels.pdl import wait_for_producer
+from lamina.kernels.pdl import pdl_launch, wait_for_producer
 
 
 @triton.jit
@@ -86,7 +88,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for pdl in (False, True):
+    modes = (False, True) if pdl_launch(torch.device("cuda", torch.cuda.current_device())) else (False,)  # LAMINA_PDL, sm90+
+    for pdl in modes:
         for n in (100, 450):
             us = bench_empty(n, pdl)
             rows.append({"test": "empty", "kernels": n, "pdl": pdl, "us_per_kernel": us})
@@ -95,7 +98,7 @@ def main() -> None:
     # the decode step's sizes: router 1 MB, out_proj 8 MB, MoE down 18 MB, gate/up 36 MB, in_proj ~24 MB
     for mb in (1, 4, 8, 18, 36):
         for programs in (sms // 2, sms, 2 * sms, 4 * sms):
-            for pdl in (False, True):
+            for pdl in modes:
                 n = max(args.kernels, -(-256 // mb))  # >= 256 MB per graph: past the 50 MB L2
                 rows.append({"test": "stream", **bench_stream(n, mb, programs, pdl)})
                 r = rows[-1]

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--prefill-len", type=int, default=0,
-                    help="profile prefill steps of one prompt of this many tokens (one chunk) instead of decode")
+                    help="profile the prefill of prompts of this many tokens instead of decode (one chunk, or see --chunk)")
     ap.add_argument("--chunk", type=int, default=0,
                     help="with --prefill-len: the token budget per step (default: the whole prompt in one chunk)")
     ap.add_argument("--out", default=None)
@@ -120,7 +120,7 @@ def profile_prefill(args) -> None:
             one_prefill(2 + i)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
-    result = {"prefill_len": n, "chunk": args.chunk or n, "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
+    result = {"prefill_len": n, "chunk": args.chunk or n, "per_step_means": "per prompt (all its chunks)", "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
               **kernel_table(prof, args.steps)}
     print(json.dumps(result, indent=1))
     if args.out:

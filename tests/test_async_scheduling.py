@@ -8,6 +8,8 @@ covered in tests/test_triton_kernels.py (the engine test on the Triton kernels r
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -143,7 +145,7 @@ def test_warm_up_steps_reach_the_token_budget():
     requests than max_num_seqs, never a prompt longer than max_model_len - 1."""
     from types import SimpleNamespace
 
-    from lamina.engine.llm_engine import LLMEngine
+    from lamina.engine.llm_engine import LLMEngine, _cut_prompt_lengths
 
     def steps(budget, model_len, seqs, num_tokens=256):
         engine = SimpleNamespace(max_num_batched_tokens=budget, max_model_len=model_len, max_num_seqs=seqs)
@@ -151,18 +153,33 @@ def test_warm_up_steps_reach_the_token_budget():
 
     got = steps(8192, 1296, 128)  # bench throughput's engine: 1024 + 256 + 16
     # 32, 256 and the budget as one request and one token short over two; the other powers of two
-    # from 8 to 512 (the fused MoE's alignment buckets) once; last, twice the budget, so the budget
-    # cuts a prompt and the next step continues it over its cached context
-    assert [sum(s) for s in got] == [8, 16, 32, 31, 64, 128, 256, 255, 512, 8192, 8191, 16384]
-    assert [len(s) for s in got] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 7, 7, 13] and max(map(max, got)) <= 1295
+    # from 8 to 512 (the fused MoE's alignment buckets) once; last, whole prompts 16 tokens short of
+    # the budget and one the budget cuts after its first 16 tokens
+    assert [sum(s) for s in got] == [8, 16, 32, 31, 64, 128, 256, 255, 512, 8192, 8191, 8176 + 1295]
+    assert [len(s) for s in got] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 7, 7, 8] and max(map(max, got)) <= 1295
+    assert got[-1] == [1168] * 7 + [1295]
     # one request at a time, prompts of at most 511 tokens: a budget of 8192 never cuts a prompt
     got = steps(8192, 512, 1)
     assert got == [[8], [16], [32], [31], [64], [128], [256], [255], [511], [510]]
     assert steps(8192, 20000, 64, num_tokens=1) == [[1], [8], [16], [32], [16, 15], [64], [128], [512], [8192],
-                                                    [4096, 4095], [16384]]
-    assert steps(2048, 20000, 1)[-1] == [4096]  # one long prompt: 2048 tokens, then 2048 that continue it
-    # 10 prompts of at most 1023 tokens outgrow a budget of 8192 by less than a budget: all 10, cut once
-    assert steps(8192, 1024, 10)[-1] == [1023] * 10
+                                                    [4096, 4095], [16384]]  # one prompt: a whole budget continues it
+    assert steps(2048, 20000, 1)[-1] == [4096]
+    assert steps(8192, 16384, 64)[-1] == [16383]  # 8192 tokens, then 8191 that continue them
+    # 10 prompts of at most 1023 tokens: 8 whole ones of 8176 tokens, and a 9th cut after 16
+    assert steps(8192, 1024, 10)[-1] == [1022] * 8 + [1023]
+    # 5 prompts of at most 1800 tokens: 4 whole ones before the cut one, which the budget cuts after 992
+    assert steps(8192, 1801, 5)[-1] == [1800] * 5
+    assert _cut_prompt_lengths(8192, 4, 1800) == []  # 4 x 1800 tokens fit the budget: no prompt is ever cut
+    for budget, model_len, seqs in itertools.product((16, 48, 2048, 8192), (3, 17, 49, 1025, 2049, 8193, 16384),
+                                                     (1, 2, 3, 10, 64)):
+        per_request = model_len - 1
+        cut = _cut_prompt_lengths(budget, seqs, per_request)
+        if per_request * seqs <= budget:
+            assert cut == []
+            continue
+        ends = list(itertools.accumulate(cut))  # where each prompt ends in the step's token order
+        assert len(cut) <= seqs and 1 <= min(cut) and max(cut) <= per_request
+        assert budget not in ends and ends[-1] > budget, (budget, model_len, seqs, cut)  # one prompt straddles it
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
@@ -197,6 +214,23 @@ def test_warm_up_leaves_the_engine_as_it_was(qwen3_5_moe_dir, overlap):
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert engine.num_generation_tokens_processed == 10
     assert after == fresh
+
+
+def test_warm_up_cuts_a_prompt_when_prompts_are_shorter_than_the_budget(qwen3_5_moe_dir):
+    """Prompts of at most 19 tokens and a budget of 48: two whole prompts of 16, then one of 19 that
+    the budget cuts after 16 tokens; the scheduler's next step continues it over its cache."""
+    with LLM(str(qwen3_5_moe_dir), device="cpu", dtype="float32", show_progress=False, max_num_batched_tokens=48,
+             max_model_len=20) as llm:
+        engine = llm.engine
+        assert engine.warm_up_steps(40)[-1] == [16, 16, 19]
+        chunks = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda *a, **k: (lambda plan: (chunks.append(
+            [(c.start_position, len(c.token_ids)) for c in plan.chunks]), plan)[1])(schedule(*a, **k))
+        engine.warm_up(num_tokens=40)
+        del engine.scheduler.schedule
+        assert chunks[-2][-3:] == [(0, 16), (0, 16), (0, 16)] and chunks[-1] == [(16, 3)]
+        assert not engine.has_unfinished_requests() and engine.cache_usage() == 0
 
 
 def test_a_stopped_request_id_taken_again_while_its_step_runs(qwen3_5_moe_dir):

@@ -41,6 +41,27 @@ WARM_UP_SIZE_CLASSES = (8, 16, 64, 128, 512)
 WARM_UP_REQUEST_ID = "lamina-warm-up"
 
 
+def _cut_prompt_lengths(budget: int, seqs: int, per_request: int) -> list[int]:
+    """The warm-up's last prompts (lengths), of which the token budget cuts one so that the next
+    step continues it over its cached context: the varlen attention kernel and fla's chunked delta
+    rule from an initial state compile on their first such chunk (~1.5 s at head dim 256 once
+    landed in a 16k prompt's TTFT). Triton specialises integer arguments equal to 1 or divisible
+    by 16, so the rest is as long as real prompts' continued chunks: with prompts longer than the
+    budget, one of min(2 x budget, per_request) tokens (up to a whole budget continues); otherwise
+    whole prompts up to 16 tokens short of the budget (never ending exactly on it), then one of
+    per_request tokens that the budget cuts after its first 16 (more, when only seqs - 1 prompts
+    fit before it). None when `seqs` prompts of `per_request` fit one budget: then no prompt is
+    ever cut."""
+    if per_request < 2 or per_request * seqs <= budget:
+        return []
+    if per_request > budget:
+        return [min(2 * budget, per_request)]
+    first = min(per_request - 1, max(16, budget - (seqs - 1) * per_request))  # the cut prompt's first chunk
+    head = budget - first  # whole prompts before it: at most seqs - 1 of per_request tokens
+    count = -(-head // per_request)
+    return [head // count + (i < head % count) for i in range(count)] + [per_request]
+
+
 def _steady_decode(chunk, num_drafts: int) -> bool:
     """A chunk that verifies `num_drafts` drafts and proposes as many (no prompt tokens): the
     steps the auto policy times."""
@@ -186,8 +207,8 @@ class LLMEngine:
         prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole token budget
         (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each once as one
         step of that many tokens and once one token short over two requests, and one step of each
-        of WARM_UP_SIZE_CLASSES below the budget, and twice the budget's prompt tokens, so the budget
-        cuts one and the next step continues it over its cached context (`warm_up_steps`). Leaves
+        of WARM_UP_SIZE_CLASSES below the budget, and prompts of which the budget cuts one, so the
+        next step continues it over its cached context (`warm_up_steps`). Leaves
         the engine as it found it: no request, every cache block free, the statistics reset. Run by
         the constructor on CUDA."""
         if self.has_unfinished_requests():
@@ -219,19 +240,9 @@ class LLMEngine:
                 lengths = [tokens // count + (i < tokens % count) for i in range(count)]
                 if lengths not in steps and max(lengths) <= per_request:
                     steps.append(lengths)
-        # Prompt chunks that continue cached context: the varlen attention kernel and fla's chunked
-        # delta rule from an initial state compile on their first such chunk (~1.5 s at head dim 256
-        # once landed in a 16k prompt's TTFT), and Triton specialises integer arguments equal to 1
-        # or divisible by 16 (a 16-token rest is one 64-token chunk of fla's, a budget-sized one is
-        # many), so the rest is as long as a long prompt's middle chunks: prompts of twice the
-        # budget in as few requests as max_model_len allows; the budget cuts one of them, and the
-        # next step continues it (with one request, over a whole budget).
-        # (Fewer when max_num_seqs prompts of max_model_len hold less; none when they fit one
-        # budget: then no prompt is ever cut.)
-        tokens = min(2 * self.max_num_batched_tokens, per_request * self.max_num_seqs)
-        if tokens > self.max_num_batched_tokens:
-            count = -(-tokens // per_request)
-            steps.append([tokens // count + (i < tokens % count) for i in range(count)])
+        cut = _cut_prompt_lengths(self.max_num_batched_tokens, self.max_num_seqs, per_request)
+        if cut:
+            steps.append(cut)
         return steps
 
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
