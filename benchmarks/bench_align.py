@@ -12,6 +12,8 @@ warps (the default picks by pair count: `_align_warps`).
     python benchmarks/bench_align.py --out bench_align.json             # ~30 s (compiles included)
     python benchmarks/bench_align.py --out bench_align.json --sweep     # + warps sweep, ~1-2 min
     python benchmarks/bench_align.py --experts 64 --global-experts 256 --expert-start 64   # EP rank 1 of 4
+    python benchmarks/bench_align.py --pairs 8192,16384,65536 --block-m 64 --no-v0 --eager   # prefill chunks:
+        # the three-launch alignment (triton_align) against torch's, in graphs and eagerly
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lamina.kernels.triton_align import align_pairs_blocked  # noqa: E402
 from lamina.kernels.triton_moe import _align_one_program, _align_torch, _align_warps, _max_rows  # noqa: E402
 
 
@@ -95,6 +99,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the new kernel at 1, 2, 4, 8 warps")
     ap.add_argument("--no-v0", action="store_true", help="skip the old kernel (slow: ~40 us per call)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch reference's timing")
+    ap.add_argument("--eager", action="store_true",
+                    help="also time eager calls (launches included: what a prefill step, which runs eagerly, pays)")
     args = ap.parse_args()
     dev = "cuda"
     experts, start, block_m, top_k = args.experts, args.expert_start, args.block_m, args.top_k
@@ -109,7 +115,8 @@ def main() -> None:
         scores = torch.rand(num_pairs // k, global_experts, device=dev, generator=gen)
         ids = scores.topk(k, dim=-1).indices  # [T, k] int64: distinct experts per token, as the router's
         ref = _align_torch(ids, experts, start, block_m)
-        paths = {"new": lambda: _align_one_program(ids, experts, start, block_m)}
+        paths = {"new": lambda: _align_one_program(ids, experts, start, block_m)} if num_pairs <= 4096 else {}
+        paths["blocked"] = lambda: align_pairs_blocked(ids, experts, start, block_m, _max_rows(ids.numel(), experts, block_m))
         if args.sweep:
             for warps in (1, 2, 4, 8):
                 paths[f"new_{warps}w"] = lambda warps=warps: _align_one_program(ids, experts, start, block_m, warps)
@@ -129,6 +136,15 @@ def main() -> None:
                 record[f"{name}_us"] = None
                 record[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 args.no_torch = args.no_torch or name == "torch"  # a failed capture: not again
+            if args.eager:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+                record[f"{name}_eager_us"] = (time.perf_counter() - t0) / 50 * 1e6
         if record.get("v0_us") and record.get("new_us"):
             record["speedup_vs_v0"] = record["v0_us"] / record["new_us"]
         print(json.dumps(record))

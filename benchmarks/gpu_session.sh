@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -261,6 +261,67 @@ for k in d['top_kernels'][:30]: print(round(k['us_per_step'],1), k['calls_per_st
       python3 -c "
 import json
 for r in json.load(open('$OUT/prefill_16k_chunked_steps.json')): print(r['ttft_ms'], r['first_token_steps_ms'], sum(r['first_token_steps_ms']))" ;;
+    l2pf)  # L2 prefetch of out_proj's weight before the latency-bound kernels: the microbenchmark (session 12 also ran
+      # batch-1 / 16 / 64 decode with LAMINA_L2_PREFETCH=1 / 0 on a tree that wired it into the decode path, removed since)
+      timeout 150 python3 benchmarks/bench_l2_prefetch.py --out $OUT/bench_l2_prefetch.json 2>&1 | tail -14 ;;
+    alignab)  # the three-launch MoE alignment of prefill chunks (triton_align) against torch's: the kernel bench, then
+      # the 16k prompt in 2k chunks twice per process, LAMINA_MOE_ALIGN=triton / torch / triton; GPU tests of the alignment
+      timeout 120 python3 benchmarks/bench_align.py --pairs 8192,16384,65536 --block-m 64 --no-v0 --eager \
+        --out $OUT/bench_align_prefill.json 2>&1 | tail -4 | cut -c1-600
+      for a in triton torch triton; do
+        LAMINA_MOE_ALIGN=$a LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 1 --input-len 16384 --output-len 2 \
+          --max-num-batched-tokens 2048 --output-json /tmp/prefill16k_align_$a.json 2>&1 | tail -1
+        python3 -c "
+import json
+for r in json.load(open('/tmp/prefill16k_align_$a.json')): print('$a', r['ttft_ms'], [round(x, 1) for x in r['first_token_steps_ms']])"
+        cp /tmp/prefill16k_align_$a.json /tmp/prefill16k_align_${a}_$(date +%s).json
+      done
+      python3 -c "
+import json, glob
+json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/prefill16k_align_*_*.json'))},
+          open('$OUT/prefill16k_align.json', 'w'), indent=1)"
+      timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -m gpu -k "align" tests/test_triton_kernels.py 2>&1 | tail -4 ;;
+    alignab2)  # the blocked alignment with its histogram count: the kernel bench and GPU tests, the 16k prompt in 2k chunks
+      # with LAMINA_MOE_ALIGN=torch / triton alternating (twice), offline throughput, the 16k prompt profiled
+      timeout 120 python3 benchmarks/bench_align.py --pairs 8192,16384,65536 --block-m 64 --no-v0 --eager \
+        --out $OUT/bench_align_prefill.json 2>&1 | tail -3 | cut -c1-600
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -k "align" tests/test_triton_kernels.py 2>&1 | tail -2
+      for a in torch triton torch triton; do
+        LAMINA_MOE_ALIGN=$a LAMINA_GDN_PREFILL=fla timeout 200 $L --batch-size 1 1 --input-len 16384 --output-len 2 \
+          --max-num-batched-tokens 2048 --output-json /tmp/p16k_$a.json 2>&1 | tail -1
+        python3 -c "
+import json
+for r in json.load(open('/tmp/p16k_$a.json')): print('$a', round(r['ttft_ms'], 1), [round(x, 1) for x in r['first_token_steps_ms']])"
+        cp /tmp/p16k_$a.json /tmp/prefill16k_align_$(date +%s)_$a.json
+      done
+      python3 -c "
+import json, glob
+json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/prefill16k_align_*_*.json'))},
+          open('$OUT/prefill16k_align.json', 'w'), indent=1)" ;;
+    prefillfig)  # offline throughput 512 x (1024 / 256) at 256 sequences, and the 16k prompt in 2k chunks profiled
+      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+        --output-len 256 --max-num-seqs 256 --output-json $OUT/throughput_512_seqs256.json 2>&1 | tail -1
+      LAMINA_GDN_PREFILL=fla timeout 200 python3 benchmarks/profile_decode.py --prefill-len 16384 --chunk 2048 --steps 1 \
+        --out $OUT/profile_prefill_16k_chunked.json > /tmp/profile_prefill_16k.txt 2>&1 || tail -20 /tmp/profile_prefill_16k.txt
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_16k_chunked.json'))
+print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: print(k['calls_per_step'], round(k['us_per_step'],1), k['name'][:100])" ;;
+    preload)  # the MoE down GEMV with its weights loaded before the wait (LAMINA_MOE_DOWN_PRELOAD=0 / 32 / 64 / 16, the
+      # pipelined kernel at 0): batch-1 decode alternating, then GPU tests of the MoE GEMVs, PDL and the engine at 32
+      for i in 1 2; do for p in 0 32 64 16; do
+        [ $i = 2 ] && [ $p = 16 ] && continue
+        LAMINA_MOE_DOWN_PRELOAD=$p LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/latency_preload${p}_b1_$i.json 2>&1 | tail -1
+      done; done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/latency_preload*.json'))}
+json.dump(out, open('$OUT/latency_preload.json', 'w'), indent=1)
+for k, v in out.items():
+    for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
+      LAMINA_MOE_DOWN_PRELOAD=32 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=4 \
+        -k "gemv or moe or graph or pdl" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -372,6 +372,67 @@ def test_one_program_alignment_of_skewed_routings(kind):
         assert (sorted_pairs == 512).all() and (block_expert == -1).all()
 
 
+# (pairs, local experts, expert_start, block_m, id dtype) for the blocked alignment: a ragged last
+# block, an exact multiple of BLOCK_P, E_PAD > E and E_PAD = E (1024), EP ranks (ids below and
+# above the local range), int32 ids.
+BLOCKED_ALIGN_CASES = [
+    (4104, 256, 0, 64, torch.int64), (1536, 64, 64, 16, torch.int32), (700, 1024, 0, 128, torch.int64),
+    (1200, 6, 1, 4, torch.int64),
+]
+
+
+@pytest.mark.parametrize("num_pairs,num_local,expert_start,block_m,dtype", BLOCKED_ALIGN_CASES)
+def test_blocked_alignment_equals_the_torch_one(num_pairs, num_local, expert_start, block_m, dtype):
+    """The three-launch alignment of prefill chunks (`triton_align`), bitwise against `_align_torch`
+    (and what `align_pairs` returns above 4,096 pairs)."""
+    from lamina.kernels.triton_align import align_pairs_blocked
+    from lamina.kernels.triton_moe import _max_rows
+
+    gen = _gen(num_pairs * 31 + num_local)
+    ids = torch.randint(0, expert_start + num_local + 8, (num_pairs,), generator=gen).to(DEVICE, dtype)
+    ref = _align_torch(ids, num_local, expert_start, block_m)
+    max_rows = _max_rows(num_pairs, num_local, block_m)
+    _assert_same_alignment(align_pairs_blocked(ids, num_local, expert_start, block_m, max_rows), ref)
+    if num_pairs > 4096:
+        _assert_same_alignment(align_pairs(ids, num_local, expert_start, block_m), ref)
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "none_local", "half_on_one"])
+def test_blocked_alignment_of_skewed_routings(kind):
+    from lamina.kernels.triton_align import align_pairs_blocked
+    from lamina.kernels.triton_moe import _max_rows
+
+    ids = _skewed_ids(kind)[:1100].to(DEVICE)  # over two blocks of pairs
+    num_local, block_m = (8, 64) if kind == "one_expert" else (256, 16)
+    ref = _align_torch(ids, num_local, 0, block_m)
+    _assert_same_alignment(align_pairs_blocked(ids, num_local, 0, block_m, _max_rows(ids.numel(), num_local, block_m)), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,block_m", [(2048, 64), (8192, 128)])
+def test_blocked_alignment_at_prefill_sizes(num_tokens, block_m):
+    """A 2k and an 8k prompt chunk of the Qwen3.5-35B-A3B shape (top-8 of 256 experts, the
+    prefill tiles' row blocks) through `align_pairs`, bitwise against the torch form."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, 256, device="cuda", generator=gen).topk(8, dim=-1).indices  # [T, 8]
+    _assert_same_alignment(align_pairs(ids, 256, 0, block_m), _align_torch(ids, 256, 0, block_m))
+
+
+def test_moe_align_switch(monkeypatch):
+    from lamina.kernels import selection
+
+    for value, blocked in (("torch", False), ("triton", True)):
+        monkeypatch.setenv("LAMINA_MOE_ALIGN", value)
+        selection.moe_align_blocked.cache_clear()
+        assert selection.moe_align_blocked() is blocked
+    monkeypatch.setenv("LAMINA_MOE_ALIGN", "cub")
+    selection.moe_align_blocked.cache_clear()
+    with pytest.raises(ValueError, match="LAMINA_MOE_ALIGN = 'cub'"):
+        selection.moe_align_blocked()
+    monkeypatch.delenv("LAMINA_MOE_ALIGN")
+    selection.moe_align_blocked.cache_clear()
+
+
 @pytest.mark.gpu
 def test_alignment_replays_in_a_cuda_graph():
     """Capturable: no host sync, shapes from host ints; a replay on new ids gives their alignment."""
@@ -588,6 +649,31 @@ def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_share
         assert torch.equal(first, ours[:1])
 
 
+@pytest.mark.parametrize("num_tokens,expert_start,num_local,with_shared,dtype,preload_n", [
+    (1, 0, 8, True, torch.float32, 16),  # 4 slots, tiles of 16 of the 48 output rows
+    (2, 0, 8, True, torch.bfloat16, 32),  # a partial last tile
+    (3, 3, 4, True, torch.float32, 16),  # experts of other EP ranks: their slots read nothing, add nothing
+    (4, 3, 4, False, torch.bfloat16, 64),  # one tile wider than the output, 3 slots
+])
+def test_gemv_moe_preloaded_down(num_tokens, expert_start, num_local, with_shared, dtype, preload_n, bf16_dots):
+    """The down kernel that loads each slot's whole weight block before its wait
+    (`down_preload_n`): intermediate 24 padded to 32 (masked), against the reference; the same bits
+    again, and for the first token run alone."""
+    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
+    cfg = dict(up_n=32, up_k=64, down_preload_n=preload_n)
+    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    else:  # the activation and the output are rounded to bf16
+        assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg))
+    if num_tokens > 1:  # one config for every batch size: a token's bits do not depend on the others
+        alone = shared and (shared[0], shared[1], shared[2][:1])
+        first = fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, config=cfg)
+        assert torch.equal(first, ours[:1])
+
+
 def test_gemv_moe_config_errors():
     x, w13, w2, weights, ids, shared, _ = _moe_case(1, 0, 8, False)
     with pytest.raises(ValueError, match="unknown config keys \\['down_split'\\]"):
@@ -598,6 +684,8 @@ def test_gemv_moe_config_errors():
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_k=24))
     with pytest.raises(ValueError, match="down_slots = 0 must be >= 1"):
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_slots=0))
+    with pytest.raises(ValueError, match="down_preload_n = 24"):
+        fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_preload_n=24))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

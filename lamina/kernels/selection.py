@@ -163,6 +163,28 @@ def fused_router_max_tokens(kernels: str) -> int:
     return ROUTER_MAX_TOKENS
 
 
+def moe_down_preload_tile() -> int:
+    """The MoE decode GEMV's down projection: 0 = the pipelined kernel (`down_n` rows per tile, a
+    K loop), or N = `_gemv_down_preloaded_kernel` with N output rows per tile, each program's
+    weights loaded before it waits for the gate/up GEMV (lamina.kernels.triton_moe_gemv).
+    `LAMINA_MOE_DOWN_PRELOAD=0|16|32|64`; read when triton_moe_gemv is imported (its tile config)."""
+    wanted = os.environ.get("LAMINA_MOE_DOWN_PRELOAD", "0")
+    if wanted not in ("0", "16", "32", "64"):
+        raise ValueError(f"LAMINA_MOE_DOWN_PRELOAD = {wanted!r} must be one of 0, 16, 32, 64")
+    return int(wanted)
+
+
+@functools.cache
+def moe_align_blocked() -> bool:
+    """Whether the fused MoE aligns more than 4,096 (token, expert) pairs (prefill chunks) with the
+    three-launch Triton alignment (`lamina.kernels.triton_align`) rather than its torch form (~50
+    launches per layer). `LAMINA_MOE_ALIGN=triton` (the default) or `torch`; read once per process."""
+    wanted = os.environ.get("LAMINA_MOE_ALIGN", "triton")
+    if wanted not in ("triton", "torch"):
+        raise ValueError(f"LAMINA_MOE_ALIGN = {wanted!r} must be 'triton' or 'torch'")
+    return wanted == "triton"
+
+
 MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)
 
 

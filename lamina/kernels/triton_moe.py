@@ -22,13 +22,17 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
+from lamina.kernels.selection import moe_align_blocked
+from lamina.kernels.triton_align import MAX_EXPERTS as ALIGN_BLOCKED_MAX_EXPERTS
+from lamina.kernels.triton_align import align_pairs_blocked
 
 from lamina.kernels.triton_moe_gemv import GEMV_MAX_INTER, GEMV_MAX_TOKENS, fused_moe_gemv
 
 __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
 
 # Up to this many (token, expert) pairs the alignment runs as one Triton program (one launch);
-# beyond it (long prefill chunks) as a handful of torch ops, whose fixed cost no longer matters.
+# beyond it (prefill chunks) as three launches of many programs (lamina.kernels.triton_align), or
+# with LAMINA_MOE_ALIGN=torch as ~50 torch launches (`_align_torch`, also the tests' reference).
 ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
 
 
@@ -56,6 +60,9 @@ def align_pairs(topk_ids: torch.Tensor, num_local_experts: int, expert_start: in
     num_pairs = topk_ids.numel()
     if 0 < num_pairs <= ALIGN_IN_ONE_PROGRAM_MAX_PAIRS and num_local_experts <= 1024:
         return _align_one_program(topk_ids, num_local_experts, expert_start, block_m)
+    if 0 < num_pairs and num_local_experts <= ALIGN_BLOCKED_MAX_EXPERTS and moe_align_blocked():
+        return align_pairs_blocked(topk_ids, num_local_experts, expert_start, block_m,
+                                   _max_rows(num_pairs, num_local_experts, block_m))
     return _align_torch(topk_ids, num_local_experts, expert_start, block_m)
 
 
