@@ -307,12 +307,12 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
 import json; d=json.load(open('$OUT/profile_prefill_16k_chunked.json'))
 print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: print(k['calls_per_step'], round(k['us_per_step'],1), k['name'][:100])" ;;
-    preload)  # the MoE down GEMV with its weights loaded before the wait (LAMINA_MOE_DOWN_PRELOAD=0 / 32 / 64 / 16, the
-      # pipelined kernel at 0): batch-1 decode alternating, then GPU tests of the MoE GEMVs, PDL and the engine at 32
-      for i in 1 2; do for p in 0 32 64 16; do
-        [ $i = 2 ] && [ $p = 16 ] && continue
-        LAMINA_MOE_DOWN_PRELOAD=$p LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
-          --output-json /tmp/latency_preload${p}_b1_$i.json 2>&1 | tail -1
+    preload)  # weights read before the PDL wait: the MoE down GEMV (LAMINA_MOE_DOWN_PRELOAD=0: the pipelined kernel; 32 / 64:
+      # the preloaded kernel's tile) and the split-K GEMV (LAMINA_GEMV_PRELOAD: blocks), batch-1 decode alternating
+      # (moe:gemv = 0:1 today's defaults), then GPU tests of the GEMVs, PDL and the engine with both on
+      for i in 1 2; do for p in 0:1 32:1 64:1 0:4 32:4; do
+        LAMINA_MOE_DOWN_PRELOAD=${p%:*} LAMINA_GEMV_PRELOAD=${p#*:} LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 \
+          --input-len 128 --output-len 64 --output-json /tmp/latency_preload_${p%:*}_${p#*:}_b1_$i.json 2>&1 | tail -1
       done; done
       python3 -c "
 import json, glob
@@ -320,8 +320,9 @@ out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp
 json.dump(out, open('$OUT/latency_preload.json', 'w'), indent=1)
 for k, v in out.items():
     for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
-      LAMINA_MOE_DOWN_PRELOAD=32 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=4 \
-        -k "gemv or moe or graph or pdl" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
+      LAMINA_MOE_DOWN_PRELOAD=32 LAMINA_GEMV_PRELOAD=4 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        --durations=4 -k "gemv or moe or graph or pdl" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 \
+        | grep -v "^$" | tail -8 | cut -c1-200 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -709,17 +709,19 @@ def test_gemv_matches_linear(rows):
     """The decode GEMV (split-K, partials summed by each tile's last program) against F.linear, with
     a weight whose sizes are not multiples of the tiles and a strided input, for one program per
     tile and for 2 and 3 splits; twice (the tickets are left zero), and each row alone equals its
-    row in the batch (a row's sum never depends on the others)."""
+    row in the batch (a row's sum never depends on the others); with 1, 2 and 4 weight blocks read
+    before the wait for x."""
     from lamina.kernels.triton_gemv import gemv, linear
 
     weight = _rand(37, 300, seed=1, scale=0.1)
     x = _rand(rows, 600, seed=2)[:, ::2]  # [rows, 300], row stride 600
     ref = torch.nn.functional.linear(x, weight)
     for split in (1, 2, 3):
-        cfg = dict(block_n=16, block_k=64, split=split)
-        ours = gemv(x, weight, cfg)
-        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-        assert torch.equal(ours, gemv(x, weight, cfg))
+        for preload in (1, 2, 4):  # weight blocks read before the wait (capped by the split's 5 / 3 / 2 steps)
+            cfg = dict(block_n=16, block_k=64, split=split, preload=preload)
+            ours = gemv(x, weight, cfg)
+            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+            assert torch.equal(ours, gemv(x, weight, cfg))
     for r in range(rows):
         assert torch.equal(gemv(x[r : r + 1], weight, cfg), ours[r : r + 1])
     torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
@@ -727,6 +729,8 @@ def test_gemv_matches_linear(rows):
         gemv(_rand(5, 300, seed=3), weight)
     with pytest.raises(ValueError, match="contiguous"):
         gemv(x, _rand(300, 37, seed=4).t())
+    with pytest.raises(ValueError, match="preload = 3"):
+        gemv(_rand(1, 300, seed=3), weight, dict(preload=3))
 
 
 @pytest.mark.parametrize("rows,top_k,renormalize", [(1, 4, True), (3, 10, False), (4, 4, False)])
