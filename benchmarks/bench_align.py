@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the new kernel at 1, 2, 4, 8 warps")
     ap.add_argument("--no-v0", action="store_true", help="skip the old kernel (slow: ~40 us per call)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch reference's timing")
+    ap.add_argument("--block-p", type=int, nargs="*", default=[], help="also time the blocked alignment at these BLOCK_P")
     ap.add_argument("--eager", action="store_true",
                     help="also time eager calls (launches included: what a prefill step, which runs eagerly, pays)")
     args = ap.parse_args()
@@ -117,6 +118,9 @@ def main() -> None:
         ref = _align_torch(ids, experts, start, block_m)
         paths = {"new": lambda: _align_one_program(ids, experts, start, block_m)} if num_pairs <= 4096 else {}
         paths["blocked"] = lambda: align_pairs_blocked(ids, experts, start, block_m, _max_rows(ids.numel(), experts, block_m))
+        for bp in args.block_p:
+            paths[f"blocked_{bp}"] = lambda bp=bp: align_pairs_blocked(ids, experts, start, block_m,
+                                                                       _max_rows(ids.numel(), experts, block_m), bp)
         if args.sweep:
             for warps in (1, 2, 4, 8):
                 paths[f"new_{warps}w"] = lambda warps=warps: _align_one_program(ids, experts, start, block_m, warps)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -307,7 +307,8 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
 import json; d=json.load(open('$OUT/profile_prefill_16k_chunked.json'))
 print({k: d.get(k) for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: print(k['calls_per_step'], round(k['us_per_step'],1), k['name'][:100])" ;;
-    preload)  # weights read before the PDL wait: the MoE down GEMV (LAMINA_MOE_DOWN_PRELOAD=0: the pipelined kernel; 32 / 64:
+    preload)  # (session 12, on 4a649b8: both switches were removed after this run, which found them slower)
+      # weights read before the PDL wait: the MoE down GEMV (LAMINA_MOE_DOWN_PRELOAD=0: the pipelined kernel; 32 / 64:
       # the preloaded kernel's tile) and the split-K GEMV (LAMINA_GEMV_PRELOAD: blocks), batch-1 decode alternating
       # (moe:gemv = 0:1 today's defaults), then GPU tests of the GEMVs, PDL and the engine with both on
       for i in 1 2; do for p in 0:1 32:1 64:1 0:4 32:4; do
@@ -323,6 +324,21 @@ for k, v in out.items():
       LAMINA_MOE_DOWN_PRELOAD=32 LAMINA_GEMV_PRELOAD=4 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
         --durations=4 -k "gemv or moe or graph or pdl" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 \
         | grep -v "^$" | tail -8 | cut -c1-200 ;;
+    gemvpre)  # (session 12: the switch was removed after this run, which found 2 and 4 slower)
+      # the split-K GEMV's weight blocks read before the PDL wait (LAMINA_GEMV_PRELOAD=1 today / 2 / 4), batch-1 decode
+      # alternating, then the GEMV and PDL GPU tests at 4
+      for i in 1 2; do for p in 1 4 2; do
+        LAMINA_GEMV_PRELOAD=$p LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/latency_gemvpre_${p}_b1_$i.json 2>&1 | tail -1
+      done; done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/latency_gemvpre*.json'))}
+json.dump(out, open('$OUT/latency_gemvpre.json', 'w'), indent=1)
+for k, v in out.items():
+    for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
+      LAMINA_GEMV_PRELOAD=4 timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider -m gpu -k "gemv or pdl" \
+        tests/test_triton_kernels.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-200 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -163,27 +163,6 @@ def fused_router_max_tokens(kernels: str) -> int:
     return ROUTER_MAX_TOKENS
 
 
-def gemv_preload_blocks() -> int:
-    """How many weight blocks (of `block_k` input features) each program of lamina's split-K decode
-    GEMV reads before it waits for the kernel that writes its input (lamina.kernels.triton_gemv):
-    `LAMINA_GEMV_PRELOAD=1|2|4|8`, 1 by default; read when triton_gemv is imported (its tiles)."""
-    wanted = os.environ.get("LAMINA_GEMV_PRELOAD", "1")
-    if wanted not in ("1", "2", "4", "8"):
-        raise ValueError(f"LAMINA_GEMV_PRELOAD = {wanted!r} must be one of 1, 2, 4, 8")
-    return int(wanted)
-
-
-def moe_down_preload_tile() -> int:
-    """The MoE decode GEMV's down projection: 0 = the pipelined kernel (`down_n` rows per tile, a
-    K loop), or N = `_gemv_down_preloaded_kernel` with N output rows per tile, each program's
-    weights loaded before it waits for the gate/up GEMV (lamina.kernels.triton_moe_gemv).
-    `LAMINA_MOE_DOWN_PRELOAD=0|16|32|64`; read when triton_moe_gemv is imported (its tile config)."""
-    wanted = os.environ.get("LAMINA_MOE_DOWN_PRELOAD", "0")
-    if wanted not in ("0", "16", "32", "64"):
-        raise ValueError(f"LAMINA_MOE_DOWN_PRELOAD = {wanted!r} must be one of 0, 16, 32, 64")
-    return int(wanted)
-
-
 @functools.cache
 def moe_align_blocked() -> bool:
     """Whether the fused MoE aligns more than 4,096 (token, expert) pairs (prefill chunks) with the

@@ -5,9 +5,10 @@ expert's rows padded to whole row blocks. Up to 4,096 pairs one program does it
 (`triton_moe._align_kernel`); beyond that the torch form (`triton_moe._align_torch`) took ~50
 launches per MoE layer (an int64 radix sort of 8 passes, scans, fills, memsets): in a 2,048-token
 prompt chunk of the Qwen3.5-35B-A3B shape about half of the step's 3,800 launches
-(benchmarks/results/profile_prefill_16k_chunked_h200.json), ~390 us per call eagerly on an H200
-and 140 us in a CUDA graph (bench_align_prefill_h200.json). Here, with the pairs cut into blocks of
-BLOCK_P (71 / 65 us there, before the count kernel took `tl.histogram`):
+(benchmarks/results/profile_prefill_16k_chunked_h200.json), 410 us per call eagerly on an H200 at
+16,384 pairs and 142 us in a CUDA graph (bench_align_prefill_h200.json; 72 and 46 us here with
+512-pair blocks, 19 us in a graph with the 256-pair blocks now used: bench_align_block_p_h200.json).
+Here, with the pairs cut into blocks of BLOCK_P:
 
 1. `_align_count_kernel`, one program per block: the block's pairs per local expert
    `counts [B, E_PAD]`; the program also fills its share of the rows with the padding value.
@@ -32,7 +33,7 @@ from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["BLOCK_P", "MAX_EXPERTS", "align_pairs_blocked"]
 
-BLOCK_P = 512  # pairs per program of the count and scatter kernels
+BLOCK_P = 256  # pairs per program of the count and scatter kernels (bench_align_block_p_h200.json: 19 / 44 us at 16k / 64k pairs, 46 / 57 at 512)
 MAX_EXPERTS = 1024  # local experts: the [E_PAD] histogram and the [row blocks, E_PAD] search tiles stay small
 _SUB = 32  # pairs per compare tile of the scatter
 _FILL = 1024  # rows per store of the padding fill
@@ -126,7 +127,7 @@ def _align_scatter_kernel(ids_ptr, base_ptr, padded_end_ptr, sorted_pairs_ptr, b
 
 
 def align_pairs_blocked(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int,
-                        max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        max_rows: int, block_p: int = BLOCK_P) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_moe.align_pairs` for any pair count (1 <= E_local <= MAX_EXPERTS): three launches,
     `max_rows` = R from `triton_moe._max_rows`. Returns (sorted_pairs `[R]` int32, block_expert
     `[R / block_m]` int32)."""
@@ -135,7 +136,7 @@ def align_pairs_blocked(topk_ids: torch.Tensor, num_local_experts: int, expert_s
     device = topk_ids.device
     ids = topk_ids.reshape(-1)  # [P]
     num_pairs = ids.numel()
-    num_blocks = max(1, triton.cdiv(num_pairs, BLOCK_P))
+    num_blocks = max(1, triton.cdiv(num_pairs, block_p))
     num_row_blocks = max_rows // block_m
     e_pad = triton.next_power_of_2(num_local_experts)
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)  # [R]
@@ -146,13 +147,13 @@ def align_pairs_blocked(topk_ids: torch.Tensor, num_local_experts: int, expert_s
     pdl = pdl_kwargs(device)
     _align_count_kernel[(num_blocks,)](
         ids, counts, sorted_pairs, num_pairs, max_rows, triton.cdiv(max_rows, num_blocks),
-        expert_start, num_local_experts, BLOCK_P=BLOCK_P, E_PAD=e_pad, FILL=_FILL, **pdl, num_warps=4,
+        expert_start, num_local_experts, BLOCK_P=block_p, E_PAD=e_pad, FILL=_FILL, **pdl, num_warps=4,
     )
     _align_offsets_kernel[(1,)](counts, base, padded_end, num_blocks, BLOCK_M=block_m, E_PAD=e_pad, NB_TILE=_NB_TILE,
                                 **pdl, num_warps=4)
     _align_scatter_kernel[(num_blocks,)](
         ids, base, padded_end, sorted_pairs, block_expert, num_pairs, num_blocks,
         triton.cdiv(num_row_blocks, num_blocks), num_row_blocks, expert_start, num_local_experts,
-        BLOCK_P=BLOCK_P, BLOCK_M=block_m, E_PAD=e_pad, SUB=_SUB, JB_TILE=_JB_TILE, **pdl, num_warps=4,
+        BLOCK_P=block_p, BLOCK_M=block_m, E_PAD=e_pad, SUB=_SUB, JB_TILE=_JB_TILE, **pdl, num_warps=4,
     )
     return sorted_pairs, block_expert

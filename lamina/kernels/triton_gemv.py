@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.selection import gemv_preload_blocks
 from lamina.kernels.triton_moe import softmax_topk
 
 __all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
@@ -37,24 +36,24 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
                         route_weights_ptr, route_ids_ptr, route_ticket_ptr, num_experts,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                         PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, PRELOAD: tl.constexpr):
+                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < out_features
     offs_m = tl.arange(0, 16)  # the input rows sit in the first rows of a 16-row tl.dot tile
     m_ok = offs_m < rows
-    k_first = split * k_steps * BLOCK_K
-    # The first PRELOAD weight blocks (<= k_steps) are read before the wait for the producer of x
-    # (lamina.kernels.pdl): weights are no kernel's output. Peeled from the loop: one dot over them.
-    k = k_first + tl.arange(0, PRELOAD * BLOCK_K)
-    k_ok = k < in_features
-    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [PK, N]
-    wait_for_producer(PDL)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [16, PK]
-    acc = tl.dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
     offs_k = tl.arange(0, BLOCK_K)
-    for step in range(PRELOAD, k_steps):
+    k_first = split * k_steps * BLOCK_K
+    # The first weight block is read before the wait for the producer of x (lamina.kernels.pdl):
+    # weights are no kernel's output. Peeled from the loop, same sums in the same order.
+    k = k_first + offs_k
+    k_ok = k < in_features
+    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
+    wait_for_producer(PDL)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [16, K]
+    acc = tl.dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
+    for step in range(1, k_steps):
         k = k_first + step * BLOCK_K + offs_k
         k_ok = k < in_features
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -118,18 +117,9 @@ def _route_epilogue(y_ptr, weights_ptr, ids_ptr, ticket_ptr, rows, num_experts, 
 #   reduction at 10.0;
 # - small outputs (the router + shared-expert gate, 264 x 2048): narrow tiles, split 8, 3.5 us
 #   against 4.9.
-# - preload: weight blocks each program reads before its wait for the producer of x (a power of
-#   two; at most its k_steps): LAMINA_GEMV_PRELOAD (selection.gemv_preload_blocks), 1 by default.
-GEMV_CONFIG_WIDE = dict(block_n=32, block_k=128, split=1, warps=4, stages=4, preload=gemv_preload_blocks())
-GEMV_CONFIG = dict(block_n=32, block_k=128, split=4, warps=4, stages=4, preload=gemv_preload_blocks())
-GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3, preload=gemv_preload_blocks())
-
-
-def _preload_blocks(wanted: int, k_steps: int) -> int:
-    """The largest power of two <= min(wanted, k_steps): blocks read before the wait."""
-    if wanted < 1 or wanted & (wanted - 1):
-        raise ValueError(f"gemv: preload = {wanted} must be a power of two >= 1")
-    return min(wanted, 1 << (k_steps.bit_length() - 1))
+GEMV_CONFIG_WIDE = dict(block_n=32, block_k=128, split=1, warps=4, stages=4)
+GEMV_CONFIG = dict(block_n=32, block_k=128, split=4, warps=4, stages=4)
+GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 
 
 def gemv_config(out_features: int, in_features: int) -> dict:
@@ -195,7 +185,6 @@ def _gemv(x, weight, config, route):
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-        PRELOAD=_preload_blocks(cfg.get("preload", 1), k_steps),
         **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return y, weights, ids

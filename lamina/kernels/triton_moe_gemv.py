@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.selection import moe_down_preload_tile
 
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
 
@@ -191,56 +190,6 @@ def _gemv_down_pipelined_kernel(
             tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
 
 
-@triton.jit
-def _gemv_down_preloaded_kernel(
-    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, partial_ptr, counter_ptr, out_ptr,
-    hidden, inter, expert_start, num_local_experts,
-    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, I_PAD: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per (token, tile of BLOCK_N output rows, slot) that loads its slot's whole
-    `[I, BLOCK_N]` weight block before it waits for its producer (the gate/up GEMV): the expert id
-    and routing weight come from the routing kernel two launches back and the shared expert's gate
-    logit from the router GEMV three back, which `lamina.kernels.pdl`'s contract lets a kernel read
-    before the wait. With programmatic dependent launch these programs start when the gate/up
-    kernel does, on the SMs its few programs leave idle, so the down weights stream while gate/up
-    runs; after the wait one `tl.dot` over the whole intermediate dim. The last program of a
-    (token, tile) sums the slots' float32 partials in slot order (atomic ticket, reset after)."""
-    token = tl.program_id(0)
-    tile = tl.program_id(1)
-    slot = tl.program_id(2)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, I_PAD)
-    first = tl.arange(0, 16)[:, None] == 0  # the token sits in row 0 of a 16-row tl.dot tile
-    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts, stride_we,
-                             TOP_K)
-    is_shared = slot == TOP_K
-    stride_n = tl.where(is_shared, stride_swn, stride_wn)
-    k_ok = offs_k < tl.where(ok, inter, 0)  # a slot of another EP rank's expert reads no bytes
-    w = tl.load(base + offs_n[None, :] * stride_n + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0)  # [I_PAD, N]
-    shared_logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
-    routed = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
-    weight = tl.where(ok, tl.where(is_shared, 1.0 / (1.0 + tl.exp(-shared_logit)), routed), 0.0)
-    wait_for_producer(PDL)
-    a = tl.load(act_ptr + (token * SLOTS + slot) * inter + offs_k[None, :] + tl.zeros([16, 1], tl.int32),
-                mask=first & k_ok[None, :], other=0.0)  # [16, I_PAD]
-    part = tl.sum(weight * tl.dot(a, w, input_precision=PRECISION), axis=0)  # [N]: rows 1..15 are zero
-    row = partial_ptr + (token * SLOTS) * hidden  # partials [T, SLOTS, H]
-    tl.store(row + slot * hidden + offs_n, part, mask=n_ok)
-    tl.debug_barrier()  # every thread's partial is written before the ticket releases them
-    ticket = counter_ptr + token * tl.num_programs(1) + tile
-    done = tl.atomic_add(ticket, 1, sem="acq_rel")  # release our partial, acquire the others'
-    if done == SLOTS - 1:
-        offs_s = tl.arange(0, SLOTS_P2)
-        parts = tl.load(row + offs_s[:, None] * hidden + offs_n[None, :],
-                        mask=(offs_s[:, None] < SLOTS) & n_ok[None, :], other=0.0, cache_modifier=".cg")  # [S, N]
-        tl.store(out_ptr + token * stride_ot + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
-
-
 _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -266,11 +215,8 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 #   up_split: programs per (row, tile) along the hidden dim (1 = one program reads all of it);
 #   down_n, down_k, down_slots, down_warps, down_stages: down tile (output rows x intermediate
 #     columns per step), slots per program.
-#   down_preload_n, down_preload_warps: > 0: the down projection on `_gemv_down_preloaded_kernel`
-#     instead, tiles of that many output rows (LAMINA_MOE_DOWN_PRELOAD, selection.moe_down_preload_tile).
 GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
-                   down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3,
-                   down_preload_n=moe_down_preload_tile(), down_preload_warps=4)
+                   down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3)
 GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 
 # Experts wider than this take the grouped-GEMM path (the GEMV tiles were tuned at I = 512; TP
@@ -309,9 +255,7 @@ def _check_config(cfg: dict) -> None:
     for key in ("up_n", "up_k", "down_n", "down_k"):
         if cfg[key] < 8 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be a power of two >= 8 (a Triton tile side)")
-    if cfg["down_preload_n"] and (cfg["down_preload_n"] < 16 or cfg["down_preload_n"] & (cfg["down_preload_n"] - 1)):
-        raise ValueError(f"fused_moe_gemv: down_preload_n = {cfg['down_preload_n']} must be 0 or a power of two >= 16")
-    for key in ("up_split", "down_slots", "up_warps", "down_warps", "up_stages", "down_stages", "down_preload_warps"):
+    for key in ("up_split", "down_slots", "up_warps", "down_warps", "up_stages", "down_stages"):
         if cfg[key] < 1:
             raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be >= 1")
 
@@ -351,9 +295,8 @@ def fused_moe_gemv(
     up_tiles = triton.cdiv(inter, cfg["up_n"])
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
     up_split = triton.cdiv(hidden, k_per_split)  # no empty parts: 48 columns in 32-column steps split twice at most
-    preload = cfg["down_preload_n"] > 0 and inter <= GEMV_MAX_INTER and slots > 1
-    tiles = triton.cdiv(hidden, cfg["down_preload_n"] if preload else cfg["down_n"])
-    groups = slots if preload else triton.cdiv(slots, cfg["down_slots"])
+    tiles = triton.cdiv(hidden, cfg["down_n"])
+    groups = triton.cdiv(slots, cfg["down_slots"])
     # Tickets of the kernels that sum partials: the split gate/up's first, the down kernel's after.
     up_tickets = num_tokens * slots * up_tiles if up_split > 1 else 0
     down_tickets = num_tokens * tiles if groups > 1 else 0
@@ -375,15 +318,6 @@ def fused_moe_gemv(
     down_args = (act, topk_ids, topk_weights, w2, shared_w2, shared_logit)
     down_sizes = (hidden, inter, expert_start, num_local_experts,
                   w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0))
-    if preload:  # one program per (token, tile, slot), its weights loaded before the wait
-        partial = torch.empty(num_tokens, slots, hidden, dtype=torch.float32, device=x.device)  # [T, slots, H]
-        _gemv_down_preloaded_kernel[(num_tokens, tiles, slots)](
-            *down_args, partial, tickets[up_tickets:], out, *down_sizes,
-            TOP_K=top_k, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), BLOCK_N=cfg["down_preload_n"],
-            I_PAD=triton.next_power_of_2(inter), PRECISION=precision,
-            **pdl_kwargs(x.device), num_warps=cfg["down_preload_warps"],
-        )
-        return out
     group = min(cfg["down_slots"], slots)
     partial = out  # unused when one program covers every slot
     if groups > 1:
