@@ -14,6 +14,15 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 python3 -c "from lamina.kernels.fla_prefill import fla_import_error as e; print('fla:', e() or 'ok')"
 PARTS=${*:-latency profile prefill tests}
 L="python3 -m lamina.entrypoints.cli bench latency --dtype bfloat16"
+# merge_latency NAME: the latency records /tmp/NAME*.json into $OUT/NAME.json, one line per record printed
+merge_latency() {
+  python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/$1*.json'))}
+json.dump(out, open('$OUT/$1.json', 'w'), indent=1)
+for k, v in out.items():
+    for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
+}
 exec 3>&1
 for part in $PARTS; do
   exec > >(tee -a $OUT/$part.log >&3) 2>&1  # each part's output lands in $OUT even if the run is cut short
@@ -315,12 +324,7 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
         LAMINA_MOE_DOWN_PRELOAD=${p%:*} LAMINA_GEMV_PRELOAD=${p#*:} LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 \
           --input-len 128 --output-len 64 --output-json /tmp/latency_preload_${p%:*}_${p#*:}_b1_$i.json 2>&1 | tail -1
       done; done
-      python3 -c "
-import json, glob
-out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/latency_preload*.json'))}
-json.dump(out, open('$OUT/latency_preload.json', 'w'), indent=1)
-for k, v in out.items():
-    for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
+      merge_latency latency_preload
       LAMINA_MOE_DOWN_PRELOAD=32 LAMINA_GEMV_PRELOAD=4 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
         --durations=4 -k "gemv or moe or graph or pdl" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 \
         | grep -v "^$" | tail -8 | cut -c1-200 ;;
@@ -331,12 +335,7 @@ for k, v in out.items():
         LAMINA_GEMV_PRELOAD=$p LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
           --output-json /tmp/latency_gemvpre_${p}_b1_$i.json 2>&1 | tail -1
       done; done
-      python3 -c "
-import json, glob
-out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/latency_gemvpre*.json'))}
-json.dump(out, open('$OUT/latency_gemvpre.json', 'w'), indent=1)
-for k, v in out.items():
-    for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
+      merge_latency latency_gemvpre
       LAMINA_GEMV_PRELOAD=4 timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider -m gpu -k "gemv or pdl" \
         tests/test_triton_kernels.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-200 ;;
     profile)
