@@ -377,7 +377,7 @@ def test_one_program_alignment_of_skewed_routings(kind):
 # above the local range), int32 ids.
 BLOCKED_ALIGN_CASES = [
     (4104, 256, 0, 64, torch.int64), (1536, 64, 64, 16, torch.int32), (700, 1024, 0, 128, torch.int64),
-    (1200, 6, 1, 4, torch.int64),
+    (1200, 6, 1, 4, torch.int64), (600, 1, 3, 16, torch.int64),  # one local expert (E_PAD = 1)
 ]
 
 

@@ -4,7 +4,7 @@
 expert's rows padded to whole row blocks. Up to 4,096 pairs one program does it
 (`triton_moe._align_kernel`); beyond that the torch form (`triton_moe._align_torch`) took ~50
 launches per MoE layer (an int64 radix sort of 8 passes, scans, fills, memsets): in a 2,048-token
-prompt chunk of the Qwen3.5-35B-A3B shape about half of the step's 3,800 launches
+prompt chunk of the Qwen3.5-35B-A3B shape more than half of the step's 3,800 launches
 (benchmarks/results/profile_prefill_16k_chunked_h200.json), 410 us per call eagerly on an H200 at
 16,384 pairs and 142 us in a CUDA graph (bench_align_prefill_h200.json; 72 and 46 us here with
 512-pair blocks, 19 us in a graph with the 256-pair blocks now used: bench_align_block_p_h200.json).
