@@ -404,7 +404,7 @@ def test_blocked_alignment_of_skewed_routings(kind):
     from lamina.kernels.triton_align import align_pairs_blocked
     from lamina.kernels.triton_moe import _max_rows
 
-    ids = _skewed_ids(kind)[:1100].to(DEVICE)  # over two blocks of pairs
+    ids = _skewed_ids(kind)[:1100].to(DEVICE)  # over several blocks of pairs (none_local: 512 pairs, two)
     num_local, block_m = (8, 64) if kind == "one_expert" else (256, 16)
     ref = _align_torch(ids, num_local, 0, block_m)
     _assert_same_alignment(align_pairs_blocked(ids, num_local, 0, block_m, _max_rows(ids.numel(), num_local, block_m)), ref)
@@ -415,9 +415,34 @@ def test_blocked_alignment_of_skewed_routings(kind):
 def test_blocked_alignment_at_prefill_sizes(num_tokens, block_m):
     """A 2k and an 8k prompt chunk of the Qwen3.5-35B-A3B shape (top-8 of 256 experts, the
     prefill tiles' row blocks) through `align_pairs`, bitwise against the torch form."""
+    from lamina.kernels.triton_align import align_pairs_blocked
+    from lamina.kernels.triton_moe import _max_rows
+
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     ids = torch.rand(num_tokens, 256, device="cuda", generator=gen).topk(8, dim=-1).indices  # [T, 8]
-    _assert_same_alignment(align_pairs(ids, 256, 0, block_m), _align_torch(ids, 256, 0, block_m))
+    ref = _align_torch(ids, 256, 0, block_m)
+    _assert_same_alignment(align_pairs_blocked(ids, 256, 0, block_m, _max_rows(ids.numel(), 256, block_m)), ref)
+    _assert_same_alignment(align_pairs(ids, 256, 0, block_m), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,num_global,num_local,expert_start", [
+    (2047, 128, 32, 32),  # an EP rank's 32 of 128 experts (E_PAD 32), a ragged last block of pairs
+    (513, 8, 8, 0),  # E_PAD 8 (under the histogram's 32 lanes), 4,104 pairs
+    (640, 1024, 1024, 0),  # E_PAD = E = 1024 (the largest), 5,120 pairs
+])
+def test_blocked_alignment_of_ep_ranks_on_gpu(num_tokens, num_global, num_local, expert_start):
+    """The compiled kernels (with PDL on sm90+) where the interpreter tests are: ids of other EP
+    ranks, few and many local experts, a pair count that is not a multiple of the blocks."""
+    from lamina.kernels.triton_align import align_pairs_blocked
+    from lamina.kernels.triton_moe import _max_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(num_local)
+    ids = torch.rand(num_tokens, num_global, device="cuda", generator=gen).topk(8, dim=-1).indices  # [T, 8]
+    for block_m in (16, 64):
+        ref = _align_torch(ids, num_local, expert_start, block_m)
+        max_rows = _max_rows(ids.numel(), num_local, block_m)
+        _assert_same_alignment(align_pairs_blocked(ids, num_local, expert_start, block_m, max_rows), ref)
 
 
 def test_moe_align_switch(monkeypatch):

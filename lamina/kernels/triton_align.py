@@ -34,11 +34,11 @@ from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 __all__ = ["BLOCK_P", "MAX_EXPERTS", "align_pairs_blocked"]
 
 BLOCK_P = 256  # pairs per program of the count and scatter kernels (bench_align_block_p_h200.json: 19 / 44 us at 16k / 64k pairs, 46 / 57 at 512)
-MAX_EXPERTS = 1024  # local experts: the [E_PAD] histogram and the [row blocks, E_PAD] search tiles stay small
+MAX_EXPERTS = 1024  # local experts: up to this the [E_PAD] histogram and scans stay in one program's registers
 _SUB = 32  # pairs per compare tile of the scatter
 _FILL = 1024  # rows per store of the padding fill
-_NB_TILE = 16  # blocks per tile of the offsets scan
-_JB_TILE = 32  # row blocks per tile of the block-expert search
+_SCAN_TILE = 4096  # elements of a [blocks, E_PAD] tile of the offsets scan (16 blocks at 256 experts)
+_SEARCH_TILE = 8192  # elements of a [row blocks, E_PAD] tile of the block-expert search (32 row blocks at 256 experts)
 
 
 # Counts that vary with the step's size are left unspecialised: one compile for every size
@@ -93,8 +93,8 @@ def _align_offsets_kernel(counts_ptr, base_ptr, padded_end_ptr, num_blocks,
         run += tl.sum(c, axis=0)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "row_blocks_per_program", "num_row_blocks"])
-def _align_scatter_kernel(ids_ptr, base_ptr, padded_end_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
+@triton.jit(do_not_specialize=["num_pairs", "row_blocks_per_program", "num_row_blocks"])
+def _align_scatter_kernel(ids_ptr, base_ptr, padded_end_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
                           row_blocks_per_program, num_row_blocks, expert_start, num_experts,
                           BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
                           JB_TILE: tl.constexpr, PDL: tl.constexpr):
@@ -149,11 +149,12 @@ def align_pairs_blocked(topk_ids: torch.Tensor, num_local_experts: int, expert_s
         ids, counts, sorted_pairs, num_pairs, max_rows, triton.cdiv(max_rows, num_blocks),
         expert_start, num_local_experts, BLOCK_P=block_p, E_PAD=e_pad, FILL=_FILL, **pdl, num_warps=4,
     )
-    _align_offsets_kernel[(1,)](counts, base, padded_end, num_blocks, BLOCK_M=block_m, E_PAD=e_pad, NB_TILE=_NB_TILE,
-                                **pdl, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, base, padded_end, num_blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                                NB_TILE=max(1, min(16, _SCAN_TILE // e_pad)), **pdl, num_warps=4)
     _align_scatter_kernel[(num_blocks,)](
-        ids, base, padded_end, sorted_pairs, block_expert, num_pairs, num_blocks,
+        ids, base, padded_end, sorted_pairs, block_expert, num_pairs,
         triton.cdiv(num_row_blocks, num_blocks), num_row_blocks, expert_start, num_local_experts,
-        BLOCK_P=block_p, BLOCK_M=block_m, E_PAD=e_pad, SUB=_SUB, JB_TILE=_JB_TILE, **pdl, num_warps=4,
+        BLOCK_P=block_p, BLOCK_M=block_m, E_PAD=e_pad, SUB=_SUB, JB_TILE=max(1, min(32, _SEARCH_TILE // e_pad)),
+        **pdl, num_warps=4,
     )
     return sorted_pairs, block_expert
