@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -341,8 +341,32 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
     gputests12)  # not yet run: the blocked alignment's GPU tests at EP ranks and 8 / 1,024 local experts, with the engine's
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 -k "align or engine or graph" \
         tests/test_triton_kernels.py tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -10 | cut -c1-200 ;;
-    gemvnorm)  # the residual add + RMSNorm in the consuming GEMV's prologue against the two launches (microbenchmark)
+    gemvnorm)  # ran on a6956aa (bench_gemv_norm.py removed since): the residual add + RMSNorm in the consuming GEMV's prologue
       timeout 120 python3 benchmarks/bench_gemv_norm.py --out $OUT/bench_gemv_norm.json 2>&1 | tail -8 | cut -c1-400 ;;
+    warps13)  # warps per program of the small decode kernels (microbenchmark, batch 1)
+      timeout 150 python3 benchmarks/tune_decode_warps.py --out $OUT/tune_decode_warps.json 2>&1 | tail -8 | cut -c1-400 ;;
+    ab13)  # batch 1 / 64 decode (128 in / 64 out): this tree against the tree in .baseline (git archive, carried), alternating
+      for i in 1 2; do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 120 python3 -m lamina.entrypoints.cli bench latency \
+          --dtype bfloat16 --batch-size 1 64 --input-len 128 --output-len 64 --output-json /tmp/ab13_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 64 --input-len 128 --output-len 64 \
+          --output-json /tmp/ab13_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency ab13 ;;
+    router13)  # the router both ways (microbenchmark), then batch 1: .baseline, this tree, this tree with LAMINA_GEMV_ROUTE=1, alternating
+      timeout 100 python3 benchmarks/tune_decode_warps.py --only router_gemv_then_route,router_gemv_route_epilogue \
+        --out $OUT/tune_router_warps.json 2>&1 | tail -3 | cut -c1-400
+      for i in 1 2; do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 90 python3 -m lamina.entrypoints.cli bench latency \
+          --dtype bfloat16 --batch-size 1 --input-len 128 --output-len 64 --output-json /tmp/router13_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 --output-json /tmp/router13_new_$i.json 2>&1 | tail -1
+        LAMINA_GEMV_ROUTE=1 LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/router13_new_gemv_route_$i.json 2>&1 | tail -1
+      done
+      merge_latency router13 ;;
+    gputests13)  # the GPU tests of the kernels changed this session (routing, attention, warps) and the engine's graphs
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

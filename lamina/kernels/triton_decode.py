@@ -43,6 +43,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # partials are combined in) depends on its own sequence length only, never on the batch.
 ATTENTION_SPLITS = 16
 
+# Warps per program of the one-token kernels (a constant, never chosen by the batch: a row's
+# reductions run in the same order whatever the batch). benchmarks/tune_decode_warps.py timed them
+# at batch 1 on an H200 (tune_decode_warps_h200.json, us per call in a graph of 40 with PDL, for
+# 1 / 2 / 4 / 8 warps): attention 13.5 / 12.2 / 8.7 / 7.7, conv 2.15 / 1.49 / 1.34 / 1.28, delta
+# rule 3.11 / 2.96 / 2.96 / 3.10.
+ATTENTION_WARPS = 8
+GDR_WARPS = 4
+CONV_WARPS = 8
+
 
 # The block table's row stride follows the width of the table it is given: the decode graphs' fixed
 # one, or a mixed step's (paged_attention's groups of decodes). Unspecialised, one compile serves
@@ -100,7 +109,8 @@ def _paged_decode_attention_kernel(
         head_index = req * tl.num_programs(1) + kv_head
         acc_base = part_acc_ptr + head_index * SPLITS * GROUP_PAD * BLOCK_D  # [SPLITS, G, D] float32
         ml_base = part_ml_ptr + head_index * SPLITS * 2 * GROUP_PAD  # [SPLITS, 2, G] float32
-        tl.store(acc_base + split * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(acc_base + split * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
+                 mask=g_ok[:, None])  # the padding heads' rows are never read
         tl.store(ml_base + split * 2 * GROUP_PAD + offs_g, m_i)
         tl.store(ml_base + split * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases them
@@ -115,13 +125,16 @@ def _paged_decode_attention_kernel(
         m_i = tl.max(m_all, axis=0)  # [G]
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for j in range(0, num_parts):
-            m_j = tl.load(ml_base + j * 2 * GROUP_PAD + offs_g, cache_modifier=".cg")
-            l_j = tl.load(ml_base + j * 2 * GROUP_PAD + GROUP_PAD + offs_g, cache_modifier=".cg")
-            w_j = tl.where(g_ok, tl.exp(m_j - m_i), 0.0)  # [G]
+        # Unrolled over every split, the absent ones masked off (they add exactly 0): straight-line
+        # code whose loads the compiler may issue ahead of the sums, in split order as before.
+        for j in tl.static_range(SPLITS):
+            live = g_ok & ((offs_g * 0 + j) < num_parts)  # [G]
+            m_j = tl.load(ml_base + j * 2 * GROUP_PAD + offs_g, mask=live, other=0.0, cache_modifier=".cg")
+            l_j = tl.load(ml_base + j * 2 * GROUP_PAD + GROUP_PAD + offs_g, mask=live, other=0.0, cache_modifier=".cg")
+            w_j = tl.where(live, tl.exp(m_j - m_i), 0.0)  # [G]
             l_i += w_j * l_j
             acc += w_j[:, None] * tl.load(acc_base + j * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :],
-                                          cache_modifier=".cg")
+                                          mask=live[:, None], other=0.0, cache_modifier=".cg")
     dtype = out_ptr.dtype.element_ty
     l_i = tl.where(g_ok, l_i, 1.0)
     out = (acc / l_i[:, None]).to(dtype)
@@ -136,6 +149,7 @@ def _paged_decode_attention_kernel(
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int = ATTENTION_SPLITS,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
     caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
@@ -170,7 +184,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
-        **pdl_kwargs(q.device),
+        **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS,
     )
     return out
 
@@ -230,7 +244,7 @@ def _gdr_decode_kernel(
 def gated_delta_rule_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, use_qk_l2norm: bool = True,
-    *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """q, k `[B, Hk, Dk]`; v `[B, Hv, Dv]` (any strides with a unit last one); g, beta `[B, Hv]`;
     state_pool `[num_slots, Hv, Dk, Dv]` float32, updated in place at `slots [B]` (a row with
@@ -252,7 +266,7 @@ def gated_delta_rule_decode(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
-        **pdl_kwargs(v.device),
+        **pdl_kwargs(v.device), num_warps=num_warps or GDR_WARPS,
     )
     return out
 
@@ -299,7 +313,7 @@ def _conv_decode_kernel(
 
 def causal_conv1d_decode(
     x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", num_warps: int | None = None,
 ) -> torch.Tensor:
     """x `[B, C]` (one token per request, rows may be strided); weight `[C, K]`; state_pool `[num_slots, C, K-1]`,
     updated in place at `slots [B]` (`keep[b]` False: the request starts from zeros).
@@ -316,6 +330,6 @@ def causal_conv1d_decode(
         x, weight, state_pool, slots, keep, out, channels,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
         KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c, SILU=activation in ("silu", "swish"),
-        **pdl_kwargs(x.device),
+        **pdl_kwargs(x.device), num_warps=num_warps or CONV_WARPS,
     )
     return out

@@ -25,7 +25,7 @@ import triton.language as tl
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.triton_moe import softmax_topk
 
-__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_add_norm", "gemv_config", "gemv_route"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
 
 GEMV_MAX_ROWS = 4
 
@@ -34,11 +34,9 @@ GEMV_MAX_ROWS = 4
 def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_features, in_features,
                         stride_xm, stride_wn, stride_ym, k_steps,
                         route_weights_ptr, route_ids_ptr, route_ticket_ptr, num_experts,
-                        residual_ptr, norm_w_ptr, total_ptr, normed_ptr, eps, stride_rm, stride_tm, stride_nm,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                         PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
-                        ZERO_CENTRED: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK_D: tl.constexpr):
+                        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,23 +51,13 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
     k_ok = k < in_features
     w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
     wait_for_producer(PDL)
-    rstd = tl.zeros([16], tl.float32)
-    if NORM:  # x is the block output to add to the residual; each row's 1/rms over all its features first
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < in_features
-        for m in range(0, rows):
-            h = (tl.load(residual_ptr + m * stride_rm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                 + tl.load(x_ptr + m * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32))
-            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the rounded sum, as the residual stream holds it
-            rstd = tl.where(offs_m == m, tl.rsqrt(tl.sum(h * h) / in_features + eps), rstd)
-    x = _input_block(x_ptr, residual_ptr, norm_w_ptr, total_ptr, normed_ptr, rstd, offs_m, m_ok, k, k_ok, tile,
-                     stride_xm, stride_rm, stride_tm, stride_nm, NORM, ZERO_CENTRED, WRITE_NORMED)  # [16, K]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [16, K]
     acc = tl.dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), input_precision=PRECISION)
     for step in range(1, k_steps):
         k = k_first + step * BLOCK_K + offs_k
         k_ok = k < in_features
-        x = _input_block(x_ptr, residual_ptr, norm_w_ptr, total_ptr, normed_ptr, rstd, offs_m, m_ok, k, k_ok, tile,
-                         stride_xm, stride_rm, stride_tm, stride_nm, NORM, ZERO_CENTRED, WRITE_NORMED)  # [16, K]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [16, K]
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)  # [K, N]
         acc += tl.dot(x, w, input_precision=PRECISION)
@@ -96,30 +84,6 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
             if ROUTE:
                 _route_epilogue(y_ptr, route_weights_ptr, route_ids_ptr, route_ticket_ptr, rows, num_experts,
                                 stride_ym, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-
-
-@triton.jit
-def _input_block(x_ptr, residual_ptr, norm_w_ptr, total_ptr, normed_ptr, rstd, offs_m, m_ok, k, k_ok, tile,
-                 stride_xm, stride_rm, stride_tm, stride_nm,
-                 NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, WRITE_NORMED: tl.constexpr):
-    """Columns `k` of the GEMV's input rows, `[16, K]` in x's dtype. With NORM: of
-    RMSNorm(residual + x) (`add_rms_norm`'s values: the sum rounded, times 1/rms, times the
-    weight, rounded), and the programs of the first output tile store those columns of the sum
-    (and of the normed rows, WRITE_NORMED) for the layer's later use."""
-    ok = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)  # [16, K]
-    if NORM:
-        total = (tl.load(residual_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0).to(tl.float32)
-                 + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [16, K]
-        scale = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        if ZERO_CENTRED:
-            scale = scale + 1.0
-        x = (total.to(tl.float32) * rstd[:, None] * scale[None, :]).to(x_ptr.dtype.element_ty)
-        if tile == 0:
-            tl.store(total_ptr + offs_m[:, None] * stride_tm + k[None, :], total, mask=ok)
-            if WRITE_NORMED:
-                tl.store(normed_ptr + offs_m[:, None] * stride_nm + k[None, :], x, mask=ok)
-    return x
 
 
 @triton.jit
@@ -185,25 +149,7 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, num_experts: int, top_k: i
     return _gemv(x, weight, config, (num_experts, top_k, renormalize))
 
 
-def gemv_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
-                  weight: torch.Tensor, *, want_normed: bool = False, config: dict | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`add_rms_norm(x, residual, norm_weight, eps, zero_centred)` and the GEMV of its normed rows
-    with `weight`, in one launch: every program computes the rows' 1/rms itself (the rows are a
-    few thousand features, read from L2), then normalises its columns of the input as it steps
-    through them. Returns (y `[M, N]`, the sum `residual + x` `[M, K]`, the normed rows `[M, K]`
-    when `want_normed`, else None), the values of the two launches one after the other."""
-    if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"gemv_add_norm: x {tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight "
-                         f"{tuple(norm_weight.shape)} do not fit one another")
-    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
-    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_normed else None  # [M, K]
-    y = _gemv(x, weight, config, None, (residual, norm_weight, eps, zero_centred, total, normed))[0]
-    return y, total, normed
-
-
-def _gemv(x, weight, config, route, norm=None):
+def _gemv(x, weight, config, route):
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
@@ -233,17 +179,12 @@ def _gemv(x, weight, config, route, norm=None):
 
         tickets = _tickets(x.device, tiles + 1)  # one per tile, then the route's over the tiles
     partial = torch.empty(split, 16, out_features, dtype=torch.float32, device=x.device) if split > 1 else y  # [SPLIT, 16, N]
-    residual, norm_weight, eps, zero_centred, total, normed = norm or (y, y, 0.0, False, y, None)
     _gemv_splitk_kernel[(tiles, split)](
         x, weight, y, partial, tickets, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), k_steps,
         weights, ids, tickets[tiles:], num_experts,
-        residual, norm_weight, total, normed if normed is not None else total, eps, residual.stride(0), total.stride(0),
-        (normed if normed is not None else total).stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, NORM=norm is not None,
-        ZERO_CENTRED=zero_centred, WRITE_NORMED=normed is not None,
-        BLOCK_D=triton.next_power_of_2(in_features) if norm is not None else 16,
+        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
         **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return y, weights, ids

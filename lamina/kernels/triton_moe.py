@@ -457,15 +457,18 @@ def softmax_topk(logits, experts, ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, 
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     slots = tl.arange(0, K_PAD)  # tl.arange needs a power of 2 (Qwen4-Exp routes to 10 experts)
-    top_p = tl.zeros([K_PAD], tl.float32)
-    top_i = tl.zeros([K_PAD], tl.int32)
-    remaining = tl.where(ok, probs, -1.0)
-    for j in tl.static_range(TOP_K):  # k rounds of argmax: highest first, ties to the lower expert id
-        best = tl.max(remaining, axis=0)
-        idx = tl.min(tl.where(remaining == best, experts, E_PAD), axis=0)
-        top_p = tl.where(slots == j, best, top_p)
-        top_i = tl.where(slots == j, idx, top_i)
-        remaining = tl.where(experts == idx, -1.0, remaining)
+    # k rounds of one max each over key = (probability bits << 32) | (E_PAD - 1 - expert): non-negative
+    # floats order as their bits, so a round takes the highest probability and, among equal ones, the
+    # lower expert id, as k rounds of argmax would, with one reduction a round instead of two.
+    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - experts).to(tl.int64)
+    key = tl.where(ok, key, -1)  # padding experts never win (real keys are >= 0)
+    top = tl.zeros([K_PAD], tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        top = tl.where(slots == j, best, top)
+        key = tl.where(key == best, -1, key)  # keys are distinct: removes exactly one
+    top_p = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # slots >= TOP_K hold 0.0
+    top_i = ((E_PAD - 1) - (top & (E_PAD - 1))).to(tl.int32)
     if RENORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)
     return top_p, top_i
@@ -486,7 +489,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
 
 
-def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
+# Warps of the routing kernel's programs (one token each; a constant, so a token's sums never depend
+# on the batch): in one warp the reductions stay in shuffles. benchmarks/tune_decode_warps.py at
+# batch 1 on an H200, 256 experts, top-8 (tune_decode_warps_h200.json): 2.39 / 2.50 / 2.59 / 2.86 us
+# per call for 1 / 2 / 4 / 8 warps.
+ROUTE_WARPS = 1
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
+                       num_warps: int | None = None):
     """Softmax over experts (float32), the top-k, optionally renormalised, in one launch per
     step: `SparseMoE.route`'s math. Ties between equal probabilities go to the lower expert id.
     Returns (weights `[T, k]` out_dtype, ids `[T, k]` int64)."""
@@ -498,6 +509,6 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, **pdl_kwargs(logits.device),
+            RENORMALIZE=renormalize, **pdl_kwargs(logits.device), num_warps=num_warps or ROUTE_WARPS,
         )
     return weights, ids

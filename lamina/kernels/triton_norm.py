@@ -16,6 +16,13 @@ from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
 
+# Warps per program (constants, never chosen by the row count: batch invariance);
+# benchmarks/tune_decode_warps.py timed them at batch 1 on an H200 (tune_decode_warps_h200.json, us
+# per call for 1 / 2 / 4 / 8 warps): add + RMSNorm of 2048 features 2.02 / 1.58 / 1.27 / 1.34, the
+# gated norm of 32 heads x 128 7.59 / 2.69 / 1.60 / 1.34.
+NORM_WARPS = 4
+GATED_NORM_WARPS = 8
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, stride_x, stride_o,
@@ -43,6 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, dim, eps, rows.stride(0), out.stride(0),
             ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim), **pdl_kwargs(x.device),
+            num_warps=NORM_WARPS,
         )
     return out.view(x.shape)
 
@@ -67,7 +75,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, w_ptr, sum_ptr, out_ptr, dim, eps,
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, RMSNorm(residual + x)) for `[T, D]` rows, in one launch."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -78,7 +87,7 @@ def add_rms_norm(
         _add_rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, total, out, x.shape[-1], eps, x.stride(0), residual.stride(0), total.stride(0),
             out.stride(0), ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(x.shape[-1]),
-            **pdl_kwargs(x.device),
+            **pdl_kwargs(x.device), num_warps=num_warps or NORM_WARPS,
         )
     return total, out
 
@@ -123,7 +132,8 @@ def _token_head_strides(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, i
     return rows, 1, rows.stride(0), 0
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str,
+                   num_warps: int | None = None) -> torch.Tensor:
     """norm(x) * weight * act(gate) over the last dim; x and gate `[..., D]` of one shape. `[T, H, D]`
     inputs are read through their strides (no copy of a strided split)."""
     if x.shape != gate.shape:
@@ -140,6 +150,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, GATED_NORM_ROWS),)](
             xs, gs, weight, out, num_rows, heads, dim, eps, stride_xt, stride_xh, stride_gt, stride_gh, out.stride(0),
             SILU=activation == "silu", BLOCK_R=GATED_NORM_ROWS, BLOCK_D=triton.next_power_of_2(dim),
-            **pdl_kwargs(x.device),
+            **pdl_kwargs(x.device), num_warps=num_warps or GATED_NORM_WARPS,
         )
     return out.view(x.shape)

@@ -17,6 +17,10 @@ from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["qk_norm_rope_cache"]
 
+# Warps per (token, head) program (a constant: batch invariance); benchmarks/tune_decode_warps.py
+# found 1-8 warps within 0.08 us of one another at batch 1 on an H200 (1.51-1.59 us per call).
+QK_PREP_WARPS = 4
+
 
 @triton.jit
 def _qk_prep_kernel(
@@ -68,7 +72,7 @@ def _qk_prep_kernel(
 def qk_norm_rope_cache(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm_weight: torch.Tensor,
     k_norm_weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor,
-    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_warps: int | None = None,
 ) -> torch.Tensor:
     """query `[T, H, D]`, key / value `[T, Hkv, D]` (strided views of one projection are fine);
     cos / sin `[T, rotary_dim]` float32 (same strides); caches `[num_blocks, block_size, Hkv, D]`
@@ -87,6 +91,6 @@ def qk_norm_rope_cache(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        ZERO_CENTRED=zero_centred, **pdl_kwargs(query.device),
+        ZERO_CENTRED=zero_centred, **pdl_kwargs(query.device), num_warps=num_warps or QK_PREP_WARPS,
     )
     return out
