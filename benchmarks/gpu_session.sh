@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -367,6 +367,24 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
     gputests13)  # the GPU tests of the kernels changed this session (routing, attention, warps) and the engine's graphs
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
         tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
+    gdn13)  # the conv fused into the delta rule: microbenchmark, batch 1 / 16 / 64 with LAMINA_FUSED_GDN_DECODE=0 and conv (the default)
+      # alternating, its GPU tests and the engine's, then the batch-1 step split by kernel (PDL off, so kernel times add up)
+      timeout 90 python3 benchmarks/bench_gdn_decode.py --sweep --out $OUT/bench_gdn_decode.json 2>&1 | tail -3 | cut -c1-700
+      for i in 1 2; do
+        LAMINA_FUSED_GDN_DECODE=0 LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --output-json /tmp/gdn13_three_$i.json 2>&1 | tail -1
+        LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --output-json /tmp/gdn13_conv_$i.json 2>&1 | tail -1
+      done
+      merge_latency gdn13
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_gdn_decode.py \
+        tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-200
+      LAMINA_PDL=0 LAMINA_GDN_PREFILL=reference timeout 100 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1_nopdl.json \
+        > $OUT/profile_b1_nopdl.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b1_nopdl.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:60])" ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
