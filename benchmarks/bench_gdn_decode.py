@@ -1,14 +1,13 @@
 """The gated delta net's one-token decode on one GPU, from the in_proj output to out_proj's input:
-the fused kernel (`lamina.kernels.triton_gdn_decode.fused_gdn_decode`, one launch) and the conv
-fused into the delta rule (`conv_delta_rule_decode` + `gated_rms_norm`, two launches) against the
-three launches (`causal_conv1d_decode` + `gated_delta_rule_decode` + `gated_rms_norm`, the z copy of
-`gated_rms_norm` included); LAMINA_FUSED_GDN_DECODE picks one of the three paths.
+the fused kernel (`lamina.kernels.triton_gdn_decode.fused_gdn_decode`, one launch) against the three
+launches it replaces (`causal_conv1d_decode` + `gated_delta_rule_decode` + `gated_rms_norm`, the
+path under LAMINA_FUSED_GDN_DECODE=0, the z copy of `gated_rms_norm` included).
 
 Default shape: Qwen3.5-35B-A3B (Hk 16, Hv 32, Dk = Dv = 128, conv kernel 4), bf16 activations, a
 float32 recurrent state. Each timed replay is a CUDA graph of LAYERS calls, each on its own layer's
 weights and state pools (as in a decode step: the states do not stay in L2), timed with CUDA events
 and reported in microseconds per call (per layer). With --sweep, the fused kernel at num_warps 4,
-8 and 16 and the two-launch form at block_v 16 and 64 too. Each record also gives the largest output difference between the two paths.
+8 and 16 too. Each record also gives the largest output difference between the two paths.
 
     python benchmarks/bench_gdn_decode.py --out bench_gdn_decode.json            # well under a minute
 """
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.triton_decode import causal_conv1d_decode, gated_delta_rule_decode  # noqa: E402
-from lamina.kernels.triton_gdn_decode import conv_delta_rule_decode, fused_gdn_decode  # noqa: E402
+from lamina.kernels.triton_gdn_decode import fused_gdn_decode  # noqa: E402
 from lamina.kernels.triton_norm import gated_rms_norm  # noqa: E402
 from graph_timing import time_graph  # noqa: E402 (this folder, on the path as the script's own)
 
@@ -84,13 +83,6 @@ def main() -> None:
                                     w["dt_bias"], w["norm_weight"], num_k_heads=hk, head_k_dim=d, norm_eps=EPS,
                                     num_warps=num_warps)
 
-        def two(layer, block_v=32):
-            x, z, b, a = inputs(layer)
-            w, (conv_state, ssm_state) = weights[layer], pools[layer]
-            core = conv_delta_rule_decode(x, b, a, w["conv_weight"], conv_state, ssm_state, slots, keep, w["a_log"],
-                                          w["dt_bias"], num_k_heads=hk, head_k_dim=d, block_v=block_v)
-            return gated_rms_norm(core, z.reshape(bsz, hv, d), w["norm_weight"], EPS, "silu").reshape(bsz, value_dim)
-
         saved = [(c.clone(), s.clone()) for c, s in pools]
         ref = [three(layer) for layer in range(LAYERS)]
         ref_pools = [(c.clone(), s.clone()) for c, s in pools]
@@ -98,31 +90,19 @@ def main() -> None:
             c.copy_(c0)
             s.copy_(s0)
         ours = [fused(layer) for layer in range(LAYERS)]
-        fused_pools = [(c.clone(), s.clone()) for c, s in pools]
-        for (c, s), (c0, s0) in zip(pools, saved):
-            c.copy_(c0)
-            s.copy_(s0)
-        ours_two = [two(layer) for layer in range(LAYERS)]
         record = {
-            "two_launch_max_out_diff": max((o.float() - r.float()).abs().max().item() for o, r in zip(ours_two, ref)),
-            "two_launch_out_equal_fraction": sum((o == r).float().mean().item() for o, r in zip(ours_two, ref)) / LAYERS,
-            "two_launch_max_ssm_state_diff": max((p[1] - r[1]).abs().max().item() for p, r in zip(pools, ref_pools)),
-            "two_launch_conv_state_equal": all(torch.equal(p[0], r[0]) for p, r in zip(pools, ref_pools)),
             "batch": bsz,
             "max_out_diff": max((o.float() - r.float()).abs().max().item() for o, r in zip(ours, ref)),
             "out_equal_fraction": sum((o == r).float().mean().item() for o, r in zip(ours, ref)) / LAYERS,
-            "max_ssm_state_diff": max((p[1] - r[1]).abs().max().item() for p, r in zip(fused_pools, ref_pools)),
-            "conv_state_equal": all(torch.equal(p[0], r[0]) for p, r in zip(fused_pools, ref_pools)),
+            "max_ssm_state_diff": max((p[1] - r[1]).abs().max().item() for p, r in zip(pools, ref_pools)),
+            "conv_state_equal": all(torch.equal(p[0], r[0]) for p, r in zip(pools, ref_pools)),
             "three_kernels_us": time_graph(three, LAYERS),
             "fused_us": time_graph(fused, LAYERS),
-            "two_launch_us": time_graph(two, LAYERS),
         }
         record["speedup"] = record["three_kernels_us"] / record["fused_us"]
         if args.sweep:
             for warps in (4, 8, 16):
                 record[f"fused_warps{warps}_us"] = time_graph(lambda layer, w=warps: fused(layer, w), LAYERS)
-            for block_v in (16, 64):
-                record[f"two_launch_block_v{block_v}_us"] = time_graph(lambda layer, v=block_v: two(layer, v), LAYERS)
         state_bytes = 2 * bsz * hv * d * d * 4  # the recurrent state read and written
         record["fused_state_tb_per_s"] = state_bytes / (record["fused_us"] * 1e-6) / 1e12
         print(json.dumps(record))

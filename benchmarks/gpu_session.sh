@@ -367,7 +367,7 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
     gputests13)  # the GPU tests of the kernels changed this session (routing, attention, warps) and the engine's graphs
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py \
         tests/test_gpu_engine.py tests/test_batch_invariance.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
-    gdn13)  # the conv fused into the delta rule: microbenchmark, batch 1 / 16 / 64 with LAMINA_FUSED_GDN_DECODE=0 and conv (the default)
+    gdn13)  # ran on b4f1555 (conv_delta_rule_decode removed since): the conv fused into the delta rule: microbenchmark, batch 1 / 16 / 64 with LAMINA_FUSED_GDN_DECODE=0 and conv (the default)
       # alternating, its GPU tests and the engine's, then the batch-1 step split by kernel (PDL off, so kernel times add up)
       timeout 90 python3 benchmarks/bench_gdn_decode.py --sweep --out $OUT/bench_gdn_decode.json 2>&1 | tail -3 | cut -c1-700
       for i in 1 2; do

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 from lamina.kernels.causal_conv1d import causal_conv1d_varlen  # noqa: E402
 from lamina.kernels.gated_delta_rule import recurrent_gated_delta_rule_step  # noqa: E402
 from lamina.kernels.triton_decode import causal_conv1d_decode, gated_delta_rule_decode  # noqa: E402
-from lamina.kernels.triton_gdn_decode import conv_delta_rule_decode, fused_gdn_decode  # noqa: E402
+from lamina.kernels.triton_gdn_decode import fused_gdn_decode  # noqa: E402
 from lamina.kernels.triton_moe_gemv import _tickets  # noqa: E402
 from lamina.kernels.triton_norm import gated_rms_norm  # noqa: E402
 from lamina.layers.norm import GatedRMSNorm  # noqa: E402
@@ -60,24 +60,6 @@ def _fused(c, slots, keep, hk, dk, activation="silu"):
     return fused_gdn_decode(
         c["x"], c["z"], c["b"], c["a"], c["conv_weight"], c["conv_state"], c["ssm_state"], slots, keep,
         c["a_log"], c["dt_bias"], c["norm_weight"], num_k_heads=hk, head_k_dim=dk, norm_eps=EPS, activation=activation,
-    )
-
-
-def _conv_delta_rule(c, slots, keep, hk, dk, block_v):
-    """The layer's default decode path up to the gated norm (LAMINA_FUSED_GDN_DECODE=conv)."""
-    return conv_delta_rule_decode(c["x"], c["b"], c["a"], c["conv_weight"], c["conv_state"], c["ssm_state"], slots,
-                                  keep, c["a_log"], c["dt_bias"], num_k_heads=hk, head_k_dim=dk, block_v=block_v)
-
-
-def _conv_then_delta_rule(c, slots, keep, hk, dk):
-    """The conv and delta-rule kernels one after the other (LAMINA_FUSED_GDN_DECODE=0 up to the norm)."""
-    bsz, hv = c["a"].shape
-    dv = c["ssm_state"].shape[-1]
-    y = causal_conv1d_decode(c["x"], c["conv_weight"], c["conv_state"], slots, keep)
-    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    return gated_delta_rule_decode(
-        q.reshape(bsz, hk, dk), k.reshape(bsz, hk, dk), v.reshape(bsz, hv, dv), c["a"], c["b"], c["ssm_state"], slots,
-        keep, a_log=c["a_log"], dt_bias=c["dt_bias"],
     )
 
 
@@ -228,98 +210,15 @@ def test_fused_gdn_decode_at_real_width(bsz):
     torch.testing.assert_close(alone_c["ssm_state"][slots[r]], ours_c["ssm_state"][slots[r]], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("block_v", [8, 16])
-@pytest.mark.parametrize("hk,hv,dk,dv,kernel,dtype,activation", SHAPES)
-def test_conv_delta_rule_decode_equals_the_two_kernels(hk, hv, dk, dv, kernel, dtype, activation, block_v):
-    """The conv fused into the delta rule, each head over Dv / block_v programs (2-6 here: Dv = 48
-    in blocks of 8 and 16, the last one ragged at 16), on the rows of the three-kernel test: output
-    and both pools equal the conv kernel then the delta-rule kernel (bitwise under the
-    interpreter); a second call gives the same again (every (request, key head) ticket, drawn by
-    all its heads' blocks, was left zero)."""
-    slots = torch.tensor([5, 1, 6, 2], device=DEVICE)
-    keep = torch.tensor([True, False, False, True], device=DEVICE)
-    c = _case(4, hk, hv, dk, dv, kernel, dtype, num_slots=7, seed=3)
-    c["conv_state"][1] = float("nan")
-    c["ssm_state"][1] = float("nan")
-    ref_c, ours_c = _copy(c), _copy(c)
-    ref = _conv_then_delta_rule(ref_c, slots, keep, hk, dk)
-    ours = _conv_delta_rule(ours_c, slots, keep, hk, dk, block_v)
-    exact = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 \
-        else dict(atol=2e-2, rtol=2e-2)
-    assert ours.shape == (4, hv, dv) and ours.dtype == dtype
-    torch.testing.assert_close(ours, ref, **exact)
-    torch.testing.assert_close(ours_c["conv_state"], ref_c["conv_state"], atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(ours_c["ssm_state"], ref_c["ssm_state"], equal_nan=True,
-                               **(dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-5, rtol=1e-5)))
-    _assert_tickets_zero()
-    again_c = _copy(c)
-    torch.testing.assert_close(_conv_delta_rule(again_c, slots, keep, hk, dk, block_v), ours, atol=0, rtol=0)
-    torch.testing.assert_close(again_c["conv_state"], ours_c["conv_state"], atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(again_c["ssm_state"], ours_c["ssm_state"], atol=0, rtol=0, equal_nan=True)
-    _assert_tickets_zero()
-
-
-def test_conv_delta_rule_decode_matches_the_torch_reference_and_each_row_alone():
-    """Against the layer's torch ops up to the gated norm (a padded row with a negative slot, a
-    fresh row, a kept row), and each row alone gives its row of the batch bitwise."""
-    hk, hv, dk, dv, kernel = 1, 2, 16, 32, 4
-    slots = torch.tensor([3, -1, 0], device=DEVICE)
-    keep = torch.tensor([False, True, True], device=DEVICE)
-    c = _case(3, hk, hv, dk, dv, kernel, torch.float32, num_slots=5, seed=12)
-    ref_c, ours_c = _copy(c), _copy(c)
-    norm = GatedRMSNorm(dv, EPS, activation="silu", dtype=torch.float32, device=DEVICE)
-    norm.weight.data.copy_(c["norm_weight"])
-    norm.kernels = "reference"
-    ref = _torch_reference(ref_c, slots, keep, hk, dk)
-    ours = norm(_conv_delta_rule(ours_c, slots, keep, hk, dk, 16), c["z"].reshape(3, hv, dv)).reshape(3, hv * dv)
-    live = slots >= 0
-    torch.testing.assert_close(ours[live], ref[live], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours_c["conv_state"], ref_c["conv_state"], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(ours_c["ssm_state"], ref_c["ssm_state"], atol=1e-5, rtol=1e-5)
-    batch = _conv_delta_rule(_copy(c), slots, keep, hk, dk, 16)
-    for r in (0, 2):
-        alone_c = _copy(c)
-        rows = {name: alone_c[name][r : r + 1] for name in ("x", "z", "b", "a")}
-        alone = _conv_delta_rule(dict(alone_c, **rows), slots[r : r + 1], keep[r : r + 1], hk, dk, 16)
-        torch.testing.assert_close(alone[0], batch[r], atol=0, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bsz", [1, 3, 64])
-def test_conv_delta_rule_decode_at_real_width(bsz):
-    """Qwen3.5-35B-A3B's delta net in bf16 (Hk 16, Hv 32, Dk = Dv = 128, K 4; four 32-wide blocks
-    a head, so 8 programs draw a key head's ticket): against the conv then the delta-rule kernel,
-    two calls in a row, the tickets left zero."""
-    hk, hv, dk, dv, kernel = 16, 32, 128, 128, 4
-    num_slots = bsz + 2
-    slots = torch.randperm(bsz + 1, generator=_gen(1))[:bsz].to(DEVICE)
-    slots[-1] = num_slots - 1
-    keep = (torch.arange(bsz, device=DEVICE) % 3) != 1
-    keep[-1] = bsz == 1
-    c = _case(bsz, hk, hv, dk, dv, kernel, torch.bfloat16, num_slots, seed=20)
-    c["ssm_state"] *= 0.1
-    ref_c, ours_c = _copy(c), _copy(c)
-    ref = _conv_then_delta_rule(ref_c, slots, keep, hk, dk)
-    ours = _conv_delta_rule(ours_c, slots, keep, hk, dk, 32)
-    torch.testing.assert_close(ours.float(), ref.float(), atol=3e-2, rtol=2e-2)
-    assert (ours == ref).float().mean() > 0.95  # rounding flips only
-    torch.testing.assert_close(ours_c["conv_state"], ref_c["conv_state"], atol=0, rtol=0)
-    torch.testing.assert_close(ours_c["ssm_state"], ref_c["ssm_state"], atol=1e-4, rtol=1e-4)
-    _assert_tickets_zero()
-    again_c = _copy(c)
-    torch.testing.assert_close(_conv_delta_rule(again_c, slots, keep, hk, dk, 32), ours, atol=0, rtol=0)
-    torch.testing.assert_close(again_c["ssm_state"], ours_c["ssm_state"], atol=0, rtol=0)
-    _assert_tickets_zero()
-
-
-def test_gdn_decode_fusion_switch(monkeypatch):
-    from lamina.kernels.selection import gdn_decode_fusion
+def test_fused_gdn_decode_switch(monkeypatch):
+    from lamina.kernels.selection import fused_gdn_decode_enabled
 
     monkeypatch.delenv("LAMINA_FUSED_GDN_DECODE", raising=False)
-    assert gdn_decode_fusion("triton") == "conv" and gdn_decode_fusion("reference") == "0"
-    for wanted in ("0", "conv", "1"):
-        monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", wanted)
-        assert gdn_decode_fusion("triton") == wanted and gdn_decode_fusion("reference") == "0"
+    assert not fused_gdn_decode_enabled("triton")  # off by default: slower on the H200
+    monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", "1")
+    assert fused_gdn_decode_enabled("triton") and not fused_gdn_decode_enabled("reference")
+    monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", "0")
+    assert not fused_gdn_decode_enabled("triton")
     monkeypatch.setenv("LAMINA_FUSED_GDN_DECODE", "yes")
-    with pytest.raises(ValueError, match="LAMINA_FUSED_GDN_DECODE = 'yes' is not one of 0, conv, 1"):
-        gdn_decode_fusion("triton")
+    with pytest.raises(ValueError, match="LAMINA_FUSED_GDN_DECODE"):
+        fused_gdn_decode_enabled("triton")

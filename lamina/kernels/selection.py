@@ -5,8 +5,8 @@
   `triton_moe`) for decode steps of a uniform Q tokens per request (`decode_query_len`: plain
   decode, MTP verification) and the routed experts with their routing (`triton_router`, one
   launch up to 4 tokens: `fused_router_max_tokens`); everything else stays on the reference
-  kernels. The gated delta net's one-token decode runs its conv and delta rule as one launch
-  (`LAMINA_FUSED_GDN_DECODE`, `gdn_decode_fusion`).
+  kernels. The gated delta net's one-token decode is one fused launch unless
+  `LAMINA_FUSED_GDN_DECODE=0` (`fused_gdn_decode_enabled`).
 
 `LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
 `triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
@@ -118,23 +118,19 @@ def triton_prefill_attention_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "triton"
 
 
-GDN_DECODE_FUSIONS = ("0", "conv", "1")
-
-
-def gdn_decode_fusion(kernels: str) -> str:
-    """How the gated delta net's one-token decode runs on the Triton kernel set
-    (`lamina.kernels.triton_gdn_decode`), from `LAMINA_FUSED_GDN_DECODE`: `conv` (the default):
-    the causal conv and the delta rule in one launch, each head over several programs, then the
-    gated norm; `1`: conv, delta rule and gated norm in one launch, one program per head; `0`: the
-    three launches of `triton_decode` / `triton_norm`. "0" on the reference kernels. MTP
-    verification steps (Q > 1) take the Q-token kernels of `triton_verify` either way. On an H200
-    (benchmarks/results/bench_gdn_decode_h200.json, graphs of 30 layers) the one-launch form, whose
-    32 programs each hold a whole 128 x 128 state, took 12.9 / 51 / 189 us per layer at batch
-    1 / 16 / 64 against 9.5 / 31 / 97 for the three launches. Read at model build time."""
-    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "conv")
-    if wanted not in GDN_DECODE_FUSIONS:
-        raise ValueError(f"LAMINA_FUSED_GDN_DECODE = {wanted!r} is not one of {', '.join(GDN_DECODE_FUSIONS)}")
-    return wanted if kernels == "triton" else "0"
+def fused_gdn_decode_enabled(kernels: str) -> bool:
+    """Whether the gated delta net's one-token decode on the Triton kernel set runs as one launch
+    (`lamina.kernels.triton_gdn_decode`: conv, delta rule and gated norm fused) rather than the
+    three of `triton_decode` / `triton_norm`. Off unless `LAMINA_FUSED_GDN_DECODE=1`: on an H200
+    (benchmarks/results/bench_gdn_decode_h200.json, graphs of 30 layers) the fused kernel, one
+    program per (request, value head) holding a whole 128 x 128 state, took 12.9 / 51 / 189 us per
+    layer at batch 1 / 16 / 64 against 9.5 / 31 / 97 for the three launches, whose delta rule
+    spreads each head over several programs. MTP verification steps (Q > 1) take the Q-token
+    kernels of `triton_verify` either way. Read at model build time."""
+    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_FUSED_GDN_DECODE = {wanted!r} must be 0 or 1")
+    return kernels == "triton" and wanted == "1"
 
 
 def moe_gemv_max_tokens() -> int:

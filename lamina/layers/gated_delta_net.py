@@ -32,7 +32,7 @@ from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
 from lamina.layers.spec_state import capture_tokens, conv_with_capture
-from lamina.kernels.selection import gdn_decode_fusion
+from lamina.kernels.selection import fused_gdn_decode_enabled
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
 
@@ -91,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # bound by the runner
         self.ssm_state: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
-        self.decode_fusion = gdn_decode_fusion(self.kernels)  # one-token decode: "0", "conv" or "1" (all in one launch)
+        self.fused_decode = fused_gdn_decode_enabled(self.kernels)  # one-token decode in one launch
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
@@ -202,15 +202,15 @@ class GatedDeltaNet(nn.Module):
         """Q tokens per request on the Triton kernels (Q = 1: plain decode; Q = K + 1: verification):
         conv and delta rule read and write the state pools at the requests' slots in place (no
         gather / scatter of states); under verification they also write the states after tokens
-        0..Q-2 into the step's capture rows (lamina.layers.spec_state). Plain decode runs conv and
-        delta rule as one kernel (`conv_delta_rule_decode`), or with the gated norm too
-        (`fused_gdn_decode`), as LAMINA_FUSED_GDN_DECODE chose at build time."""
+        0..Q-2 into the step's capture rows (lamina.layers.spec_state). Plain decode runs conv,
+        delta rule and gated norm as one kernel (`fused_gdn_decode`) when the layer was built
+        with LAMINA_FUSED_GDN_DECODE=1."""
         from lamina.kernels.triton_verify import causal_conv1d_verify, gated_delta_rule_verify
 
         num_tokens = meta.num_tokens
         slots, keep = meta.state_slots, meta.has_initial_state
         capture = meta.state_capture
-        if queries == 1 and capture is None and self.decode_fusion == "1":
+        if queries == 1 and capture is None and self.fused_decode:
             from lamina.kernels.triton_gdn_decode import fused_gdn_decode
 
             core = fused_gdn_decode(
@@ -219,14 +219,6 @@ class GatedDeltaNet(nn.Module):
                 norm_eps=self.norm.eps, activation=self.norm.activation,
             )  # [T, Hv*Dv]: conv, delta rule and gated norm in one launch, the pools updated in place
             return self.out_proj(core)
-        if queries == 1 and capture is None and self.decode_fusion == "conv":
-            from lamina.kernels.triton_gdn_decode import conv_delta_rule_decode
-
-            core = conv_delta_rule_decode(
-                mixed_qkv, b, a, self.conv_weight, self.conv_state, self.ssm_state, slots, keep, self.A_log,
-                self.dt_bias, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
-            )  # [T, Hv, Dv]: conv and delta rule in one launch, the pools updated in place
-            return self._output(core, z, num_tokens)
         conv_rows = ssm_rows = None
         if capture is not None:  # decode_query_len: Q - 1 captured tokens per request, request-major
             count = meta.num_reqs * (queries - 1)
