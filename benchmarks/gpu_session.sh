@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -385,6 +385,17 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
 import json; d=json.load(open('$OUT/profile_b1_nopdl.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:60])" ;;
+    chain13)  # router and out_proj GEMV tiles in their decode chain, then batch 1 with the best of each against the defaults, alternating
+      timeout 150 python3 benchmarks/tune_gemv_chain.py --out $OUT/tune_gemv_chain.json 2>&1 | tail -2 | cut -c1-600
+      SMALL=$(python3 -c "import json; d=json.load(open('$OUT/tune_gemv_chain.json')); print(json.dumps({k: v for k, v in d[1]['best'][0].items() if k != 'us'}))")
+      MID=$(python3 -c "import json; d=json.load(open('$OUT/tune_gemv_chain.json')); print(json.dumps({k: v for k, v in d[2]['best'][0].items() if k != 'us'}))")
+      echo "best: SMALL=$SMALL MID=$MID"
+      for i in 1 2; do
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 --output-json /tmp/chain13_default_$i.json 2>&1 | tail -1
+        LAMINA_GEMV_CONFIG_SMALL=$SMALL LAMINA_GEMV_CONFIG_MID=$MID LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 \
+          --input-len 128 --output-len 64 --output-json /tmp/chain13_best_$i.json 2>&1 | tail -1
+      done
+      merge_latency chain13 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
