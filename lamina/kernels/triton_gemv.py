@@ -130,18 +130,18 @@ def gemv_config(out_features: int, in_features: int) -> dict:
     if out_features >= 4096:
         return GEMV_CONFIG_WIDE
     if out_features <= 512:
-        return _experiment_override("SMALL", GEMV_CONFIG_SMALL)
-    return _experiment_override("MID", GEMV_CONFIG)
+        return dict(GEMV_CONFIG_SMALL, **_experiment_override("SMALL"))
+    return dict(GEMV_CONFIG, **_experiment_override("MID"))
 
 
 @functools.cache
-def _experiment_override(name: str, default: dict) -> dict:
+def _experiment_override(name: str) -> dict:
     """EXPERIMENT (session 13, to be removed): LAMINA_GEMV_CONFIG_<name> as a JSON dict of tiles."""
     import json
     import os
 
     wanted = os.environ.get(f"LAMINA_GEMV_CONFIG_{name}")
-    return dict(default, **json.loads(wanted)) if wanted else default
+    return json.loads(wanted) if wanted else {}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
