@@ -390,7 +390,7 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       SMALL=$(python3 -c "import json; d=json.load(open('$OUT/tune_gemv_chain.json')); print(json.dumps({k: v for k, v in d[1]['best'][0].items() if k != 'us'}))")
       MID=$(python3 -c "import json; d=json.load(open('$OUT/tune_gemv_chain.json')); print(json.dumps({k: v for k, v in d[2]['best'][0].items() if k != 'us'}))")
       echo "best: SMALL=$SMALL MID=$MID"
-      for i in 1 2; do
+      for i in ${CHAIN_REPEATS:-1 2}; do
         LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 --output-json /tmp/chain13_default_$i.json 2>&1 | tail -1
         LAMINA_GEMV_CONFIG_SMALL=$SMALL LAMINA_GEMV_CONFIG_MID=$MID LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 \
           --input-len 128 --output-len 64 --output-json /tmp/chain13_best_$i.json 2>&1 | tail -1
