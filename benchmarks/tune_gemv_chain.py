@@ -2,7 +2,9 @@
 they run in a decode step: each call behind an add + RMSNorm (its producer) and, for the router,
 before the routing kernel, in a CUDA graph of 40 layers with distinct weights and PDL, us per
 layer. benchmarks/tune_gemv.py timed the GEMVs alone (L2-cold single kernels); here a split-K
-ticket tail or a ramp shows as the step sees it.
+ticket tail or a ramp shows as the step sees it. Not yet run on a GPU (written in session 13 after
+its device time was spent); a winner becomes GEMV_CONFIG_SMALL / GEMV_CONFIG in
+lamina/kernels/triton_gemv.py only after an end-to-end batch-1 A/B against the tree before it.
 
     python benchmarks/tune_gemv_chain.py --out tune_gemv_chain.json
 """

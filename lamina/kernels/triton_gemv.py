@@ -18,8 +18,6 @@ renormalisation: `triton_moe.softmax_topk`), one launch where the decode step ha
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -130,18 +128,8 @@ def gemv_config(out_features: int, in_features: int) -> dict:
     if out_features >= 4096:
         return GEMV_CONFIG_WIDE
     if out_features <= 512:
-        return dict(GEMV_CONFIG_SMALL, **_experiment_override("SMALL"))
-    return dict(GEMV_CONFIG, **_experiment_override("MID"))
-
-
-@functools.cache
-def _experiment_override(name: str) -> dict:
-    """EXPERIMENT (session 13, to be removed): LAMINA_GEMV_CONFIG_<name> as a JSON dict of tiles."""
-    import json
-    import os
-
-    wanted = os.environ.get(f"LAMINA_GEMV_CONFIG_{name}")
-    return json.loads(wanted) if wanted else {}
+        return GEMV_CONFIG_SMALL
+    return GEMV_CONFIG
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
