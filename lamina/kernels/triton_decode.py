@@ -154,8 +154,8 @@ def paged_decode_attention(
     """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
     caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
     `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
-    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head). Returns
-    `[B, Hq, D]` in q's dtype."""
+    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head); `num_warps`
+    overrides ATTENTION_WARPS (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
     bsz, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -250,7 +250,8 @@ def gated_delta_rule_decode(
     state_pool `[num_slots, Hv, Dk, Dv]` float32, updated in place at `slots [B]` (a row with
     `keep[b]` False starts from zeros). With `a_log` and `dt_bias` `[Hv]`, g and beta are the raw
     projections `a` and `b`, and the gates g = -exp(A_log) * softplus(a + dt_bias), beta =
-    sigmoid(b) are computed in the kernel. Returns the output `[B, Hv, Dv]` in v's dtype."""
+    sigmoid(b) are computed in the kernel; `num_warps` overrides GDR_WARPS (benchmarks). Returns the
+    output `[B, Hv, Dv]` in v's dtype."""
     bsz, num_v_heads, head_v_dim = v.shape
     num_k_heads, head_k_dim = k.shape[1], k.shape[2]
     out = torch.empty((bsz, num_v_heads, head_v_dim), dtype=v.dtype, device=v.device)
@@ -316,8 +317,8 @@ def causal_conv1d_decode(
     activation: str | None = "silu", num_warps: int | None = None,
 ) -> torch.Tensor:
     """x `[B, C]` (one token per request, rows may be strided); weight `[C, K]`; state_pool `[num_slots, C, K-1]`,
-    updated in place at `slots [B]` (`keep[b]` False: the request starts from zeros).
-    Returns `[B, C]` in x's dtype."""
+    updated in place at `slots [B]` (`keep[b]` False: the request starts from zeros); `num_warps`
+    overrides CONV_WARPS (benchmarks). Returns `[B, C]` in x's dtype."""
     bsz, channels = x.shape
     kernel = weight.shape[1]
     out = torch.empty((bsz, channels), dtype=x.dtype, device=x.device)

@@ -500,7 +500,8 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
                        num_warps: int | None = None):
     """Softmax over experts (float32), the top-k, optionally renormalised, in one launch per
     step: `SparseMoE.route`'s math. Ties between equal probabilities go to the lower expert id.
-    Returns (weights `[T, k]` out_dtype, ids `[T, k]` int64)."""
+    `num_warps` overrides ROUTE_WARPS (benchmarks). Returns (weights `[T, k]` out_dtype, ids
+    `[T, k]` int64)."""
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=logits.device)

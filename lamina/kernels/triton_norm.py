@@ -78,7 +78,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + x, RMSNorm(residual + x)) for `[T, D]` rows, in one launch."""
+    """(residual + x, RMSNorm(residual + x)) for `[T, D]` rows, in one launch; `num_warps`
+    overrides NORM_WARPS (benchmarks)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     total = torch.empty_like(residual)
@@ -135,7 +136,8 @@ def _token_head_strides(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, i
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str,
                    num_warps: int | None = None) -> torch.Tensor:
     """norm(x) * weight * act(gate) over the last dim; x and gate `[..., D]` of one shape. `[T, H, D]`
-    inputs are read through their strides (no copy of a strided split)."""
+    inputs are read through their strides (no copy of a strided split). `num_warps` overrides
+    GATED_NORM_WARPS (benchmarks)."""
     if x.shape != gate.shape:
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ in shape")
     dim = x.shape[-1]

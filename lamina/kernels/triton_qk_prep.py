@@ -77,7 +77,8 @@ def qk_norm_rope_cache(
     """query `[T, H, D]`, key / value `[T, Hkv, D]` (strided views of one projection are fine);
     cos / sin `[T, rotary_dim]` float32 (same strides); caches `[num_blocks, block_size, Hkv, D]`
     contiguous, written at `slot_mapping [T]` (entries < 0 skipped; the others distinct, as a
-    step's slots are). Returns the normed, rotated query `[T, H, D]`."""
+    step's slots are); `num_warps` overrides QK_PREP_WARPS (benchmarks). Returns the normed,
+    rotated query `[T, H, D]`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rotary_dim = cos.shape[-1]
