@@ -54,9 +54,10 @@ def cases(dev, dtype):
     q, k, v = rand(1, hk, dk), rand(1, hk, dk), rand(1, hv, dv)
     a, b, a_log, dt_bias = rand(1, hv), rand(1, hv), rand(hv, scale=0.1), rand(hv, scale=0.1)
     ssm_pools = [rand(2, hv, dk, dv, scale=0.1, dt=torch.float32) for _ in range(LAYERS)]  # distinct, as layers
-    qkv = rand(1, heads * head_dim + 2 * kv_heads * head_dim)
-    query, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    query, key, value = query.view(1, heads, head_dim), key.view(1, kv_heads, head_dim), value.view(1, kv_heads, head_dim)
+    qkv = rand(1, heads * 2 * head_dim + 2 * kv_heads * head_dim)  # the attention's joint GEMV output
+    query_gate, key, value = qkv.split([heads * 2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query = query_gate.view(1, heads, 2 * head_dim)[..., :head_dim]  # [T, H, D], each head's query before its gate
+    key, value = key.view(1, kv_heads, head_dim), value.view(1, kv_heads, head_dim)
     q_w, k_w = rand(head_dim), rand(head_dim)
     cos, sin = rand(1, rot, dt=torch.float32), rand(1, rot, dt=torch.float32)
     pages = (seq_len + page - 1) // page

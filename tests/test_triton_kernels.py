@@ -734,7 +734,9 @@ def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
     """The router GEMV with the routing in its last tile's program: the logits are `gemv`'s and
     the weights / ids `route_softmax_topk`'s of those logits' expert columns (extra gate rows after
     the experts' are returned, not routed), with one program per tile and with split partials;
-    twice (both tickets are left zero), and a row alone gets its row of the batch."""
+    twice (both tickets are left zero), and a row alone gets its row of the batch. The weights are
+    bitwise the routing kernel's under the interpreter; on a GPU its one warp and the GEMV's four
+    may group the softmax sums differently (float32 rounding)."""
     from lamina.kernels.triton_gemv import gemv, gemv_route
 
     num_experts = 40
@@ -746,7 +748,8 @@ def test_gemv_route_equals_the_gemv_then_the_routing(rows, top_k, renormalize):
         assert torch.equal(logits, gemv(x, weight, cfg))
         ref_w, ref_i = route_softmax_topk(logits[:, :num_experts], top_k, renormalize, x.dtype)
         assert torch.equal(ids, ref_i)
-        assert torch.equal(weights, ref_w)
+        exact = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=0, rtol=2e-6)
+        torch.testing.assert_close(weights, ref_w, **exact)
         again = gemv_route(x, weight, num_experts, top_k, renormalize, cfg)
         assert all(torch.equal(a, b) for a, b in zip(again, (logits, weights, ids)))
         for r in range(rows):

@@ -142,8 +142,10 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, num_experts: int, top_k: i
     """The router GEMV and the routing in one launch: logits = `gemv(x, weight)` `[M, N]` (the
     first `num_experts` columns the experts', any after them other gate rows), then
     `route_softmax_topk(logits[:, :num_experts], top_k, renormalize, x.dtype)` done by the program
-    that finishes the last tile. Returns (logits, weights `[M, k]` x's dtype, ids `[M, k]` int64),
-    the same values as the GEMV and the routing kernel launched one after the other."""
+    that finishes the last tile. Returns (logits, weights `[M, k]` x's dtype, ids `[M, k]` int64):
+    the GEMV's logits and the routing kernel's ids; the weights too under Triton's interpreter, on a
+    GPU to float32 rounding (the routing kernel sums the softmax in one warp, `ROUTE_WARPS`, this
+    program in the GEMV's warps, so the sums may group differently)."""
     if not 0 < num_experts <= weight.shape[0] or not 0 < top_k <= num_experts:
         raise ValueError(f"gemv_route: top_k {top_k} of num_experts {num_experts} (weight rows {weight.shape[0]})")
     return _gemv(x, weight, config, (num_experts, top_k, renormalize))
