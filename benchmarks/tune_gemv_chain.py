@@ -1,6 +1,7 @@
 """The decode GEMV tiles of the router (264 x 2048) and out_proj / o_proj (2048 x 4096) timed where
-they run in a decode step: each call behind an add + RMSNorm (its producer) and, for the router,
-before the routing kernel, in a CUDA graph of 40 layers with distinct weights and PDL, us per
+they run in a decode step: each call behind its producer (the router behind an add + RMSNorm,
+out_proj behind the delta net's gated RMSNorm of 32 heads x 128) and, for the router, before the
+routing kernel, in a CUDA graph of 40 layers with distinct weights and PDL, us per
 layer. benchmarks/tune_gemv.py timed the GEMVs alone (L2-cold single kernels); here a split-K
 ticket tail or a ramp shows as the step sees it. Not yet run on a GPU (written in session 13 after
 its device time was spent); a winner becomes GEMV_CONFIG_SMALL / GEMV_CONFIG in
@@ -44,14 +45,17 @@ def main() -> None:
         x, residual = torch.randn(1, in_features, device=dev, generator=gen).to(dtype), torch.randn(
             1, in_features, device=dev, generator=gen).to(dtype)
         norm_w = torch.randn(in_features, device=dev, generator=gen).to(dtype)
+        heads, head_dim = in_features // 128, 128  # out_proj's input: the gated norm's [T, Hv, Dv] rows
+        gate, head_w = x.view(1, heads, head_dim) * 0.5, norm_w[:head_dim]
         default = triton_gemv.gemv_config(out_features, in_features)
 
         def step(layer, cfg):
-            normed = triton_norm.add_rms_norm(x, residual, norm_w, 1e-6, True)[1]
-            y = triton_gemv.gemv(normed, weights[layer], cfg)
             if name == "router":
-                return triton_moe.route_softmax_topk(y[:, :256], 8, True, dtype)
-            return y
+                normed = triton_norm.add_rms_norm(x, residual, norm_w, 1e-6, True)[1]
+                logits = triton_gemv.gemv(normed, weights[layer], cfg)
+                return triton_moe.route_softmax_topk(logits[:, :256], 8, True, dtype)
+            core = triton_norm.gated_rms_norm(residual.view(1, heads, head_dim), gate, head_w, 1e-6, "silu")
+            return triton_gemv.gemv(core.view(1, in_features), weights[layer], cfg)
 
         rows = []
         keys = list(space)
