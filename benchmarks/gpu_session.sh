@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -387,6 +387,10 @@ print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_pe
 for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:60])" ;;
     chain13)  # not yet run (no device time left in session 13): router and out_proj GEMV tiles swept in their decode chain
       timeout 150 python3 benchmarks/tune_gemv_chain.py --out $OUT/tune_gemv_chain.json 2>&1 | tail -2 | cut -c1-600 ;;
+    stream14)  # how fast a batch-1 GEMV streams by how many programs share it; the MoE down kernel as one program per 16-row tile
+      timeout 300 python3 benchmarks/bench_stream_rows.py --out $OUT/bench_stream_rows.json 2>&1 | tail -14 | cut -c1-1500 ;;
+    fma14)  # the same work split as plain-load (no tl.dot) GEMVs over more shapes, against lamina's split-K GEMV
+      timeout 300 python3 benchmarks/bench_stream_rows.py --only-fma --out $OUT/bench_stream_rows_fma.json 2>&1 | tail -14 | cut -c1-1500 ;;
     kernelsall)  # not yet run: every test of the kernel files on the GPU, not only the gpu-marked ones (e.g. gemv_route
       # against the routing kernel at float32 rounding, which CI runs under the interpreter only)
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_router.py \
