@@ -8,7 +8,8 @@ idle), the down kernel 288 programs then a ticket over 9 slots.
   rows of 2048 (37.7 MB) and the down's shape as one matrix, for G around the SM count;
 - `moe`: lamina's one-token fused MoE GEMV (`fused_moe_gemv`, gate/up then down) at its defaults
   and with the down kernel as one program per 16-row output tile over all 9 slots (no ticket);
-- `gate_up`: lamina's gate/up kernel alone at its one-token tile.
+- `fma`: the `rows` split without tl.dot (plain loads, elementwise float32 products), more shapes,
+  with lamina's split-K GEMV on the dense ones; and the MoE GEMV's `fma` kernels at several tiles.
 
     python benchmarks/bench_stream_rows.py --out bench_stream_rows.json
 """
@@ -98,11 +99,17 @@ def rows_gemv(x, w, programs, block_n, block_k, warps, stages):
     return y
 
 
+def save(path, results) -> None:
+    """Written after every section, so a run cut short keeps what it measured."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few cells (a smoke run)")
-    ap.add_argument("--only-fma", action="store_true", help="skip the tl.dot rows sweep and the MoE configs")
+    ap.add_argument("--only-fma", action="store_true", help="skip the tl.dot rows sweep and its MoE down tiles")
     args = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -160,8 +167,13 @@ def main() -> None:
         nbytes = n * k * 2
         if not name.startswith(("down", "gate_up")):
             us = time_graph(lambda i: triton_gemv.gemv(x.view(1, k), weights[i]), LAYERS)
-            results["lamina_gemv"].append(dict(shape=name, us=us, gb_s=nbytes / us / 1e3))
-            print(name, "lamina gemv", round(us, 2), "us", flush=True)
+            results["lamina_gemv"].append(dict(shape=name, config="default", us=us, gb_s=nbytes / us / 1e3))
+            for bn, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
+                cfg = dict(fma=1, block_n=bn, block_k=512, warps=warps)
+                us_fma = time_graph(lambda i, c=cfg: triton_gemv.gemv(x.view(1, k), weights[i], c), LAYERS)
+                results["lamina_gemv"].append(dict(shape=name, config=cfg, us=us_fma, gb_s=nbytes / us_fma / 1e3))
+            fastest = min((r for r in results["lamina_gemv"] if r["shape"] == name), key=lambda r: r["us"])
+            print(name, "lamina gemv", round(us, 2), "us; fastest", fastest["config"], round(fastest["us"], 2), flush=True)
         for programs, (bn, bk, warps, stages) in itertools.product(fma_programs, fma_tiles):
             if bk > k or k % bk or n % bn or (n // bn) < programs:
                 continue
@@ -175,14 +187,11 @@ def main() -> None:
             results["fma"].append(dict(shape=name, programs=programs, block_n=bn, block_k=bk, warps=warps,
                                        stages=stages, us=us, gb_s=nbytes / us / 1e3, rel_err=err))
         best = sorted((r for r in results["fma"] if r["shape"] == name and "us" in r), key=lambda r: r["us"])
+        save(args.out, results)
         print(name, "fma", json.dumps([{kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()
                                          if kk != "shape"} for r in best[:5]]), flush=True)
         del weights
 
-    if args.only_fma:
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1))
-        return
     # lamina's MoE GEMV at one token, 40 layers of distinct routed experts
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype) * 0.02
@@ -205,11 +214,18 @@ def main() -> None:
     cfgs = [None]
     downs = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (16, 512, 2, 4), (16, 256, 2, 4),
              (32, 512, 4, 3)]
-    if args.quick:
+    if args.quick or args.only_fma:
         downs = downs[:1]
     for dn, dk, warps, stages in downs:
         cfgs.append(dict(triton_moe_gemv.GEMV_CONFIG_ONE_TOKEN, down_n=dn, down_k=dk, down_slots=top_k + 1,
                          down_warps=warps, down_stages=stages))
+    # the kernels without tl.dot (fma configs): (up_n, up_k, up_warps, down_n, down_k, down_warps)
+    fma = [(4, 512, 4, 4, 512, 4), (2, 512, 4, 4, 512, 4), (8, 512, 4, 4, 512, 4), (4, 1024, 4, 4, 512, 4),
+           (4, 2048, 8, 4, 512, 4), (2, 1024, 4, 2, 512, 4), (4, 512, 4, 2, 512, 2), (4, 512, 4, 8, 512, 4),
+           (4, 512, 4, 8, 256, 4), (4, 512, 4, 16, 512, 8), (8, 256, 4, 4, 256, 2), (2, 2048, 8, 2, 512, 4)]
+    for un, uk, uw, dn, dk, dw in fma[:2] if args.quick else fma:
+        cfgs.append(dict(triton_moe_gemv.GEMV_CONFIG_FMA, up_n=un, up_k=uk, up_warps=uw, down_n=dn, down_k=dk,
+                         down_warps=dw))
     for cfg in cfgs:
         try:
             err = ((moe(0, cfg).float() - ref).norm() / ref.norm()).item()
@@ -220,8 +236,7 @@ def main() -> None:
         nbytes = (top_k + 1) * 3 * inter * hidden * 2
         results["moe"].append(dict(config=cfg or "default", us=us, gb_s=nbytes / us / 1e3, rel_err_vs_default=err))
         print("moe", json.dumps(results["moe"][-1]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        save(args.out, results)
 
 
 if __name__ == "__main__":

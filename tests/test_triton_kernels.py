@@ -676,6 +676,32 @@ def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_share
         assert torch.equal(first, ours[:1])
 
 
+@pytest.mark.parametrize("num_tokens,expert_start,num_local,with_shared,dtype", [
+    (1, 0, 8, True, torch.float32),
+    (3, 3, 4, True, torch.float32),  # experts of other EP ranks
+    (2, 0, 8, False, torch.bfloat16),
+    (4, 3, 4, True, torch.bfloat16),
+])
+def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, dtype):
+    """The MoE GEMV kernels without tl.dot (`fma` configs) against the reference: hidden 48 in
+    16-column steps and intermediate 24 in 16-column steps (partial last steps), output and
+    intermediate rows in tiles that do not divide them, experts of other EP ranks, bf16 and float32;
+    the same bits again, and for the first token run alone (one config at every T)."""
+    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
+    cfg = dict(fma=1, up_n=4, up_k=16, down_n=8, down_k=16, up_warps=2, down_warps=2)
+    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    else:  # the activation and the output are rounded to bf16
+        assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg))
+    if num_tokens > 1:
+        alone = shared and (shared[0], shared[1], shared[2][:1])
+        first = fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, config=cfg)
+        assert torch.equal(first, ours[:1])
+
+
 def test_gemv_moe_config_errors():
     x, w13, w2, weights, ids, shared, _ = _moe_case(1, 0, 8, False)
     with pytest.raises(ValueError, match="unknown config keys \\['down_split'\\]"):
@@ -722,6 +748,12 @@ def test_gemv_matches_linear(rows):
         assert torch.equal(ours, gemv(x, weight, cfg))
     for r in range(rows):
         assert torch.equal(gemv(x[r : r + 1], weight, cfg), ours[r : r + 1])
+    for block_n, block_k in ((1, 64), (4, 128), (8, 512)):  # the kernel without tl.dot (partial tiles, 1-3 K steps)
+        fma = dict(fma=1, block_n=block_n, block_k=block_k, warps=2)
+        ours = gemv(x, weight, fma)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        for r in range(rows):
+            assert torch.equal(gemv(x[r : r + 1], weight, fma), ours[r : r + 1])
     torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="at most 4 rows"):
         gemv(_rand(5, 300, seed=3), weight)

@@ -18,6 +18,9 @@ renormalisation: `triton_moe.softmax_topk`), one launch where the decode step ha
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -87,6 +90,30 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
 
 
 @triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, out_features, in_features, stride_xm, stride_wn, stride_ym,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+                     PDL: tl.constexpr):
+    """`fma` configs: one program per BLOCK_N output features over the whole input (no split, no
+    ticket), K_STEPS unrolled steps of plain [BLOCK_N, BLOCK_K] weight loads (K contiguous) whose
+    products with each of the ROWS input rows accumulate elementwise in float32; each output summed
+    once at the end. Few features per program: many programs, each with its loads up front."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < out_features
+    offs_k = tl.arange(0, BLOCK_K)
+    wait_for_producer(PDL)
+    for m in tl.static_range(ROWS):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for step in tl.static_range(K_STEPS):
+            k = step * BLOCK_K + offs_k
+            k_ok = k < in_features
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [N, K]
+            x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(y_ptr + m * stride_ym + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _route_epilogue(y_ptr, weights_ptr, ids_ptr, ticket_ptr, rows, num_experts, stride_ym,
                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Run by the program that wrote a tile of y: the one that finishes the last tile (an atomic
@@ -122,9 +149,30 @@ GEMV_CONFIG = dict(block_n=32, block_k=128, split=4, warps=4, stages=4)
 GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 
 
+# fma = 1: `_gemv_fma_kernel` (no tl.dot, no split); block_n / block_k / warps are its tiles. The
+# default with LAMINA_GEMV_FMA=1 (an experiment of session 14, `gemv_fma`).
+GEMV_CONFIG_FMA = dict(fma=1, block_n=4, block_k=512, warps=4)
+GEMV_CONFIG_FMA_SMALL = dict(fma=1, block_n=1, block_k=512, warps=4)
+
+
+@functools.cache
+def gemv_fma() -> bool:
+    """Whether the FMA kernel is the default (`LAMINA_GEMV_FMA=0|1`, read once per process)."""
+    wanted = os.environ.get("LAMINA_GEMV_FMA", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_GEMV_FMA = {wanted!r} must be 0 or 1")
+    return wanted == "1"
+
+
 def gemv_config(out_features: int, in_features: int) -> dict:
     """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
     row's sum is the same whatever the batch)."""
+    if gemv_fma():
+        return GEMV_CONFIG_FMA_SMALL if out_features <= 512 else GEMV_CONFIG_FMA
+    return _dot_config(out_features)
+
+
+def _dot_config(out_features: int) -> dict:
     if out_features >= 4096:
         return GEMV_CONFIG_WIDE
     if out_features <= 512:
@@ -161,7 +209,21 @@ def _gemv(x, weight, config, route):
     if weight.stride(1) != 1:
         raise ValueError("gemv: the weight's rows must be contiguous")
     cfg = dict(gemv_config(out_features, in_features))
+    if (config and config.get("fma", 0) != cfg.get("fma", 0)) or (route and cfg.get("fma")):
+        # a given config is taken as given, fma or not; the routing epilogue is the split-K kernel's
+        cfg = dict(GEMV_CONFIG_FMA if config and config.get("fma") else _dot_config(out_features))
     cfg.update(config or {})
+    if cfg.get("fma") and route is None:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
+        if rows:
+            block_k = min(cfg["block_k"], triton.next_power_of_2(in_features))
+            _gemv_fma_kernel[(triton.cdiv(out_features, cfg["block_n"]),)](
+                x, weight, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
+                ROWS=rows, BLOCK_N=cfg["block_n"], BLOCK_K=block_k, K_STEPS=triton.cdiv(in_features, block_k),
+                **pdl_kwargs(x.device), num_warps=cfg["warps"])
+        return y, y, y
+    cfg.pop("fma", None)
     block_k = cfg["block_k"]
     k_blocks = triton.cdiv(in_features, block_k)
     split = max(1, min(cfg["split"], k_blocks))

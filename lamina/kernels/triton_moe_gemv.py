@@ -28,6 +28,9 @@ shape is fixed by `T` and the weights: capturable in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -190,6 +193,88 @@ def _gemv_down_pipelined_kernel(
             tl.atomic_xchg(ticket, 0)  # ready for the next call (and the next graph replay)
 
 
+@triton.jit
+def _gemv_gate_up_fma_kernel(
+    x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr,
+    hidden, inter, expert_start, num_local_experts,
+    stride_xt, stride_we, stride_wn, stride_swn,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Gate/up without `tl.dot` (`fma` configs): one program per ((token, slot), BLOCK_N
+    intermediate rows), the whole hidden dim in K_STEPS unrolled steps of plain [BLOCK_N, BLOCK_K]
+    loads (K contiguous), products accumulated elementwise in float32 and each row summed once at
+    the end. Few rows per program: many programs, each with all its loads issued up front."""
+    wait_for_producer(PDL)
+    row = tl.program_id(0)  # token * SLOTS + slot
+    token = row // SLOTS
+    slot = row % SLOTS
+    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
+                             stride_we, TOP_K)
+    if ok:
+        stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for step in tl.static_range(K_STEPS):
+            k = step * BLOCK_K + offs_k
+            k_ok = k < hidden
+            a = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
+            mask = n_ok[:, None] & k_ok[None, :]
+            gate_w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=mask, other=0.0)  # [N, K]
+            up_w = tl.load(base + (offs_n[:, None] + inter) * stride_n + k[None, :], mask=mask, other=0.0)
+            acc_gate += gate_w.to(tl.float32) * a[None, :]
+            acc_up += up_w.to(tl.float32) * a[None, :]
+        gate = tl.sum(acc_gate, axis=1)  # [N]
+        up = tl.sum(acc_up, axis=1)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + row * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_fma_kernel(
+    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, out_ptr,
+    hidden, inter, expert_start, num_local_experts,
+    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Down without `tl.dot` (`fma` configs): one program per (token, BLOCK_N output rows) over
+    every slot (unrolled, so all its loads can be in flight at once), each slot's rows summed over
+    the intermediate dim in float32, weighted (routing weight, or the shared expert's sigmoid
+    gate) and added in slot order: no partials, no ticket."""
+    wait_for_producer(PDL)
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    shared_gate = 1.0 / (1.0 + tl.exp(-tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)))
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(SLOTS):
+        base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
+                                 stride_we, TOP_K)
+        if slot == TOP_K:
+            weight = shared_gate
+            stride_n = stride_swn
+        else:
+            weight = tl.load(topk_weights_ptr + token * TOP_K + slot).to(tl.float32)
+            stride_n = stride_wn
+        weight = tl.where(ok, weight, 0.0)  # a slot of another EP rank's expert adds nothing
+        k_end = tl.where(ok, inter, 0)  # 0 masks its loads off (no bytes read)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for step in tl.static_range(K_STEPS):
+            k = step * BLOCK_K + offs_k
+            k_ok = k < k_end
+            a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
+            w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [N, K]
+            acc += w.to(tl.float32) * a[None, :]
+        total += weight * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -216,8 +301,22 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 #   down_n, down_k, down_slots, down_warps, down_stages: down tile (output rows x intermediate
 #     columns per step), slots per program.
 GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
-                   down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3)
+                   down_n=64, down_k=128, down_slots=1, down_warps=2, down_stages=3, fma=0)
 GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
+# fma = 1: the kernels without `tl.dot` (`_gemv_gate_up_fma_kernel`, `_gemv_down_fma_kernel`), few
+# rows per program, the same tiles at every T; up_n / up_k / down_n / down_k / *_warps are theirs
+# (stages, up_split and down_slots do not apply). LAMINA_MOE_GEMV_FMA=1 makes them the default
+# (an experiment of session 14, `moe_gemv_fma`).
+GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=4, up_k=512, up_warps=4, down_n=4, down_k=512, down_warps=4)
+
+
+@functools.cache
+def moe_gemv_fma() -> bool:
+    """Whether the FMA kernels are the default (`LAMINA_MOE_GEMV_FMA=0|1`, read once per process)."""
+    wanted = os.environ.get("LAMINA_MOE_GEMV_FMA", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"LAMINA_MOE_GEMV_FMA = {wanted!r} must be 0 or 1")
+    return wanted == "1"
 
 # Experts wider than this take the grouped-GEMM path (the GEMV tiles were tuned at I = 512; TP
 # splits make experts narrower).
@@ -252,9 +351,10 @@ def _check_config(cfg: dict) -> None:
     unknown = sorted(set(cfg) - set(GEMV_CONFIG))
     if unknown:
         raise ValueError(f"fused_moe_gemv: unknown config keys {unknown} (known: {sorted(GEMV_CONFIG)})")
+    smallest = 1 if cfg["fma"] else 8  # a tl.dot tile side is >= 8 (16 rows of it hold the tokens)
     for key in ("up_n", "up_k", "down_n", "down_k"):
-        if cfg[key] < 8 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be a power of two >= 8 (a Triton tile side)")
+        if cfg[key] < smallest or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be a power of two >= {smallest} (a Triton tile side)")
     for key in ("up_split", "down_slots", "up_warps", "down_warps", "up_stages", "down_stages"):
         if cfg[key] < 1:
             raise ValueError(f"fused_moe_gemv: {key} = {cfg[key]} must be >= 1")
@@ -279,7 +379,9 @@ def fused_moe_gemv(
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    cfg = dict(GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
+    # A given config is taken as given (fma or not); without one, LAMINA_MOE_GEMV_FMA picks the kernels.
+    fma = (config or {}).get("fma", 0 if config else int(moe_gemv_fma()))
+    cfg = dict(GEMV_CONFIG_FMA if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
     _check_config(cfg)
     if shared is not None and shared[0].shape != (two_inter, hidden):
@@ -291,6 +393,9 @@ def fused_moe_gemv(
     topk_weights = topk_weights.contiguous()
     slots = top_k + (shared is not None)
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
+    if cfg["fma"]:
+        return _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13, shared_w2, shared_logit,
+                              slots, cfg)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     up_tiles = triton.cdiv(inter, cfg["up_n"])
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
@@ -328,5 +433,29 @@ def fused_moe_gemv(
         GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision,
         **pdl_kwargs(x.device), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+    )
+    return out
+
+
+def _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13, shared_w2, shared_logit, slots, cfg):
+    """`fused_moe_gemv` on the FMA kernels (cfg["fma"]): gate/up then down, two launches."""
+    num_tokens, top_k = topk_ids.shape
+    num_local_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    up_k, down_k = min(cfg["up_k"], triton.next_power_of_2(hidden)), min(cfg["down_k"], triton.next_power_of_2(inter))
+    act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
+    _gemv_gate_up_fma_kernel[(num_tokens * slots, triton.cdiv(inter, cfg["up_n"]))](
+        x, topk_ids, w13, shared_w13, act, hidden, inter, expert_start, num_local_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=up_k, K_STEPS=triton.cdiv(hidden, up_k),
+        **pdl_kwargs(x.device), num_warps=cfg["up_warps"],
+    )
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
+    _gemv_down_fma_kernel[(num_tokens, triton.cdiv(hidden, cfg["down_n"]))](
+        act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out,
+        hidden, inter, expert_start, num_local_experts,
+        w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+        TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_K=down_k, K_STEPS=triton.cdiv(inter, down_k),
+        **pdl_kwargs(x.device), num_warps=cfg["down_warps"],
     )
     return out
