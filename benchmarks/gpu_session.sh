@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -385,7 +385,7 @@ for k in sorted(d['top_kernels'], key=lambda r: -r['calls_per_step'])[:30]: prin
 import json; d=json.load(open('$OUT/profile_b1_nopdl.json'))
 print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:60])" ;;
-    chain13)  # not yet run (no device time left in session 13): router and out_proj GEMV tiles swept in their decode chain
+    chain13)  # (ran in session 14) router and out_proj GEMV tiles swept in their decode chain
       timeout 150 python3 benchmarks/tune_gemv_chain.py --out $OUT/tune_gemv_chain.json 2>&1 | tail -2 | cut -c1-600 ;;
     stream14)  # how fast a batch-1 GEMV streams by how many programs share it; the MoE down kernel as one program per 16-row tile
       timeout 300 python3 benchmarks/bench_stream_rows.py --out $OUT/bench_stream_rows.json 2>&1 | tail -14 | cut -c1-1500 ;;
@@ -401,7 +401,20 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       LAMINA_MOE_GEMV_FMA=1 LAMINA_GEMV_FMA=1 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -x \
         -k "moe or gemv or graph or pdl or bf16" tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py 2>&1 \
         | grep -v "^$" | tail -6 | cut -c1-200 ;;
-    kernelsall)  # not yet run: every test of the kernel files on the GPU, not only the gpu-marked ones (e.g. gemv_route
+    gemvfma14)  # (run 3 of session 14, on ffc9073: FMA tiles of 4 features a program, 1 at <= 512 rows) batch 1 with LAMINA_GEMV_FMA=0 / 1 alternating, then GPU tests with it on
+      for i in 1 2; do for f in 0 1; do
+        LAMINA_GEMV_FMA=$f LAMINA_GDN_PREFILL=reference timeout 70 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json $OUT/latency_gemvfma14_${f}_b1_$i.json 2>&1 | tail -1
+      done; done
+      LAMINA_GEMV_FMA=1 timeout 260 python3 -m pytest -q -p no:cacheprovider -x -k "gemv or graph or pdl or bf16 or engine" \
+        tests/test_triton_kernels.py tests/test_pdl.py tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 \
+        | grep -v "^$" | tail -6 | cut -c1-300 ;;
+    fma14b)  # (run 4 of session 14) batch 1: split-K GEMV + dot MoE, FMA GEMV (this tree's tiles) + dot MoE, split-K GEMV + FMA MoE
+      for f in 00 10 01; do  # LAMINA_GEMV_FMA, LAMINA_MOE_GEMV_FMA
+        LAMINA_GEMV_FMA=${f:0:1} LAMINA_MOE_GEMV_FMA=${f:1:1} LAMINA_GDN_PREFILL=reference timeout 70 $L --batch-size 1 \
+          --input-len 128 --output-len 64 --output-json $OUT/latency_fma14b_gemv${f:0:1}_moe${f:1:1}_b1.json 2>&1 | tail -1
+      done ;;
+    kernelsall)  # ran in session 14 (124 passed): every test of the kernel files on the GPU, not only the gpu-marked ones (e.g. gemv_route
       # against the routing kernel at float32 rounding, which CI runs under the interpreter only)
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_router.py \
         tests/test_triton_gdn_decode.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;

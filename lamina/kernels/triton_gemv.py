@@ -1,6 +1,16 @@
-"""`y = x @ W^T` for a few rows of x (decode): a pipelined, split-K GEMV in one launch.
+"""`y = x @ W^T` for a few rows of x (decode), in one launch.
 
-cuBLAS runs a batch-1 GEMV of a 2048 x 4096 bf16 weight (the delta net's out_proj, the attention
+Two kernels. The default (`LAMINA_GEMV_FMA=1`, `gemv_fma`) is `_gemv_fma_kernel`: no `tl.dot`, one
+program per 1-4 output features over the whole input, its plain [BLOCK_N, BLOCK_K] weight loads
+unrolled (all in flight at once) and multiplied elementwise in float32, each feature summed once
+at the end: 512-2,048 programs, no split, no ticket. On an H200 it streams the decode linears
+faster than the split-K kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and
+so a split-K and its ticket tail on the narrow weights (bench_stream_rows_fma_h200.json: out_proj
+5.4 against 7.9 us, router 1.7 against 2.9; batch-1 decode 2.46 against 2.65 ms). The input rows
+(at most GEMV_MAX_ROWS) are taken one after another over the same weight tile (re-read from cache),
+so a row's sum has one order whatever the batch.
+
+The split-K kernel (`LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a 2048 x 4096 bf16 weight (the delta net's out_proj, the attention
 o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
 (FIELD_NOTES.md). Here one program per (tile of BLOCK_N output features, split of the input
 features) steps through its [BLOCK_N, K / SPLIT] weight block BLOCK_K columns at a time, the loads
@@ -149,16 +159,21 @@ GEMV_CONFIG = dict(block_n=32, block_k=128, split=4, warps=4, stages=4)
 GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 
 
-# fma = 1: `_gemv_fma_kernel` (no tl.dot, no split); block_n / block_k / warps are its tiles. The
-# default with LAMINA_GEMV_FMA=1 (an experiment of session 14, `gemv_fma`).
-GEMV_CONFIG_FMA = dict(fma=1, block_n=4, block_k=512, warps=4)
-GEMV_CONFIG_FMA_SMALL = dict(fma=1, block_n=1, block_k=512, warps=4)
+# fma = 1: `_gemv_fma_kernel` (no tl.dot, no split); block_n / block_k / warps are its tiles, chosen
+# by benchmarks/bench_stream_rows.py on an H200 (graphs of 40 distinct weights, L2-cold, one row;
+# bench_stream_rows_fma_h200.json), us per call against the split-K kernel's tiles above:
+#   in_proj 12352 x 2048: 13.55 (4 features a program) against 14.37;
+#   out_proj / o_proj 2048 x 4096: 5.41 (1 feature a program) against 7.93;
+#   router 264 x 2048: 1.65 (1 feature a program) against 2.90.
+# The default (LAMINA_GEMV_FMA=1, `gemv_fma`); 0 takes the split-K kernel.
+GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4)
+GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
 
 
 @functools.cache
 def gemv_fma() -> bool:
     """Whether the FMA kernel is the default (`LAMINA_GEMV_FMA=0|1`, read once per process)."""
-    wanted = os.environ.get("LAMINA_GEMV_FMA", "0")
+    wanted = os.environ.get("LAMINA_GEMV_FMA", "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_GEMV_FMA = {wanted!r} must be 0 or 1")
     return wanted == "1"
@@ -168,7 +183,7 @@ def gemv_config(out_features: int, in_features: int) -> dict:
     """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
     row's sum is the same whatever the batch)."""
     if gemv_fma():
-        return GEMV_CONFIG_FMA_SMALL if out_features <= 512 else GEMV_CONFIG_FMA
+        return GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
     return _dot_config(out_features)
 
 

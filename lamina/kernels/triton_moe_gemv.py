@@ -307,7 +307,7 @@ GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 # rows per program, the same tiles at every T; up_n / up_k / down_n / down_k / *_warps are theirs
 # (stages, up_split and down_slots do not apply). LAMINA_MOE_GEMV_FMA=1 makes them the default
 # (an experiment of session 14, `moe_gemv_fma`).
-GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=4, up_k=512, up_warps=4, down_n=4, down_k=512, down_warps=4)
+GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=2, up_k=2048, up_warps=8, down_n=2, down_k=512, down_warps=4)
 
 
 @functools.cache
