@@ -897,6 +897,32 @@ def test_moe_gemv_switch(monkeypatch):
         moe_gemv_max_tokens()
 
 
+def test_gemv_fma_switch_and_tiles(monkeypatch):
+    """LAMINA_GEMV_FMA picks the decode GEMV (read once per process: the cache is cleared here):
+    the FMA kernel by default, 1 feature a program below 4,096 rows, 4 from there, the split-K
+    kernel for inputs it would unroll too far or when switched off; bad values are refused."""
+    from lamina.kernels import triton_gemv
+
+    def config(out_features, in_features, value):
+        triton_gemv.gemv_fma.cache_clear()
+        if value is None:
+            monkeypatch.delenv("LAMINA_GEMV_FMA", raising=False)
+        else:
+            monkeypatch.setenv("LAMINA_GEMV_FMA", value)
+        return triton_gemv.gemv_config(out_features, in_features)
+
+    try:
+        assert config(2048, 4096, None) == triton_gemv.GEMV_CONFIG_FMA and triton_gemv.GEMV_CONFIG_FMA["block_n"] == 1
+        assert config(12352, 2048, "1") == triton_gemv.GEMV_CONFIG_FMA_WIDE
+        assert config(2048, triton_gemv.FMA_MAX_IN_FEATURES + 1, "1") == triton_gemv.GEMV_CONFIG
+        assert config(2048, 4096, "0") == triton_gemv.GEMV_CONFIG and config(264, 2048, "0") == triton_gemv.GEMV_CONFIG_SMALL
+        with pytest.raises(ValueError, match="LAMINA_GEMV_FMA = 'yes'"):
+            config(2048, 4096, "yes")
+    finally:
+        monkeypatch.delenv("LAMINA_GEMV_FMA", raising=False)
+        triton_gemv.gemv_fma.cache_clear()
+
+
 def test_gemv_tiles_fit_shared_memory():
     """The one-token gate/up tile asked for 288 KiB of shared memory in float32 on an H200 (limit
     227 KiB); the tiles narrow to fit, keeping the tuned bf16 tiles as they are."""

@@ -116,8 +116,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, out_features, in_features, stride_xm, 
         for step in tl.static_range(K_STEPS):
             k = step * BLOCK_K + offs_k
             k_ok = k < in_features
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)  # [N, K]
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
             x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
             acc += w.to(tl.float32) * x[None, :]
         tl.store(y_ptr + m * stride_ym + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -167,6 +167,8 @@ GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 #   router 264 x 2048: 1.65 (1 feature a program) against 2.90.
 # The default (LAMINA_GEMV_FMA=1, `gemv_fma`); 0 takes the split-K kernel.
 GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4)
+# The FMA kernel unrolls its input steps (512 columns each); longer inputs take the split-K kernel.
+FMA_MAX_IN_FEATURES = 16384
 GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
 
 
@@ -182,7 +184,7 @@ def gemv_fma() -> bool:
 def gemv_config(out_features: int, in_features: int) -> dict:
     """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
     row's sum is the same whatever the batch)."""
-    if gemv_fma():
+    if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES:
         return GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
     return _dot_config(out_features)
 
