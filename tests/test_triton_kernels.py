@@ -661,8 +661,14 @@ def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_share
     (a partial last step), 48 output rows in tiles of 32, experts of other EP ranks, bf16 and
     float32; a second run gives the same bits (tickets reset, order fixed), and so does the first
     token run alone."""
-    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
     cfg = dict(up_n=32, up_k=64, down_n=32, down_k=16, down_stages=2) | tiles
+    _assert_moe_gemv(num_tokens, expert_start, num_local, with_shared, dtype, cfg)
+
+
+def _assert_moe_gemv(num_tokens, expert_start, num_local, with_shared, dtype, cfg):
+    """`fused_moe_gemv` with `cfg` against the reference; the same bits again, and for the first
+    token run alone (one config for every batch size: a token's bits do not depend on the others)."""
+    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
     ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
     assert ours.dtype == dtype and ours.shape == ref.shape
     if dtype == torch.float32:
@@ -670,7 +676,7 @@ def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_share
     else:  # the activation and the output are rounded to bf16
         assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg))
-    if num_tokens > 1:  # one config for every batch size: a token's bits do not depend on the others
+    if num_tokens > 1:
         alone = shared and (shared[0], shared[1], shared[2][:1])
         first = fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, config=cfg)
         assert torch.equal(first, ours[:1])
@@ -687,19 +693,8 @@ def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, 
     16-column steps and intermediate 24 in 16-column steps (partial last steps), output and
     intermediate rows in tiles that do not divide them, experts of other EP ranks, bf16 and float32;
     the same bits again, and for the first token run alone (one config at every T)."""
-    x, w13, w2, weights, ids, shared, ref = _moe_case(num_tokens, expert_start, num_local, with_shared, dtype)
     cfg = dict(fma=1, up_n=4, up_k=16, down_n=8, down_k=16, up_warps=2, down_warps=2)
-    ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg)
-    assert ours.dtype == dtype and ours.shape == ref.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    else:  # the activation and the output are rounded to bf16
-        assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
-    assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=cfg))
-    if num_tokens > 1:
-        alone = shared and (shared[0], shared[1], shared[2][:1])
-        first = fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, config=cfg)
-        assert torch.equal(first, ours[:1])
+    _assert_moe_gemv(num_tokens, expert_start, num_local, with_shared, dtype, cfg)
 
 
 def test_gemv_moe_config_errors():
