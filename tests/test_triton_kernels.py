@@ -603,8 +603,9 @@ def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.floa
     ref = grouped_experts(x.float(), w13.float(), w2.float(), weights.float(), ids, expert_start)
     shared = None
     if with_shared:
-        shared_w13 = _rand(2 * inter, hidden, seed=5, scale=0.2, dtype=dtype)
-        shared_w2 = _rand(hidden, inter, seed=6, scale=0.2, dtype=dtype)
+        # row strides of their own (a kernel that takes the experts' stride for the shared expert fails)
+        shared_w13 = _rand(2 * inter, hidden + 8, seed=5, scale=0.2, dtype=dtype)[:, :hidden]
+        shared_w2 = _rand(hidden, inter + 8, seed=6, scale=0.2, dtype=dtype)[:, :inter]
         shared = (shared_w13, shared_w2, logits[:, total_experts])
         gate, up = torch.nn.functional.linear(x.float(), shared_w13.float()).chunk(2, dim=-1)
         ref = ref + torch.sigmoid(logits[:, total_experts:]) * torch.nn.functional.linear(
@@ -697,6 +698,32 @@ def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, 
     _assert_moe_gemv(num_tokens, expert_start, num_local, with_shared, dtype, cfg)
 
 
+def test_moe_gemv_fma_switch(monkeypatch):
+    """LAMINA_MOE_GEMV_FMA=1 makes the FMA kernels the default (the same bits as their config given
+    explicitly); a given config without fma keeps the tl.dot kernels; bad values are refused."""
+    from lamina.kernels import triton_moe_gemv
+
+    x, w13, w2, weights, ids, shared, ref = _moe_case(2, 0, 8, True)
+    try:
+        monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "1")
+        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        ours = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
+        assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=triton_moe_gemv.GEMV_CONFIG_FMA))
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        tiles = dict(up_n=16, up_k=32, down_n=32, down_k=32)
+        with_dot = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles)
+        monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "0")
+        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        assert torch.equal(with_dot, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles))
+        monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "yes")
+        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        with pytest.raises(ValueError, match="LAMINA_MOE_GEMV_FMA = 'yes'"):
+            fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
+    finally:
+        monkeypatch.delenv("LAMINA_MOE_GEMV_FMA", raising=False)
+        triton_moe_gemv.moe_gemv_fma.cache_clear()
+
+
 def test_gemv_moe_config_errors():
     x, w13, w2, weights, ids, shared, _ = _moe_case(1, 0, 8, False)
     with pytest.raises(ValueError, match="unknown config keys \\['down_split'\\]"):
@@ -727,10 +754,11 @@ def test_sum_slots_adds_in_slot_order(dtype):
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4])
 def test_gemv_matches_linear(rows):
-    """The decode GEMV (split-K, partials summed by each tile's last program) against F.linear, with
-    a weight whose sizes are not multiples of the tiles and a strided input, for one program per
-    tile and for 2 and 3 splits; twice (the tickets are left zero), and each row alone equals its
-    row in the batch (a row's sum never depends on the others)."""
+    """The decode GEMVs against F.linear, with a weight whose sizes are not multiples of the tiles
+    and a strided input: the split-K kernel (partials summed by each tile's last program) for one
+    program per tile and for 2 and 3 splits, twice (the tickets are left zero), and the FMA kernel
+    at three tiles; each row alone equals its row in the batch (a row's sum never depends on the
+    others)."""
     from lamina.kernels.triton_gemv import gemv, linear
 
     weight = _rand(37, 300, seed=1, scale=0.1)
@@ -743,12 +771,16 @@ def test_gemv_matches_linear(rows):
         assert torch.equal(ours, gemv(x, weight, cfg))
     for r in range(rows):
         assert torch.equal(gemv(x[r : r + 1], weight, cfg), ours[r : r + 1])
-    for block_n, block_k in ((1, 64), (4, 128), (8, 512)):  # the kernel without tl.dot (partial tiles, 1-3 K steps)
+    for block_n, block_k in ((1, 64), (4, 128), (8, 512)):  # the kernel without tl.dot (partial tiles, 5 / 3 / 1 K steps)
         fma = dict(fma=1, block_n=block_n, block_k=block_k, warps=2)
         ours = gemv(x, weight, fma)
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         for r in range(rows):
             assert torch.equal(gemv(x[r : r + 1], weight, fma), ours[r : r + 1])
+    from lamina.kernels.triton_gemv import gemv_config, gemv_fma
+
+    if gemv_fma():  # the default (no config) launches the FMA kernel at its tiles for this shape
+        assert torch.equal(gemv(x, weight), gemv(x, weight, gemv_config(*weight.shape)))
     torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="at most 4 rows"):
         gemv(_rand(5, 300, seed=3), weight)

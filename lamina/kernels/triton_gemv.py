@@ -3,8 +3,8 @@
 Two kernels. The default (`LAMINA_GEMV_FMA=1`, `gemv_fma`) is `_gemv_fma_kernel`: no `tl.dot`, one
 program per 1-4 output features over the whole input, its plain [BLOCK_N, BLOCK_K] weight loads
 unrolled (all in flight at once) and multiplied elementwise in float32, each feature summed once
-at the end: 512-2,048 programs, no split, no ticket. On an H200 it streams the decode linears
-faster than the split-K kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and
+at the end: 264-3,088 programs on the Qwen3.5-35B-A3B linears, no split, no ticket. On an H200 it
+streams the decode linears faster than the split-K kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and
 so a split-K and its ticket tail on the narrow weights (bench_stream_rows_fma_h200.json: out_proj
 5.4 against 7.9 us, router 1.7 against 2.9; batch-1 decode 2.46 against 2.65 ms). The input rows
 (at most GEMV_MAX_ROWS) are taken one after another over the same weight tile (re-read from cache),
@@ -38,7 +38,7 @@ import triton.language as tl
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.triton_moe import softmax_topk
 
-__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_fma", "gemv_route"]
 
 GEMV_MAX_ROWS = 4
 
@@ -183,10 +183,15 @@ def gemv_fma() -> bool:
 
 def gemv_config(out_features: int, in_features: int) -> dict:
     """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
-    row's sum is the same whatever the batch)."""
+    row's sum is the same whatever the batch): the FMA kernel's (`gemv_fma`, inputs up to
+    FMA_MAX_IN_FEATURES) or the split-K kernel's."""
     if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES:
-        return GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
+        return _fma_config(out_features)
     return _dot_config(out_features)
+
+
+def _fma_config(out_features: int) -> dict:
+    return GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
 
 
 def _dot_config(out_features: int) -> dict:
@@ -225,12 +230,13 @@ def _gemv(x, weight, config, route):
         raise ValueError(f"gemv: x has {in_features} features, weight {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv: the weight's rows must be contiguous")
-    cfg = dict(gemv_config(out_features, in_features))
-    if (config and config.get("fma", 0) != cfg.get("fma", 0)) or (route and cfg.get("fma")):
-        # a given config is taken as given, fma or not; the routing epilogue is the split-K kernel's
-        cfg = dict(GEMV_CONFIG_FMA if config and config.get("fma") else _dot_config(out_features))
-    cfg.update(config or {})
-    if cfg.get("fma") and route is None:
+    if route and config and config.get("fma"):
+        raise ValueError("gemv_route: the routing epilogue is the split-K kernel's; an fma config does not apply")
+    if config:  # tuning: its `fma` (0 if absent) picks the kernel, the keys it lacks are that kernel's tiles
+        cfg = dict(_fma_config(out_features) if config.get("fma") else _dot_config(out_features), **config)
+    else:  # LAMINA_GEMV_FMA's kernel; the routing epilogue only exists in the split-K kernel
+        cfg = dict(_dot_config(out_features) if route else gemv_config(out_features, in_features))
+    if cfg.get("fma"):
         x = x if x.stride(-1) == 1 else x.contiguous()
         y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
         if rows:

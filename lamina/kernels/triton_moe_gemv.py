@@ -22,6 +22,11 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
 elementwise GEMV loop does not get; compute is free here, the weights' bytes are the cost.
+`fma` configs (`GEMV_CONFIG_FMA`, the default with `LAMINA_MOE_GEMV_FMA=1`) take two kernels
+without `tl.dot` instead: gate/up one program per ((token, slot), up_n intermediate rows), down one
+program per (token, down_n output rows) over every slot in slot order (no partials, no ticket),
+plain loads unrolled over the whole input, float32 products summed once per row (the form of
+`lamina.kernels.triton_gemv`'s default GEMV; opt-in here: not faster end to end yet on an H200).
 Experts of other EP ranks (ids outside this rank's range) contribute zero. Nothing syncs and every
 shape is fixed by `T` and the weights: capturable in a CUDA graph.
 """
@@ -37,7 +42,8 @@ import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
-__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv"]
+__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv",
+           "moe_gemv_fma"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
 # shared expert is read once per token); beyond, the grouped GEMM reads each expert once per tile.
@@ -373,20 +379,21 @@ def fused_moe_gemv(
     """`lamina.kernels.triton_moe.fused_moe`'s contract for a few tokens: x `[T, H]`; w13
     `[E_local, 2I, H]`; w2 `[E_local, H, I]`; topk_weights / topk_ids `[T, k]` (global ids);
     `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])`. Returns `[T, H]` in x's dtype.
-    `config` overrides keys of GEMV_CONFIG(_ONE_TOKEN) (tuning; then the tiles are taken as given)."""
+    `config` overrides keys of GEMV_CONFIG(_ONE_TOKEN), or of GEMV_CONFIG_FMA when it holds fma=1
+    (tuning: the tiles are then taken as given, LAMINA_MOE_GEMV_FMA does not apply)."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    # A given config is taken as given (fma or not); without one, LAMINA_MOE_GEMV_FMA picks the kernels.
-    fma = (config or {}).get("fma", 0 if config else int(moe_gemv_fma()))
+    # A given config's `fma` (0 if absent) picks the kernels; without one, LAMINA_MOE_GEMV_FMA does.
+    fma = config.get("fma", 0) if config else int(moe_gemv_fma())
     cfg = dict(GEMV_CONFIG_FMA if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
     _check_config(cfg)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
-    if config is None:
+    if not config and not fma:  # (the FMA kernels hold no shared-memory pipeline)
         _fit_shared_memory(cfg, x.element_size())
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()
