@@ -169,6 +169,13 @@ GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4)
 # The FMA kernel unrolls its input steps (512 columns each); longer inputs take the split-K kernel.
 FMA_MAX_IN_FEATURES = 16384
+# Features a program of the default FMA tiles under Triton's interpreter (CI): see `_gemv`.
+INTERPRETER_FMA_BLOCK_N = 32
+
+
+@functools.cache
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
 GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
 
 
@@ -236,6 +243,10 @@ def _gemv(x, weight, config, route):
         cfg = dict(_fma_config(out_features) if config.get("fma") else _dot_config(out_features), **config)
     else:  # LAMINA_GEMV_FMA's kernel; the routing epilogue only exists in the split-K kernel
         cfg = dict(_dot_config(out_features) if route else gemv_config(out_features, in_features))
+        if cfg.get("fma") and _interpreted():
+            # Triton's interpreter runs programs one after another: fewer, wider ones. The result is
+            # the same (it sums each feature's products with NumPy whatever the tile).
+            cfg["block_n"] = max(cfg["block_n"], INTERPRETER_FMA_BLOCK_N)
     if cfg.get("fma"):
         x = x if x.stride(-1) == 1 else x.contiguous()
         y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
