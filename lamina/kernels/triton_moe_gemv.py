@@ -64,6 +64,19 @@ def _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_l
 
 
 @triton.jit
+def _gate_up_row(ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts, stride_we,
+                 TOP_K: tl.constexpr, SLOTS: tl.constexpr):
+    """A gate/up program's (row = token * SLOTS + slot, token, slot, weight base, whether it holds
+    a local expert): its row is program_id(0)."""
+    row = tl.program_id(0)
+    token = row // SLOTS
+    slot = row % SLOTS
+    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
+                             stride_we, TOP_K)
+    return row, token, slot, base, ok
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr, partial_ptr, counter_ptr,
     hidden, inter, expert_start, num_local_experts, k_per_split,
@@ -76,11 +89,8 @@ def _gemv_gate_up_kernel(
     writes its float32 gate and up partials and the last of a (row, tile) (an atomic ticket, as in
     the split down kernel) sums them in part order before the activation: deterministic."""
     wait_for_producer(PDL)
-    row = tl.program_id(0)  # token * SLOTS + slot
-    token = row // SLOTS
-    slot = row % SLOTS
-    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
-                             stride_we, TOP_K)
+    row, token, slot, base, ok = _gate_up_row(ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts, stride_we,
+                                              TOP_K, SLOTS)
     if ok:  # the same for every program of a row: a row of another rank's expert takes no ticket
         stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,11 +222,8 @@ def _gemv_gate_up_fma_kernel(
     loads (K contiguous), products accumulated elementwise in float32 and each row summed once at
     the end. Few rows per program: many programs, each with all its loads issued up front."""
     wait_for_producer(PDL)
-    row = tl.program_id(0)  # token * SLOTS + slot
-    token = row // SLOTS
-    slot = row % SLOTS
-    base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
-                             stride_we, TOP_K)
+    row, token, slot, base, ok = _gate_up_row(ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts, stride_we,
+                                              TOP_K, SLOTS)
     if ok:
         stride_n = tl.where(slot == TOP_K, stride_swn, stride_wn)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
