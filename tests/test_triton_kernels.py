@@ -701,27 +701,27 @@ def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, 
 def test_moe_gemv_fma_switch(monkeypatch):
     """LAMINA_MOE_GEMV_FMA=1 makes the FMA kernels the default (the same bits as their config given
     explicitly); a given config without fma keeps the tl.dot kernels; bad values are refused."""
-    from lamina.kernels import triton_moe_gemv
+    from lamina.kernels import selection, triton_moe_gemv
 
     x, w13, w2, weights, ids, shared, ref = _moe_case(2, 0, 8, True)
     try:
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "1")
-        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma.cache_clear()
         ours = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
         assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=triton_moe_gemv.GEMV_CONFIG_FMA))
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         tiles = dict(up_n=16, up_k=32, down_n=32, down_k=32)
         with_dot = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles)
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "0")
-        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma.cache_clear()
         assert torch.equal(with_dot, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles))
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "yes")
-        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma.cache_clear()
         with pytest.raises(ValueError, match="LAMINA_MOE_GEMV_FMA = 'yes'"):
             fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
     finally:
         monkeypatch.delenv("LAMINA_MOE_GEMV_FMA", raising=False)
-        triton_moe_gemv.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma.cache_clear()
 
 
 def test_gemv_moe_config_errors():
@@ -777,7 +777,8 @@ def test_gemv_matches_linear(rows):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         for r in range(rows):
             assert torch.equal(gemv(x[r : r + 1], weight, fma), ours[r : r + 1])
-    from lamina.kernels.triton_gemv import gemv_config, gemv_fma
+    from lamina.kernels.selection import gemv_fma
+    from lamina.kernels.triton_gemv import gemv_config
 
     if gemv_fma():  # the default (no config) launches the FMA kernel at its tiles for this shape
         assert torch.equal(gemv(x, weight), gemv(x, weight, gemv_config(*weight.shape)))
@@ -928,10 +929,10 @@ def test_gemv_fma_switch_and_tiles(monkeypatch):
     """LAMINA_GEMV_FMA picks the decode GEMV (read once per process: the cache is cleared here):
     the FMA kernel by default, 1 feature a program below 4,096 rows, 4 from there, the split-K
     kernel for inputs it would unroll too far or when switched off; bad values are refused."""
-    from lamina.kernels import triton_gemv
+    from lamina.kernels import selection, triton_gemv
 
     def config(out_features, in_features, value):
-        triton_gemv.gemv_fma.cache_clear()
+        selection.gemv_fma.cache_clear()
         if value is None:
             monkeypatch.delenv("LAMINA_GEMV_FMA", raising=False)
         else:
@@ -947,7 +948,7 @@ def test_gemv_fma_switch_and_tiles(monkeypatch):
             config(2048, 4096, "yes")
     finally:
         monkeypatch.delenv("LAMINA_GEMV_FMA", raising=False)
-        triton_gemv.gemv_fma.cache_clear()
+        selection.gemv_fma.cache_clear()
 
 
 def test_gemv_tiles_fit_shared_memory():

@@ -8,6 +8,10 @@
   kernels. The gated delta net's one-token decode is one fused launch unless
   `LAMINA_FUSED_GDN_DECODE=0` (`fused_gdn_decode_enabled`).
 
+The decode GEMVs' kernel forms on that set (`gemv_fma`, `moe_gemv_fma`: with or without `tl.dot`,
+`LAMINA_GEMV_FMA` / `LAMINA_MOE_GEMV_FMA`, read once per process) are read by the kernels
+themselves, which take them when no tiles are given.
+
 `LAMINA_KERNELS=auto|reference|triton` (read at model build time): `auto` (the default) takes
 `triton` on CUDA when Triton imports, `reference` elsewhere. `triton` on the CPU runs the kernels
 under Triton's interpreter (`TRITON_INTERPRET=1` must be set before Triton is imported): slow, but
@@ -63,16 +67,22 @@ def kernel_set(device: torch.device | str | None) -> str:
     return "triton" if device.type == "cuda" and has_triton else "reference"
 
 
+def _switch(name: str, default: str) -> bool:
+    """An on/off environment switch: `name` = 0 or 1 (`default` when unset), anything else refused."""
+    wanted = os.environ.get(name, default)
+    if wanted not in ("0", "1"):
+        raise ValueError(f"{name} = {wanted!r} must be 0 or 1")
+    return wanted == "1"
+
+
 def decode_gemv_enabled(kernels: str) -> bool:
     """Whether the Triton kernel set's small-batch linears (the delta-net in_proj, attention qkv,
     out_proj / o_proj, the router) run lamina's split-K GEMV (`lamina.kernels.triton_gemv`) for
     inputs of up to 4 rows instead of cuBLAS. On unless `LAMINA_TRITON_GEMV=0` (L2-cold on an H200,
     benchmarks/results/tune_gemv_linear_h200.json: 14.3 / 8.2 / 3.5 us against cuBLAS's 16.1 / 10.0 /
     4.9 at the in_proj, out_proj and router shapes); read at model build time."""
-    wanted = os.environ.get("LAMINA_TRITON_GEMV", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_TRITON_GEMV = {wanted!r} must be 0 or 1")
-    return kernels == "triton" and wanted == "1"
+    on = _switch("LAMINA_TRITON_GEMV", "1")
+    return kernels == "triton" and on
 
 
 def gemv_route_enabled(kernels: str) -> bool:
@@ -83,10 +93,8 @@ def gemv_route_enabled(kernels: str) -> bool:
     3.03 ms with it against 2.69 ms with the two launches, the same run
     (benchmarks/results/latency_gemv_route_{on,off}_h200.json): the routing serialised behind the
     last tile costs more than a second launch that PDL starts early. Read at model build time."""
-    wanted = os.environ.get("LAMINA_GEMV_ROUTE", "0")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_GEMV_ROUTE = {wanted!r} must be 0 or 1")
-    return decode_gemv_enabled(kernels) and wanted == "1"
+    on = _switch("LAMINA_GEMV_ROUTE", "0")
+    return decode_gemv_enabled(kernels) and on
 
 
 def qsa_fixed_shape_decode(kernels: str) -> bool:
@@ -95,10 +103,8 @@ def qsa_fixed_shape_decode(kernels: str) -> bool:
     is what lets its decode steps be captured in CUDA graphs. On by default on the Triton kernel
     set (its graphs matched eager decode on an H200, tests/test_qwen4_graphs.py);
     `LAMINA_QSA_DECODE=0` keeps the variable-shape decode (eager). Read at model build time."""
-    wanted = os.environ.get("LAMINA_QSA_DECODE", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_QSA_DECODE = {wanted!r} must be 0 or 1")
-    return kernels == "triton" and wanted == "1"
+    on = _switch("LAMINA_QSA_DECODE", "1")
+    return kernels == "triton" and on
 
 
 def triton_prefill_attention_enabled(kernels: str) -> bool:
@@ -127,10 +133,8 @@ def fused_gdn_decode_enabled(kernels: str) -> bool:
     layer at batch 1 / 16 / 64 against 9.5 / 31 / 97 for the three launches, whose delta rule
     spreads each head over several programs. MTP verification steps (Q > 1) take the Q-token
     kernels of `triton_verify` either way. Read at model build time."""
-    wanted = os.environ.get("LAMINA_FUSED_GDN_DECODE", "0")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_FUSED_GDN_DECODE = {wanted!r} must be 0 or 1")
-    return kernels == "triton" and wanted == "1"
+    on = _switch("LAMINA_FUSED_GDN_DECODE", "0")
+    return kernels == "triton" and on
 
 
 def moe_gemv_max_tokens() -> int:
@@ -140,10 +144,8 @@ def moe_gemv_max_tokens() -> int:
     at model build time."""
     from lamina.kernels.triton_moe_gemv import GEMV_MAX_TOKENS
 
-    wanted = os.environ.get("LAMINA_MOE_GEMV", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_MOE_GEMV = {wanted!r} must be 0 or 1")
-    return GEMV_MAX_TOKENS if wanted == "1" else 0
+    on = _switch("LAMINA_MOE_GEMV", "1")
+    return GEMV_MAX_TOKENS if on else 0
 
 
 def fused_router_max_tokens(kernels: str) -> int:
@@ -153,10 +155,8 @@ def fused_router_max_tokens(kernels: str) -> int:
     launches; 0 on the reference kernels. Read at model build time. Off by default: on the H200 it
     was slower at one token (9.6 us against 6.6 for cuBLAS GEMV + route, bench_router_h200.json;
     3.36 against 3.25 ms a batch-1 step) and its GPU test failed (see tests/test_triton_router.py)."""
-    wanted = os.environ.get("LAMINA_FUSED_ROUTER", "0")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_FUSED_ROUTER = {wanted!r} must be 0 or 1")
-    if kernels != "triton" or wanted == "0":
+    on = _switch("LAMINA_FUSED_ROUTER", "0")
+    if kernels != "triton" or not on:
         return 0
     from lamina.kernels.triton_router import ROUTER_MAX_TOKENS
 
@@ -172,6 +172,23 @@ def moe_align_blocked() -> bool:
     if wanted not in ("triton", "torch"):
         raise ValueError(f"LAMINA_MOE_ALIGN = {wanted!r} must be 'triton' or 'torch'")
     return wanted == "triton"
+
+
+@functools.cache
+def gemv_fma() -> bool:
+    """Whether the decode GEMV (`lamina.kernels.triton_gemv`) takes its kernel without `tl.dot`
+    (`_gemv_fma_kernel`) rather than the split-K one: `LAMINA_GEMV_FMA=1` (the default) or `0`;
+    read once per process. On an H200 the batch-1 step took 2.463 ms with it against 2.654
+    (benchmarks/results/latency_gemv_fma_session14_h200.json)."""
+    return _switch("LAMINA_GEMV_FMA", "1")
+
+
+@functools.cache
+def moe_gemv_fma() -> bool:
+    """Whether the MoE decode GEMVs (`lamina.kernels.triton_moe_gemv`) take their kernels without
+    `tl.dot` by default: `LAMINA_MOE_GEMV_FMA=1`, or `0` (the default: not faster end to end yet on
+    an H200, docs/PERFORMANCE.md session 14); read once per process."""
+    return _switch("LAMINA_MOE_GEMV_FMA", "0")
 
 
 MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)

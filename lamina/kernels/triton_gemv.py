@@ -1,17 +1,18 @@
 """`y = x @ W^T` for a few rows of x (decode), in one launch.
 
-Two kernels. The default (`LAMINA_GEMV_FMA=1`, `gemv_fma`) is `_gemv_fma_kernel`: no `tl.dot`, one
-program per 1-4 output features over the whole input, its plain [BLOCK_N, BLOCK_K] weight loads
-unrolled (all in flight at once) and multiplied elementwise in float32, each feature summed once
-at the end: 264-3,088 programs on the Qwen3.5-35B-A3B linears, no split, no ticket. On an H200 it
-streams the decode linears faster than the split-K kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and
-so a split-K and its ticket tail on the narrow weights (bench_stream_rows_fma_h200.json: out_proj
-5.4 against 7.9 us, router 1.7 against 2.9; batch-1 decode 2.46 against 2.65 ms). The input rows
-(at most GEMV_MAX_ROWS) are taken one after another over the same weight tile (re-read from cache),
-so a row's sum has one order whatever the batch.
+Two kernels. The default (`LAMINA_GEMV_FMA=1`, `lamina.kernels.selection.gemv_fma`) is
+`_gemv_fma_kernel`: no `tl.dot`, one program per 1-4 output features over the whole input, its
+plain [BLOCK_N, BLOCK_K] weight loads unrolled (all in flight at once) and multiplied elementwise
+in float32, each feature summed once at the end: 264-3,088 programs on the Qwen3.5-35B-A3B
+linears, no split, no ticket. On an H200 it streams the decode linears faster than the split-K
+kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and so a split-K and its
+ticket tail on the narrow weights (bench_stream_rows_fma_h200.json: out_proj 5.4 against 7.9 us,
+router 1.7 against 2.9; batch-1 decode 2.46 against 2.65 ms). The input rows (at most
+GEMV_MAX_ROWS) are taken one after another over the same weight tile (re-read from cache), so a
+row's sum has one order whatever the batch.
 
-The split-K kernel (`LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a 2048 x 4096 bf16 weight (the delta net's out_proj, the attention
-o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
+The split-K kernel (`LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a
+2048 x 4096 bf16 weight (the delta net's out_proj, the attention o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
 (FIELD_NOTES.md). Here one program per (tile of BLOCK_N output features, split of the input
 features) steps through its [BLOCK_N, K / SPLIT] weight block BLOCK_K columns at a time, the loads
 pipelined (num_stages) behind a 16-row `tl.dot` that holds the (at most GEMV_MAX_ROWS) input rows;
@@ -36,9 +37,10 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
+from lamina.kernels.selection import gemv_fma
 from lamina.kernels.triton_moe import softmax_topk
 
-__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_fma", "gemv_route"]
+__all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
 
 GEMV_MAX_ROWS = 4
 
@@ -165,8 +167,9 @@ GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 #   in_proj 12352 x 2048: 13.55 (4 features a program) against 14.37;
 #   out_proj / o_proj 2048 x 4096: 5.41 (1 feature a program) against 7.93;
 #   router 264 x 2048: 1.65 (1 feature a program) against 2.90.
-# The default (LAMINA_GEMV_FMA=1, `gemv_fma`); 0 takes the split-K kernel.
+# The default (LAMINA_GEMV_FMA=1, `lamina.kernels.selection.gemv_fma`); 0 takes the split-K kernel.
 GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4)
+GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
 # The FMA kernel unrolls its input steps (512 columns each); longer inputs take the split-K kernel.
 FMA_MAX_IN_FEATURES = 16384
 # Features a program of the default FMA tiles under Triton's interpreter (CI): see `_gemv`.
@@ -176,16 +179,6 @@ INTERPRETER_FMA_BLOCK_N = 32
 @functools.cache
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
-GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
-
-
-@functools.cache
-def gemv_fma() -> bool:
-    """Whether the FMA kernel is the default (`LAMINA_GEMV_FMA=0|1`, read once per process)."""
-    wanted = os.environ.get("LAMINA_GEMV_FMA", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_GEMV_FMA = {wanted!r} must be 0 or 1")
-    return wanted == "1"
 
 
 def gemv_config(out_features: int, in_features: int) -> dict:

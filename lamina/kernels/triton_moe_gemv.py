@@ -33,17 +33,15 @@ shape is fixed by `T` and the weights: capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
+from lamina.kernels.selection import moe_gemv_fma
 
-__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS", "fused_moe_gemv",
-           "moe_gemv_fma"]
+__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
+           "fused_moe_gemv"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
 # shared expert is read once per token); beyond, the grouped GEMM reads each expert once per tile.
@@ -319,17 +317,9 @@ GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 # fma = 1: the kernels without `tl.dot` (`_gemv_gate_up_fma_kernel`, `_gemv_down_fma_kernel`), few
 # rows per program, the same tiles at every T; up_n / up_k / down_n / down_k / *_warps are theirs
 # (stages, up_split and down_slots do not apply). LAMINA_MOE_GEMV_FMA=1 makes them the default
-# (an experiment of session 14, `moe_gemv_fma`).
+# (an experiment of session 14, `lamina.kernels.selection.moe_gemv_fma`).
 GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=2, up_k=2048, up_warps=8, down_n=2, down_k=512, down_warps=4)
 
-
-@functools.cache
-def moe_gemv_fma() -> bool:
-    """Whether the FMA kernels are the default (`LAMINA_MOE_GEMV_FMA=0|1`, read once per process)."""
-    wanted = os.environ.get("LAMINA_MOE_GEMV_FMA", "0")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"LAMINA_MOE_GEMV_FMA = {wanted!r} must be 0 or 1")
-    return wanted == "1"
 
 # Experts wider than this take the grouped-GEMM path (the GEMV tiles were tuned at I = 512; TP
 # splits make experts narrower).
