@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -418,6 +418,47 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       # against the routing kernel at float32 rounding, which CI runs under the interpreter only)
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_router.py \
         tests/test_triton_gdn_decode.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
+    ab15)  # (session 15) batch 1 / 2 / 4 with LAMINA_GEMV_FMA=0 / 1 alternating; batch 1 with the MoE FMA kernels on top;
+      # MTP K=1..3 step costs with LAMINA_GEMV_FMA=0 / 1
+      for i in 1 2; do for f in 0 1; do
+        LAMINA_GEMV_FMA=$f LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 --input-len 128 --output-len 64 \
+          --output-json /tmp/ab15_gemv${f}_$i.json 2>&1 | tail -1
+      done
+        LAMINA_MOE_GEMV_FMA=1 LAMINA_GDN_PREFILL=reference timeout 70 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/ab15_gemv1_moefma_$i.json 2>&1 | tail -1
+      done
+      merge_latency ab15
+      for f in 0 1; do
+        LAMINA_GEMV_FMA=$f timeout 100 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
+          --out $OUT/mtp15_gemv$f.json 2>&1 | tail -5 | cut -c1-300
+      done ;;
+    ab15b)  # (session 15) batch 1 / 2 / 4: split-K GEMV, the FMA GEMV with one weight load for all rows, the same with the
+      # first 512 / 2,048 input features' weights read before the PDL wait, alternating; then the MoE FMA kernels on
+      # top, and MTP K=1..3 step costs on the FMA GEMV
+      for i in 1 2; do for v in 0:0 1:0 1:512 1:2048; do  # LAMINA_GEMV_FMA:LAMINA_GEMV_FMA_PRELOAD
+        LAMINA_GEMV_FMA=${v%:*} LAMINA_GEMV_FMA_PRELOAD=${v#*:} LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 \
+          --input-len 128 --output-len 64 --output-json /tmp/ab15b_gemv${v%:*}_pre${v#*:}_$i.json 2>&1 | tail -1
+      done; done
+      LAMINA_MOE_GEMV_FMA=1 LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 --input-len 128 --output-len 64 \
+        --output-json /tmp/ab15b_gemv1_pre0_moefma.json 2>&1 | tail -1
+      merge_latency ab15b
+      timeout 100 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
+        --out $OUT/mtp15b.json 2>&1 | tail -5 | cut -c1-300 ;;
+    rows15)  # (session 15) batch 1-4 decode: the split-K GEMV everywhere (LAMINA_GEMV_FMA=0) against the default (FMA at
+      # 1-2 rows, split-K at 3-4), alternating; the GEMV GPU tests; MTP K=1..3 step costs on the default
+      timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "gemv" 2>&1 | tail -2
+      for i in $(seq ${ROUNDS:-2}); do for f in 0 1; do
+        LAMINA_GEMV_FMA=$f LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 3 4 --input-len 128 --output-len 64 \
+          --output-json $OUT/rows15_gemv${f}_$i.json 2>&1 | tail -1
+      done; done
+      cp $OUT/rows15_*.json /tmp/ && merge_latency rows15
+      timeout 100 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
+        --out $OUT/mtp15_rows.json 2>&1 | tail -5 | cut -c1-250 ;;
+    tests15)  # (session 15) every test of the kernel files on the GPU, then the gpu-marked engine, graph and batch-invariance tests
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_router.py \
+        tests/test_triton_gdn_decode.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -5 | cut -c1-200
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
+        tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

@@ -752,12 +752,12 @@ def test_sum_slots_adds_in_slot_order(dtype):
     assert sum_slots(parts[:0], dtype).shape == (0, 40)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4])
 def test_gemv_matches_linear(rows):
     """The decode GEMVs against F.linear, with a weight whose sizes are not multiples of the tiles
     and a strided input: the split-K kernel (partials summed by each tile's last program) for one
     program per tile and for 2 and 3 splits, twice (the tickets are left zero), and the FMA kernel
-    at three tiles; each row alone equals its row in the batch (a row's sum never depends on the
+    at five tiles (two of them preloading); each row alone equals its row in the batch (a row's sum never depends on the
     others)."""
     from lamina.kernels.triton_gemv import gemv, linear
 
@@ -771,8 +771,10 @@ def test_gemv_matches_linear(rows):
         assert torch.equal(ours, gemv(x, weight, cfg))
     for r in range(rows):
         assert torch.equal(gemv(x[r : r + 1], weight, cfg), ours[r : r + 1])
-    for block_n, block_k in ((1, 64), (4, 128), (8, 512)):  # the kernel without tl.dot (partial tiles, 5 / 3 / 1 K steps)
-        fma = dict(fma=1, block_n=block_n, block_k=block_k, warps=2)
+    # the kernel without tl.dot (partial tiles, 5 / 3 / 1 / 3 / 1 K steps, the last two with the first step
+    # read before the PDL wait)
+    for block_n, block_k, preload in ((1, 64, 0), (4, 128, 0), (8, 512, 0), (2, 64, 128), (1, 64, 512)):
+        fma = dict(fma=1, block_n=block_n, block_k=block_k, warps=2, preload=preload)
         ours = gemv(x, weight, fma)
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         for r in range(rows):
@@ -780,8 +782,8 @@ def test_gemv_matches_linear(rows):
     from lamina.kernels.selection import gemv_fma
     from lamina.kernels.triton_gemv import gemv_config
 
-    if gemv_fma():  # the default (no config) launches the FMA kernel at its tiles for this shape
-        assert torch.equal(gemv(x, weight), gemv(x, weight, gemv_config(*weight.shape)))
+    if gemv_fma():  # the default (no config) launches the kernel and tiles of this shape and row count
+        assert torch.equal(gemv(x, weight), gemv(x, weight, gemv_config(*weight.shape, rows)))
     torch.testing.assert_close(linear(x, weight), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="at most 4 rows"):
         gemv(_rand(5, 300, seed=3), weight)
@@ -927,23 +929,30 @@ def test_moe_gemv_switch(monkeypatch):
 
 def test_gemv_fma_switch_and_tiles(monkeypatch):
     """LAMINA_GEMV_FMA picks the decode GEMV (read once per process: the cache is cleared here):
-    the FMA kernel by default, 1 feature a program below 4,096 rows, 4 from there, the split-K
-    kernel for inputs it would unroll too far or when switched off; bad values are refused."""
+    by default the FMA kernel for one row (1 feature a program below 4,096 rows, 4 from there, the
+    first 512 features read before the PDL wait) and two (the first 2,048), the split-K kernel for
+    three and four rows, for inputs the FMA kernel would unroll too far, and when switched off; bad
+    values are refused."""
     from lamina.kernels import selection, triton_gemv
 
-    def config(out_features, in_features, value):
+    def config(out_features, in_features, value, rows=1):
         selection.gemv_fma.cache_clear()
         if value is None:
             monkeypatch.delenv("LAMINA_GEMV_FMA", raising=False)
         else:
             monkeypatch.setenv("LAMINA_GEMV_FMA", value)
-        return triton_gemv.gemv_config(out_features, in_features)
+        return triton_gemv.gemv_config(out_features, in_features, rows)
 
     try:
         assert config(2048, 4096, None) == triton_gemv.GEMV_CONFIG_FMA and triton_gemv.GEMV_CONFIG_FMA["block_n"] == 1
+        assert triton_gemv.GEMV_CONFIG_FMA["preload"] == 512
+        assert config(2048, 4096, None, rows=2) == dict(triton_gemv.GEMV_CONFIG_FMA, preload=2048)
+        assert config(2048, 4096, None, rows=3) == config(2048, 4096, None, rows=4) == triton_gemv.GEMV_CONFIG
         assert config(12352, 2048, "1") == triton_gemv.GEMV_CONFIG_FMA_WIDE
+        assert config(12352, 2048, "1", rows=4) == triton_gemv.GEMV_CONFIG_WIDE
         assert config(2048, triton_gemv.FMA_MAX_IN_FEATURES + 1, "1") == triton_gemv.GEMV_CONFIG
         assert config(2048, 4096, "0") == triton_gemv.GEMV_CONFIG and config(264, 2048, "0") == triton_gemv.GEMV_CONFIG_SMALL
+        assert config(2048, 4096, "0", rows=2) == triton_gemv.GEMV_CONFIG
         with pytest.raises(ValueError, match="LAMINA_GEMV_FMA = 'yes'"):
             config(2048, 4096, "yes")
     finally:

@@ -1,17 +1,18 @@
 """`y = x @ W^T` for a few rows of x (decode), in one launch.
 
-Two kernels. The default (`LAMINA_GEMV_FMA=1`, `lamina.kernels.selection.gemv_fma`) is
-`_gemv_fma_kernel`: no `tl.dot`, one program per 1-4 output features over the whole input, its
-plain [BLOCK_N, BLOCK_K] weight loads unrolled (all in flight at once) and multiplied elementwise
-in float32, each feature summed once at the end: 264-3,088 programs on the Qwen3.5-35B-A3B
-linears, no split, no ticket. On an H200 it streams the decode linears faster than the split-K
-kernel below, whose 16-row `tl.dot` tiles need 16+ features a program and so a split-K and its
-ticket tail on the narrow weights (bench_stream_rows_fma_h200.json: out_proj 5.4 against 7.9 us,
-router 1.7 against 2.9; batch-1 decode 2.46 against 2.65 ms). The input rows (at most
-GEMV_MAX_ROWS) are taken one after another over the same weight tile (re-read from cache), so a
-row's sum has one order whatever the batch.
+Two kernels. For one and two rows (`LAMINA_GEMV_FMA=1`, the default:
+`lamina.kernels.selection.gemv_fma`) `_gemv_fma_kernel`: no `tl.dot`, one program per 1-4 output
+features over the whole input, its plain [BLOCK_N, BLOCK_K] weight loads unrolled (all in flight
+at once, the first read before the PDL wait) and multiplied elementwise in float32 with each row,
+each feature summed once at the end: 264-3,088 programs on the Qwen3.5-35B-A3B linears, no split,
+no ticket. On an H200 it streams the decode linears faster than the split-K kernel below, whose
+16-row `tl.dot` tiles need 16+ features a program and so a split-K and its ticket tail on the
+narrow weights (bench_stream_rows_fma_h200.json: out_proj 5.4 against 7.9 us, router 1.7 against
+2.9; batch-1 decode 2.455 against 2.668 ms). Each weight load serves every row (one accumulator of
+the same layout per row), but every program reads the whole input rows, so from three rows on the
+split-K kernel, whose 16-row dot takes them for free, is faster (`gemv_config`).
 
-The split-K kernel (`LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a
+The split-K kernel (three and four rows, `LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a
 2048 x 4096 bf16 weight (the delta net's out_proj, the attention o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
 (FIELD_NOTES.md). Here one program per (tile of BLOCK_N output features, split of the input
 features) steps through its [BLOCK_N, K / SPLIT] weight block BLOCK_K columns at a time, the loads
@@ -104,25 +105,48 @@ def _gemv_splitk_kernel(x_ptr, w_ptr, y_ptr, partial_ptr, ticket_ptr, rows, out_
 @triton.jit
 def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, out_features, in_features, stride_xm, stride_wn, stride_ym,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """`fma` configs: one program per BLOCK_N output features over the whole input (no split, no
-    ticket), K_STEPS unrolled steps of plain [BLOCK_N, BLOCK_K] weight loads (K contiguous) whose
-    products with each of the ROWS input rows accumulate elementwise in float32; each output summed
-    once at the end. Few features per program: many programs, each with its loads up front."""
+    ticket), K_STEPS unrolled steps of plain [BLOCK_N, BLOCK_K] weight loads (K contiguous), each
+    load multiplied with all ROWS (<= 4) input rows: one float32 accumulator of the same
+    [BLOCK_N, BLOCK_K] layout per row, each output summed once at the end. A row's products, their
+    accumulation order and its final sum are the same whatever ROWS is (batch invariance): the
+    other rows only add accumulators beside it. Few features per program: many programs, each
+    with its loads up front. PRELOAD: the first step's weights are read before the PDL wait
+    (weights are never written by a kernel of the step)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < out_features
     offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [N, 1]
+    if PRELOAD:
+        w_first = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < in_features)[None, :], other=0.0)
     wait_for_producer(PDL)
-    for m in tl.static_range(ROWS):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for step in tl.static_range(K_STEPS):
-            k = step * BLOCK_K + offs_k
-            k_ok = k < in_features
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
-            x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(y_ptr + m * stride_ym + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # rows 1-3: unused (and compiled away) below ROWS
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for step in tl.static_range(K_STEPS):
+        k = step * BLOCK_K + offs_k
+        k_ok = k < in_features
+        if PRELOAD and step == 0:
+            w = w_first.to(tl.float32)  # [N, K]
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [N, K]
+        acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if ROWS > 1:
+            acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if ROWS > 2:
+            acc2 += w * tl.load(x_ptr + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if ROWS > 3:
+            acc3 += w * tl.load(x_ptr + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_n, tl.sum(acc0, axis=1).to(out_ty), mask=n_ok)
+    if ROWS > 1:
+        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, axis=1).to(out_ty), mask=n_ok)
+    if ROWS > 2:
+        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, axis=1).to(out_ty), mask=n_ok)
+    if ROWS > 3:
+        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=1).to(out_ty), mask=n_ok)
 
 
 @triton.jit
@@ -167,9 +191,16 @@ GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 #   in_proj 12352 x 2048: 13.55 (4 features a program) against 14.37;
 #   out_proj / o_proj 2048 x 4096: 5.41 (1 feature a program) against 7.93;
 #   router 264 x 2048: 1.65 (1 feature a program) against 2.90.
-# The default (LAMINA_GEMV_FMA=1, `lamina.kernels.selection.gemv_fma`); 0 takes the split-K kernel.
-GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4)
-GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4)
+# preload: the first step's weights (and every step then that wide) are read before the PDL wait.
+# Batch-1 / 2 / 4 decode (latency_gemv_rows_session15_h200.json, ms a step): split-K 2.668 / 3.313 /
+# 4.327; FMA without preload 2.467 / 3.353 / 4.752, preloading 512 2.455 / 3.394 / 4.881, 2,048
+# 2.476 / 3.255 / 4.580. So one row takes the FMA kernel preloading 512, two rows preloading 2,048,
+# three and four the split-K kernel (`gemv_config`); LAMINA_GEMV_FMA=0 (`selection.gemv_fma`) takes
+# the split-K kernel for every row count.
+GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4, preload=512)
+GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4, preload=512)
+FMA_TWO_ROWS_PRELOAD = 2048
+GEMV_FMA_MAX_ROWS = 2
 # The FMA kernel unrolls its input steps (512 columns each); longer inputs take the split-K kernel.
 FMA_MAX_IN_FEATURES = 16384
 # Features a program of the default FMA tiles under Triton's interpreter (CI): see `_gemv`.
@@ -181,17 +212,21 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
 
 
-def gemv_config(out_features: int, in_features: int) -> dict:
-    """The tuned tiles for a weight of this shape (host ints; the same for every row count, so a
-    row's sum is the same whatever the batch): the FMA kernel's (`gemv_fma`, inputs up to
-    FMA_MAX_IN_FEATURES) or the split-K kernel's."""
-    if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES:
-        return _fma_config(out_features)
+def gemv_config(out_features: int, in_features: int, rows: int = 1) -> dict:
+    """The tuned tiles for a weight of this shape at this many input rows (host ints, fixed per
+    captured batch size): the FMA kernel's for up to GEMV_FMA_MAX_ROWS rows (`gemv_fma`, inputs up
+    to FMA_MAX_IN_FEATURES), the split-K kernel's otherwise. Each kernel sums a row the same way
+    whatever the other rows; a request's bf16 rounding follows its step's row count only through
+    this choice, as it does at the switch to cuBLAS beyond GEMV_MAX_ROWS (ARCHITECTURE.md, "Batch
+    invariance")."""
+    if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES and rows <= GEMV_FMA_MAX_ROWS:
+        return _fma_config(out_features, rows)
     return _dot_config(out_features)
 
 
-def _fma_config(out_features: int) -> dict:
-    return GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
+def _fma_config(out_features: int, rows: int = 1) -> dict:
+    cfg = GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
+    return cfg if rows <= 1 else dict(cfg, preload=FMA_TWO_ROWS_PRELOAD)
 
 
 def _dot_config(out_features: int) -> dict:
@@ -235,7 +270,7 @@ def _gemv(x, weight, config, route):
     if config:  # tuning: its `fma` (0 if absent) picks the kernel, the keys it lacks are that kernel's tiles
         cfg = dict(_fma_config(out_features) if config.get("fma") else _dot_config(out_features), **config)
     else:  # LAMINA_GEMV_FMA's kernel; the routing epilogue only exists in the split-K kernel
-        cfg = dict(_dot_config(out_features) if route else gemv_config(out_features, in_features))
+        cfg = dict(_dot_config(out_features) if route else gemv_config(out_features, in_features, rows))
         if cfg.get("fma") and _interpreted():
             # Triton's interpreter runs programs one after another: fewer, wider ones. The result is
             # the same (it sums each feature's products with NumPy whatever the tile).
@@ -244,10 +279,12 @@ def _gemv(x, weight, config, route):
         x = x if x.stride(-1) == 1 else x.contiguous()
         y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [M, N]
         if rows:
-            block_k = min(cfg["block_k"], triton.next_power_of_2(in_features))
+            preload = cfg.get("preload", 0)  # 0, or the features of the first step, read before the PDL wait
+            block_k = min(max(cfg["block_k"], preload), triton.next_power_of_2(in_features))
             _gemv_fma_kernel[(triton.cdiv(out_features, cfg["block_n"]),)](
                 x, weight, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
                 ROWS=rows, BLOCK_N=cfg["block_n"], BLOCK_K=block_k, K_STEPS=triton.cdiv(in_features, block_k),
+                PRELOAD=bool(preload),
                 **pdl_kwargs(x.device), num_warps=cfg["warps"])
         return y, y, y
     cfg.pop("fma", None)
