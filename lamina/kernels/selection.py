@@ -178,8 +178,8 @@ def moe_align_blocked() -> bool:
 def gemv_fma() -> bool:
     """Whether the decode GEMV (`lamina.kernels.triton_gemv`) takes its kernel without `tl.dot`
     (`_gemv_fma_kernel`) rather than the split-K one for one and two rows: `LAMINA_GEMV_FMA=1`
-    (the default) or `0`; read once per process. On an H200 the batch-1 step took 2.463 ms with it against 2.654
-    (benchmarks/results/latency_gemv_fma_session14_h200.json)."""
+    (the default) or `0`; read once per process. On an H200 batch-1 / 2 steps took 2.450 / 3.252
+    ms with it against 2.648 / 3.304 (benchmarks/results/latency_gemv_by_rows_session15_h200.json)."""
     return _switch("LAMINA_GEMV_FMA", "1")
 
 

@@ -12,15 +12,16 @@ narrow weights (bench_stream_rows_fma_h200.json: out_proj 5.4 against 7.9 us, ro
 the same layout per row), but every program reads the whole input rows, so from three rows on the
 split-K kernel, whose 16-row dot takes them for free, is faster (`gemv_config`).
 
-The split-K kernel (three and four rows, `LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a batch-1 GEMV of a
-2048 x 4096 bf16 weight (the delta net's out_proj, the attention o_proj) as a split-K GEMM plus a separate reduction kernel at about half the copy bandwidth
-(FIELD_NOTES.md). Here one program per (tile of BLOCK_N output features, split of the input
+The split-K kernel (three and four rows, `LAMINA_GEMV_FMA=0`, and `gemv_route`'s): cuBLAS runs a
+batch-1 GEMV of a 2048 x 4096 bf16 weight (the delta net's out_proj, the attention o_proj) as a
+split-K GEMM plus a separate reduction kernel at about half the copy bandwidth (FIELD_NOTES.md).
+Here one program per (tile of BLOCK_N output features, split of the input
 features) steps through its [BLOCK_N, K / SPLIT] weight block BLOCK_K columns at a time, the loads
 pipelined (num_stages) behind a 16-row `tl.dot` that holds the (at most GEMV_MAX_ROWS) input rows;
 with SPLIT > 1 the partials are summed in split order by the last program of a tile (an atomic
 ticket, reset after, as the MoE down GEMV does): one launch, deterministic, and the sum of a row
-never depends on the other rows. Used by the linear layers on the Triton kernel set for up to
-`GEMV_MAX_ROWS` rows (lamina.layers.linear).
+never depends on the other rows. The linear layers on the Triton kernel set take one of the two
+for up to `GEMV_MAX_ROWS` rows (lamina.layers.linear).
 
 `gemv_route` is the MoE router's GEMV with the routing as its epilogue: the program that writes
 the last tile of the logits (a second ticket, over the tiles) routes every row (softmax, top-k,
@@ -114,6 +115,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, y_ptr, out_features, in_features, stride_xm, 
     other rows only add accumulators beside it. Few features per program: many programs, each
     with its loads up front. PRELOAD: the first step's weights are read before the PDL wait
     (weights are never written by a kernel of the step)."""
+    tl.static_assert(ROWS <= 4)  # GEMV_MAX_ROWS: one accumulator a row below
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < out_features
     offs_k = tl.arange(0, BLOCK_K)
@@ -201,7 +203,8 @@ GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4, preload=512)
 GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4, preload=512)
 FMA_TWO_ROWS_PRELOAD = 2048
 GEMV_FMA_MAX_ROWS = 2
-# The FMA kernel unrolls its input steps (512 columns each); longer inputs take the split-K kernel.
+# The FMA kernel unrolls its input steps (512 or `preload` columns each); longer inputs take the
+# split-K kernel.
 FMA_MAX_IN_FEATURES = 16384
 # Features a program of the default FMA tiles under Triton's interpreter (CI): see `_gemv`.
 INTERPRETER_FMA_BLOCK_N = 32
