@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -454,6 +454,15 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       cp $OUT/rows15_*.json /tmp/ && merge_latency rows15
       timeout 100 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
         --out $OUT/mtp15_rows.json 2>&1 | tail -5 | cut -c1-250 ;;
+    gemvrows16)  # (written in session 15, not yet run) the dense decode GEMV at 3 and 4 rows: default (split-K) against
+      # FMA tiles of 1-16 features a program (benchmarks/bench_gemv_rows.py), then batch 1 / 4 with the MoE FMA kernels on
+      # and off on today's dense GEMV, alternating
+      timeout 300 python3 benchmarks/bench_gemv_rows.py --rows 3,4 --out $OUT/bench_gemv_rows.json 2>&1 | tail -10 | cut -c1-400
+      for i in 1 2; do for m in 0 1; do
+        LAMINA_MOE_GEMV_FMA=$m LAMINA_GDN_PREFILL=reference timeout 90 $L --batch-size 1 4 --input-len 128 --output-len 64 \
+          --output-json /tmp/moefma16_moe${m}_$i.json 2>&1 | tail -1
+      done; done
+      merge_latency moefma16 ;;
     tests15)  # (session 15) every test of the kernel files on the GPU, then the gpu-marked engine, graph and batch-invariance tests
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_router.py \
         tests/test_triton_gdn_decode.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -5 | cut -c1-200
