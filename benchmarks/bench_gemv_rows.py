@@ -7,7 +7,7 @@ rows re-read 4 x 8 KB per program); wider FMA tiles read them once per more feat
 config is checked against float32 `x @ W^T` and, row by row, against its one-row call (a row's sum
 must not depend on the other rows).
 
-    python benchmarks/bench_gemv_rows.py --out bench_gemv_rows.json [--rows 3,4] [--quick]
+    python benchmarks/bench_gemv_rows.py --out bench_gemv_rows.json [--rows 3,4] [--quick] [--shapes router,out_proj]
 """
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--rows", default="3,4", help="input row counts, comma-separated (1-4)")
     ap.add_argument("--quick", action="store_true", help="two FMA tiles (a smoke run)")
+    ap.add_argument("--shapes", default=None, help=f"weights to run, comma-separated first words of {list(SHAPES)}")
     args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        shapes = {name: nk for name, nk in SHAPES.items() if name.split()[0] in wanted}
+        if len(shapes) != len(wanted):
+            raise SystemExit(f"--shapes {args.shapes}: each must be one of {[n.split()[0] for n in SHAPES]}")
     row_counts = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= triton_gemv.GEMV_MAX_ROWS for r in row_counts):
         raise SystemExit(f"--rows {args.rows}: each must be 1-{triton_gemv.GEMV_MAX_ROWS}")
     dev, dtype = "cuda", torch.bfloat16
     results = {"gpu": torch.cuda.get_device_name(), "layers_per_graph": LAYERS, "cells": []}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(LAYERS)]
         nbytes = n * k * 2
         for rows in row_counts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -468,6 +468,29 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
         tests/test_triton_gdn_decode.py tests/test_pdl.py 2>&1 | grep -v "^$" | tail -5 | cut -c1-200
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
         tests/test_batch_invariance.py 2>&1 | grep -v "^$" | tail -8 | cut -c1-200 ;;
+    gemvrows16b)  # (session 16) the router and out_proj GEMVs at 1-2 rows: today's tiles against FMA tiles (is one tile
+      # at 1-4 rows as fast?), then the batch-1 profile of this tree
+      timeout 150 python3 benchmarks/bench_gemv_rows.py --rows 1,2 --shapes router,out_proj --out $OUT/bench_gemv_rows12.json 2>&1 | tail -4 | cut -c1-600 ;;
+    ab16)  # (session 16) batch 1 / 2 / 4 decode: the tree in .baseline (git archive of the session's start, carried), this
+      # tree with the MoE FMA kernels off (the dense GEMV tiles alone), this tree (MoE FMA for one token), alternating
+      for i in $(seq ${ROUNDS:-2}); do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 --input-len 128 \
+          --output-len 64 --output-json /tmp/ab16_base_$i.json 2>&1 | tail -1)
+        LAMINA_MOE_GEMV_FMA=0 LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 --input-len 128 --output-len 64 \
+          --output-json /tmp/ab16_new_moedot_$i.json 2>&1 | tail -1
+        LAMINA_GDN_PREFILL=reference timeout 100 $L --batch-size 1 2 4 --input-len 128 --output-len 64 \
+          --output-json /tmp/ab16_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency ab16 ;;
+    outproj16)  # (session 16) batch 1 decode: this tree against .baseline2 (this tree with session 15's one-row out_proj
+      # tile: 1 feature a program, preload 512), alternating
+      for i in $(seq ${ROUNDS:-3}); do
+        (cd .baseline2 && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 \
+          --output-len 64 --output-json /tmp/outproj16_oldtile_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/outproj16_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency outproj16 ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "

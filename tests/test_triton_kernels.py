@@ -699,29 +699,45 @@ def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, 
 
 
 def test_moe_gemv_fma_switch(monkeypatch):
-    """LAMINA_MOE_GEMV_FMA=1 makes the FMA kernels the default (the same bits as their config given
-    explicitly); a given config without fma keeps the tl.dot kernels; bad values are refused."""
+    """By default one token takes the FMA kernels and 2-4 the tl.dot ones; LAMINA_MOE_GEMV_FMA=1
+    makes the FMA kernels the default at every token count (the same bits as their config given
+    explicitly), 0 at none; a given config without fma keeps the tl.dot kernels; bad values are
+    refused."""
     from lamina.kernels import selection, triton_moe_gemv
 
     x, w13, w2, weights, ids, shared, ref = _moe_case(2, 0, 8, True)
+    fma_calls = []
+    fma_kernels = triton_moe_gemv._fused_moe_fma
+    monkeypatch.setattr(triton_moe_gemv, "_fused_moe_fma", lambda *a: fma_calls.append(a[0].shape[0]) or fma_kernels(*a))
+    one = (x[:1], w13, w2, weights[:1], ids[:1], 0, (shared[0], shared[1], shared[2][:1]))
     try:
+        for value, fma_token_counts in ((None, [1]), ("0", []), ("1", [1, 2])):
+            if value is None:
+                monkeypatch.delenv("LAMINA_MOE_GEMV_FMA", raising=False)
+            else:
+                monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", value)
+            selection.moe_gemv_fma_max_tokens.cache_clear()
+            fma_calls.clear()
+            torch.testing.assert_close(fused_moe_gemv(*one), ref[:1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused_moe_gemv(x, w13, w2, weights, ids, 0, shared), ref, atol=1e-5, rtol=1e-5)
+            assert fma_calls == fma_token_counts, value
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "1")
-        selection.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma_max_tokens.cache_clear()
         ours = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
         assert torch.equal(ours, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=triton_moe_gemv.GEMV_CONFIG_FMA))
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
         tiles = dict(up_n=16, up_k=32, down_n=32, down_k=32)
         with_dot = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles)
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "0")
-        selection.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma_max_tokens.cache_clear()
         assert torch.equal(with_dot, fused_moe_gemv(x, w13, w2, weights, ids, 0, shared, config=tiles))
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "yes")
-        selection.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma_max_tokens.cache_clear()
         with pytest.raises(ValueError, match="LAMINA_MOE_GEMV_FMA = 'yes'"):
             fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
     finally:
         monkeypatch.delenv("LAMINA_MOE_GEMV_FMA", raising=False)
-        selection.moe_gemv_fma.cache_clear()
+        selection.moe_gemv_fma_max_tokens.cache_clear()
 
 
 def test_gemv_moe_config_errors():
@@ -929,10 +945,11 @@ def test_moe_gemv_switch(monkeypatch):
 
 def test_gemv_fma_switch_and_tiles(monkeypatch):
     """LAMINA_GEMV_FMA picks the decode GEMV (read once per process: the cache is cleared here):
-    by default the FMA kernel for one row (1 feature a program below 4,096 rows, 4 from there, the
-    first 512 features read before the PDL wait) and two (the first 2,048), the split-K kernel for
-    three and four rows, for inputs the FMA kernel would unroll too far, and when switched off; bad
-    values are refused."""
+    by default the FMA kernel for small outputs (the router) at every row count with one tile, and
+    for the others at one row (1 feature a program below 4,096 rows, 4 from there, the first 512
+    features read before the PDL wait) and two (the first 2,048), the split-K kernel for
+    three and four rows, for inputs the FMA kernel would unroll too far, and when switched off;
+    bad values are refused."""
     from lamina.kernels import selection, triton_gemv
 
     def config(out_features, in_features, value, rows=1):
@@ -944,13 +961,19 @@ def test_gemv_fma_switch_and_tiles(monkeypatch):
         return triton_gemv.gemv_config(out_features, in_features, rows)
 
     try:
-        assert config(2048, 4096, None) == triton_gemv.GEMV_CONFIG_FMA and triton_gemv.GEMV_CONFIG_FMA["block_n"] == 1
-        assert triton_gemv.GEMV_CONFIG_FMA["preload"] == 512
+        assert config(2048, 4096, None) == triton_gemv.GEMV_CONFIG_FMA == dict(fma=1, block_n=1, block_k=512, warps=4,
+                                                                              preload=512)
         assert config(2048, 4096, None, rows=2) == dict(triton_gemv.GEMV_CONFIG_FMA, preload=2048)
         assert config(2048, 4096, None, rows=3) == config(2048, 4096, None, rows=4) == triton_gemv.GEMV_CONFIG
-        assert config(12352, 2048, "1") == triton_gemv.GEMV_CONFIG_FMA_WIDE
+        assert config(12352, 2048, "1") == triton_gemv.GEMV_CONFIG_FMA_WIDE and triton_gemv.GEMV_CONFIG_FMA_WIDE["preload"] == 512
+        assert config(12352, 2048, "1", rows=2) == dict(triton_gemv.GEMV_CONFIG_FMA_WIDE, preload=2048)
         assert config(12352, 2048, "1", rows=4) == triton_gemv.GEMV_CONFIG_WIDE
+        for rows in (1, 2, 3, 4):  # the router (256 experts + the shared-expert gate, padded): one tile
+            assert config(264, 2048, None, rows=rows) == config(1024, 2048, None, rows=rows) == triton_gemv.GEMV_CONFIG_FMA_SMALL
+        assert triton_gemv.GEMV_CONFIG_FMA_SMALL == dict(fma=1, block_n=1, block_k=512, warps=8, preload=2048)
+        assert config(1032, 2048, None, rows=3) == triton_gemv.GEMV_CONFIG
         assert config(2048, triton_gemv.FMA_MAX_IN_FEATURES + 1, "1") == triton_gemv.GEMV_CONFIG
+        assert config(264, triton_gemv.FMA_MAX_IN_FEATURES + 1, "1") == triton_gemv.GEMV_CONFIG_SMALL
         assert config(2048, 4096, "0") == triton_gemv.GEMV_CONFIG and config(264, 2048, "0") == triton_gemv.GEMV_CONFIG_SMALL
         assert config(2048, 4096, "0", rows=2) == triton_gemv.GEMV_CONFIG
         with pytest.raises(ValueError, match="LAMINA_GEMV_FMA = 'yes'"):

@@ -8,7 +8,7 @@
   kernels. The gated delta net's one-token decode is one fused launch unless
   `LAMINA_FUSED_GDN_DECODE=0` (`fused_gdn_decode_enabled`).
 
-The decode GEMVs' kernel forms on that set (`gemv_fma`, `moe_gemv_fma`: with or without `tl.dot`,
+The decode GEMVs' kernel forms on that set (`gemv_fma`, `moe_gemv_fma_max_tokens`: with or without `tl.dot`,
 `LAMINA_GEMV_FMA` / `LAMINA_MOE_GEMV_FMA`, read once per process) are read by the kernels
 themselves, which take them when no tiles are given.
 
@@ -184,11 +184,14 @@ def gemv_fma() -> bool:
 
 
 @functools.cache
-def moe_gemv_fma() -> bool:
-    """Whether the MoE decode GEMVs (`lamina.kernels.triton_moe_gemv`) take their kernels without
-    `tl.dot` by default: `LAMINA_MOE_GEMV_FMA=1`, or `0` (the default: not faster end to end yet on
-    an H200, docs/PERFORMANCE.md session 14); read once per process."""
-    return _switch("LAMINA_MOE_GEMV_FMA", "0")
+def moe_gemv_fma_max_tokens() -> int:
+    """Up to how many tokens the MoE decode GEMVs (`lamina.kernels.triton_moe_gemv`) take their
+    kernels without `tl.dot`: one by default (on an H200 the batch-1 step took 2.426 ms with them
+    against 2.452, batch 4 4.349 against 4.292: benchmarks/results/latency_moe_fma_session16_h200.json),
+    every decode token count with `LAMINA_MOE_GEMV_FMA=1`, none with `0`; read once per process."""
+    if os.environ.get("LAMINA_MOE_GEMV_FMA") is None:
+        return 1
+    return 1 << 30 if _switch("LAMINA_MOE_GEMV_FMA", "0") else 0
 
 
 MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)

@@ -196,13 +196,26 @@ GEMV_CONFIG_SMALL = dict(block_n=16, block_k=256, split=8, warps=4, stages=3)
 # preload: the first step's weights (and every step then that wide) are read before the PDL wait.
 # Batch-1 / 2 / 4 decode (latency_gemv_rows_session15_h200.json, ms a step): split-K 2.668 / 3.313 /
 # 4.327; FMA without preload 2.467 / 3.353 / 4.752, preloading 512 2.455 / 3.394 / 4.881, 2,048
-# 2.476 / 3.255 / 4.580. So one row takes the FMA kernel preloading 512, two rows preloading 2,048,
-# three and four the split-K kernel (`gemv_config`); LAMINA_GEMV_FMA=0 (`selection.gemv_fma`) takes
-# the split-K kernel for every row count.
+# 2.476 / 3.255 / 4.580. So the wide weights (4,096+ rows) and out_proj take the FMA kernel for
+# one and two rows and the split-K kernel for three and four (`gemv_config`); LAMINA_GEMV_FMA=0
+# (`selection.gemv_fma`) takes the split-K kernel for every row count. Per weight at 1-4 rows
+# (bench_gemv_rows{,12}_session16_h200.json, us a call):
+#   router 264 x 2048: 1.52 / 1.92 / 3.19 / 3.22 (FMA at 1-2 rows, split-K at 3-4) against 1.28 /
+#   1.60 / 1.76 / 1.92 with one FMA tile at every row count (1 feature, 8 warps, preload 2,048),
+#   taken (GEMV_CONFIG_FMA_SMALL): the router's logits, which pick the experts, now round the
+#   same at 1-4 rows;
+#   out_proj 2048 x 4096, one row: 4.81 with 4 features preloading 2,048 against 5.20, but the
+#   batch-1 step was slower with it (2.435 against 2.426 ms, latency_outproj_tile_session16_h200.json);
+#   at three and four rows no FMA tile of 1-16 features beat the split-K kernel on the input
+#   projections (in_proj 17.3 / 21.2 at best against 14.4 / 14.4).
 GEMV_CONFIG_FMA_WIDE = dict(fma=1, block_n=4, block_k=512, warps=4, preload=512)
 GEMV_CONFIG_FMA = dict(fma=1, block_n=1, block_k=512, warps=4, preload=512)
+GEMV_CONFIG_FMA_SMALL = dict(fma=1, block_n=1, block_k=512, warps=8, preload=2048)
 FMA_TWO_ROWS_PRELOAD = 2048
 GEMV_FMA_MAX_ROWS = 2
+# Outputs up to this many features (routers of up to ~1,000 experts with the shared-expert gate)
+# take GEMV_CONFIG_FMA_SMALL at every row count.
+FMA_SMALL_MAX_OUT = 1024
 # The FMA kernel unrolls its input steps (512 or `preload` columns each); longer inputs take the
 # split-K kernel.
 FMA_MAX_IN_FEATURES = 16384
@@ -217,17 +230,23 @@ def _interpreted() -> bool:
 
 def gemv_config(out_features: int, in_features: int, rows: int = 1) -> dict:
     """The tuned tiles for a weight of this shape at this many input rows (host ints, fixed per
-    captured batch size): the FMA kernel's for up to GEMV_FMA_MAX_ROWS rows (`gemv_fma`, inputs up
-    to FMA_MAX_IN_FEATURES), the split-K kernel's otherwise. Each kernel sums a row the same way
-    whatever the other rows; a request's bf16 rounding follows its step's row count only through
-    this choice, as it does at the switch to cuBLAS beyond GEMV_MAX_ROWS (ARCHITECTURE.md, "Batch
-    invariance")."""
-    if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES and rows <= GEMV_FMA_MAX_ROWS:
-        return _fma_config(out_features, rows)
+    captured batch size), with `gemv_fma` on and inputs up to FMA_MAX_IN_FEATURES: the FMA
+    kernel's for small outputs (up to FMA_SMALL_MAX_OUT, the router: one tile at every row count)
+    and, for the others, up to GEMV_FMA_MAX_ROWS rows; the split-K kernel's otherwise. Each kernel
+    sums a row the same way whatever the other rows; a request's bf16 rounding follows its step's
+    row count only through this choice, as it does at the switch to cuBLAS beyond GEMV_MAX_ROWS
+    (ARCHITECTURE.md, "Batch invariance")."""
+    if gemv_fma() and in_features <= FMA_MAX_IN_FEATURES:
+        if out_features <= FMA_SMALL_MAX_OUT:
+            return GEMV_CONFIG_FMA_SMALL
+        if rows <= GEMV_FMA_MAX_ROWS:
+            return _fma_config(out_features, rows)
     return _dot_config(out_features)
 
 
 def _fma_config(out_features: int, rows: int = 1) -> dict:
+    if out_features <= FMA_SMALL_MAX_OUT:
+        return GEMV_CONFIG_FMA_SMALL
     cfg = GEMV_CONFIG_FMA_WIDE if out_features >= 4096 else GEMV_CONFIG_FMA
     return cfg if rows <= 1 else dict(cfg, preload=FMA_TWO_ROWS_PRELOAD)
 

@@ -22,23 +22,25 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
 elementwise GEMV loop does not get; compute is free here, the weights' bytes are the cost.
-`fma` configs (`GEMV_CONFIG_FMA`, the default with `LAMINA_MOE_GEMV_FMA=1`) take two kernels
-without `tl.dot` instead: gate/up one program per ((token, slot), up_n intermediate rows), down one
-program per (token, down_n output rows) over every slot in slot order (no partials, no ticket),
-plain loads unrolled over the whole input, float32 products summed once per row (the form of
-`lamina.kernels.triton_gemv`'s default GEMV; opt-in here: not faster end to end yet on an H200).
+`fma` configs (`GEMV_CONFIG_FMA`: the default for one token) take two kernels without `tl.dot`
+instead: gate/up one program per ((token, slot), up_n intermediate rows), down one program per
+(token, down_n output rows) over every slot in slot order (no partials, no ticket), plain loads
+unrolled over the whole input, float32 products summed once per row (the form of
+`lamina.kernels.triton_gemv`'s default GEMV; on an H200 faster at one token, slower at 2-4).
 Experts of other EP ranks (ids outside this rank's range) contribute zero. Nothing syncs and every
 shape is fixed by `T` and the weights: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.selection import moe_gemv_fma
+from lamina.kernels.selection import moe_gemv_fma_max_tokens
 
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
            "fused_moe_gemv"]
@@ -316,9 +318,14 @@ GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
 GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 # fma = 1: the kernels without `tl.dot` (`_gemv_gate_up_fma_kernel`, `_gemv_down_fma_kernel`), few
 # rows per program, the same tiles at every T; up_n / up_k / down_n / down_k / *_warps are theirs
-# (stages, up_split and down_slots do not apply). LAMINA_MOE_GEMV_FMA=1 makes them the default
-# (an experiment of session 14, `lamina.kernels.selection.moe_gemv_fma`).
+# (stages, up_split and down_slots do not apply). The default for one token, for every T with
+# LAMINA_MOE_GEMV_FMA=1, never with 0 (`lamina.kernels.selection.moe_gemv_fma_max_tokens`: on an
+# H200 faster end to end at batch 1, slower at 2 and 4). A token's sums follow its step's token
+# count through this choice (ARCHITECTURE.md, "Batch invariance").
 GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=2, up_k=2048, up_warps=8, down_n=2, down_k=512, down_warps=4)
+# Rows a program of the default FMA tiles under Triton's interpreter (CI), which runs programs one
+# after another: fewer, wider ones. NumPy sums each row the same whatever the tile.
+INTERPRETER_FMA_ROWS = 32
 
 
 # Experts wider than this take the grouped-GEMM path (the GEMV tiles were tuned at I = 512; TP
@@ -377,16 +384,19 @@ def fused_moe_gemv(
     `[E_local, 2I, H]`; w2 `[E_local, H, I]`; topk_weights / topk_ids `[T, k]` (global ids);
     `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])`. Returns `[T, H]` in x's dtype.
     `config` overrides keys of GEMV_CONFIG(_ONE_TOKEN), or of GEMV_CONFIG_FMA when it holds fma=1
-    (tuning: the tiles are then taken as given, LAMINA_MOE_GEMV_FMA does not apply)."""
+    (tuning: the tiles are then taken as given, the token count and LAMINA_MOE_GEMV_FMA do not
+    apply); without one, up to `moe_gemv_fma_max_tokens()` tokens take the FMA kernels."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    # A given config's `fma` (0 if absent) picks the kernels; without one, LAMINA_MOE_GEMV_FMA does.
-    fma = config.get("fma", 0) if config else int(moe_gemv_fma())
+    # A given config's `fma` (0 if absent) picks the kernels; without one, the token count does.
+    fma = config.get("fma", 0) if config else int(num_tokens <= moe_gemv_fma_max_tokens())
     cfg = dict(GEMV_CONFIG_FMA if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
+    if fma and not config and os.environ.get("TRITON_INTERPRET") == "1":
+        cfg.update(up_n=INTERPRETER_FMA_ROWS, down_n=INTERPRETER_FMA_ROWS)
     _check_config(cfg)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
