@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -503,6 +503,16 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       done
       merge_latency sharedpre16
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -1 ;;
+    profilenopdl)  # (written in session 16, not yet run) the batch-1 profile with PDL off (LAMINA_PDL=0): each kernel's
+      # own time, without the wait for its producer that PDL's early start counts in (then the same with PDL, for the wall)
+      for pdl in 0 1; do
+        LAMINA_PDL=$pdl LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 \
+          --out $OUT/profile_b1_pdl$pdl.json > $OUT/profile_b1_pdl$pdl.txt 2>&1
+        python3 -c "
+import json; d=json.load(open('$OUT/profile_b1_pdl$pdl.json'))
+print('PDL $pdl', {k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])"
+      done ;;
     profile)
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 --out $OUT/profile_b1.json > $OUT/profile_b1.txt 2>&1
       python3 -c "
