@@ -11,6 +11,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tests import tiny_checkpoints as tc  # noqa: E402
+from tests import triton_interpreter  # noqa: E402
+
+# Triton's interpreter without its re-patching at every call of a jitted helper (same results, about
+# half the interpreted time: tests/triton_interpreter.py), here and in the rank processes the engine spawns.
+if triton_interpreter.install():
+    from lamina.engine import mp_executor
+
+    mp_executor.worker_main = triton_interpreter.worker_main
 
 
 @pytest.fixture(scope="module")

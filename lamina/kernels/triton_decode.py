@@ -5,7 +5,8 @@ on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes
 
 - `paged_decode_attention`: one query per request over its paged K/V (block tables, `seq_lens`
   read on the device), all query heads of a KV head in one program (GQA), online softmax, the
-  key blocks split over ATTENTION_SPLITS programs whose partials the last one combines.
+  key blocks split over ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under Triton's
+  interpreter) whose partials the last one combines.
   Reference: `paged_attention` with `max_query_len == 1`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
   written back to the float32 state pool at the request's slot. Reference:
@@ -20,6 +21,9 @@ Padded rows of a captured batch point at a spare state slot and have `seq_len >=
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +37,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
+
+
 # ---- paged attention, one query per request ------------------------------------------------------
 
 
@@ -42,6 +51,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # a constant, so what a request computes (which blocks each program visits and the order the
 # partials are combined in) depends on its own sequence length only, never on the batch.
 ATTENTION_SPLITS = 16
+# Triton's interpreter (CI) runs the programs one after another, and a program past its request's
+# last key block still costs its launch before it returns: there the default is 2 programs. Up to
+# 2 * BLOCK_N keys (128; 64 at head dims over 128) both counts give each block a program of its
+# own and combine the same partials in the same order (the absent ones add exactly 0), so the
+# result is the same bit for bit; longer contexts group their partial sums differently. Either way
+# the split path (partials, ticket, combine) runs.
+INTERPRETER_ATTENTION_SPLITS = 2
 
 # Warps per program of the one-token kernels (a constant, never chosen by the batch: a row's
 # reductions run in the same order whatever the batch). benchmarks/tune_decode_warps.py timed them
@@ -148,17 +164,20 @@ def _paged_decode_attention_kernel(
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int = ATTENTION_SPLITS,
+    seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
     caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
     `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
-    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head); `num_warps`
+    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head), by default
+    ATTENTION_SPLITS (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`
     overrides ATTENTION_WARPS (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
     bsz, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    if splits is None:
+        splits = INTERPRETER_ATTENTION_SPLITS if _interpreted() else ATTENTION_SPLITS
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_decode_attention: splits = {splits} must be a power of two")
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -1,0 +1,90 @@
+"""Triton's CPU interpreter (TRITON_INTERPRET=1, CI) without its redundant re-patching.
+
+For a launch the interpreter (triton.runtime.interpreter) patches the `triton.language` modules
+that the kernel's module sees, runs the programs one after another, and restores the modules. But
+it patches them again at every call of a `@triton.jit` helper inside a program: `tl.sum`, `tl.max`,
+`tl.zeros`, `tl.cdiv`, lamina's `wait_for_producer`, `softmax_topk`, ... About 0.3 ms a call and
+several calls a program: half the time of a small kernel (the routing kernel, the split decode
+attention), nearly half of the suite's (948 s before, 522 s after on the 2-core CI machine).
+
+`install()` lets a helper's call skip the language modules that its launch has already patched:
+patching them again would set the same interpreter functions (a builtin once wrapped is no longer
+a builtin, so it is not wrapped twice). Modules the launch has not patched yet (`tl.core`, which
+Triton's own helpers see) are patched as before, once per launch; and a helper's patch is never
+restored, in Triton as here. So every kernel runs the same interpreted operations: same results,
+faster. `worker_main` is the rank processes' entry with the same change (spawned processes do not
+run the conftest).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import warnings
+
+_installed = False
+_launch = threading.local()  # .patched: ids of the language modules patched by this thread's launch
+
+
+class _NothingToRestore:
+    def restore(self) -> None:
+        pass
+
+
+def install() -> bool:
+    """Patch Triton's interpreter in this process (idempotent). False where it does not apply: no
+    TRITON_INTERPRET or no Triton; or, with a warning, an interpreter without the functions this
+    relies on (the suite then runs at the interpreter's own speed)."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    grid_call = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if grid_call is None or patch_lang is None or not hasattr(interpreter, "_LangPatchScope"):
+        warnings.warn("tests/triton_interpreter.py: this Triton's interpreter lacks GridExecutor, _patch_lang or "
+                      "_LangPatchScope; the interpreted tests run without the speed-up", stacklevel=2)
+        return False
+
+    langs_of: dict = {}  # function -> ids of the language modules in its globals, those _patch_lang patches
+
+    def patch_once(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            modules = (v for v in fn.__globals__.values() if inspect.ismodule(v))
+            langs = langs_of[fn] = {id(m) for m in modules if m in (tl, tl.core)}
+        patched = getattr(_launch, "patched", None)
+        if patched is not None and langs <= patched:
+            return _NothingToRestore()  # a helper's call in a launch that has patched these modules
+        scope = patch_lang(fn)
+        if patched is not None:
+            patched |= langs
+        return scope
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(_launch, "patched", None)
+        _launch.patched = set()  # the launch's own patch (the kernel's modules) is the first
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            _launch.patched = outer
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
+    _installed = True
+    return True
+
+
+def worker_main(*args, **kwargs):
+    """`lamina.worker.worker.worker_main` in a spawned rank process, with `install()` first."""
+    from lamina.worker.worker import worker_main as real
+
+    install()
+    return real(*args, **kwargs)
