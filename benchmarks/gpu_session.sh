@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -503,7 +503,47 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       done
       merge_latency sharedpre16
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -1 ;;
-    profilenopdl)  # (written in session 16, not yet run) the batch-1 profile with PDL off (LAMINA_PDL=0): each kernel's
+    downacc17)  # the MoE FMA down kernel with one accumulator over the slots (no per-slot reduction between their
+      # loads): its GPU tests, batch 1 against .baseline (HEAD) alternating, its own time without PDL, the engine's GPU tests
+      timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "moe" 2>&1 | tail -1
+      for i in $(seq ${ROUNDS:-3}); do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 \
+          --output-len 64 --output-json /tmp/downacc17_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 \
+          --output-json /tmp/downacc17_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency downacc17
+      LAMINA_PDL=0 LAMINA_GDN_PREFILL=reference timeout 100 python3 benchmarks/profile_decode.py --batch 1 \
+        --out $OUT/profile_b1_pdl0_downacc17.json > $OUT/profile_b1_pdl0_downacc17.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b1_pdl0_downacc17.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:6]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])"
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -1 ;;
+    fmarows17)  # the MoE FMA kernels (one-accumulator down) at 2-4 tokens: LAMINA_MOE_GEMV_FMA=1 against the default
+      # (tl.dot kernels from 2 tokens) alternating; the MoE kernel GPU tests in full; batch 1 against transformers
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "moe" 2>&1 | tail -1
+      for i in $(seq ${ROUNDS:-2}); do
+        for b in 2 3 4; do
+          LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size $b --input-len 128 --output-len 64 \
+            --output-json /tmp/fmarows17_b${b}_default_$i.json 2>&1 | tail -1
+          LAMINA_MOE_GEMV_FMA=1 LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size $b --input-len 128 --output-len 64 \
+            --output-json /tmp/fmarows17_b${b}_fma_$i.json 2>&1 | tail -1
+        done
+      done
+      merge_latency fmarows17
+      LAMINA_GDN_PREFILL=reference timeout 200 $L --batch-size 1 --input-len 128 --output-len 32 --compare transformers \
+        --output-json $OUT/compare_transformers_b1_session17.json 2>&1 | tail -3 ;;
+    final17)  # the MoE FMA kernels at every decode token count (the default since session 17): batch 1-4 latency,
+      # the engine's GPU tests (graphs against eager, bf16 against fp32, batch invariance), the PDL chain test
+      for b in 1 2 4 1; do
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size $b --input-len 128 --output-len 64 \
+          --output-json /tmp/final17_b${b}_$RANDOM.json 2>&1 | tail -1
+      done
+      merge_latency final17
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
+        tests/test_pdl.py 2>&1 | tail -1 ;;
+    profilenopdl)  # (written in session 16, run in session 17) the batch-1 profile with PDL off (LAMINA_PDL=0): each kernel's
       # own time, without the wait for its producer that PDL's early start counts in (then the same with PDL, for the wall)
       for pdl in 0 1; do
         LAMINA_PDL=$pdl LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 1 \

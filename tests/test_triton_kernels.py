@@ -699,10 +699,9 @@ def test_gemv_moe_fma_kernels(num_tokens, expert_start, num_local, with_shared, 
 
 
 def test_moe_gemv_fma_switch(monkeypatch):
-    """By default one token takes the FMA kernels and 2-4 the tl.dot ones; LAMINA_MOE_GEMV_FMA=1
-    makes the FMA kernels the default at every token count (the same bits as their config given
-    explicitly), 0 at none; a given config without fma keeps the tl.dot kernels; bad values are
-    refused."""
+    """By default (and with LAMINA_MOE_GEMV_FMA=1) every token count takes the FMA kernels (the
+    same bits as their config given explicitly), with 0 none; a given config without fma keeps the
+    tl.dot kernels; bad values are refused."""
     from lamina.kernels import selection, triton_moe_gemv
 
     x, w13, w2, weights, ids, shared, ref = _moe_case(2, 0, 8, True)
@@ -711,7 +710,7 @@ def test_moe_gemv_fma_switch(monkeypatch):
     monkeypatch.setattr(triton_moe_gemv, "_fused_moe_fma", lambda *a: fma_calls.append(a[0].shape[0]) or fma_kernels(*a))
     one = (x[:1], w13, w2, weights[:1], ids[:1], 0, (shared[0], shared[1], shared[2][:1]))
     try:
-        for value, fma_token_counts in ((None, [1]), ("0", []), ("1", [1, 2])):
+        for value, fma_token_counts in ((None, [1, 2]), ("0", []), ("1", [1, 2])):
             if value is None:
                 monkeypatch.delenv("LAMINA_MOE_GEMV_FMA", raising=False)
             else:
@@ -721,6 +720,12 @@ def test_moe_gemv_fma_switch(monkeypatch):
             torch.testing.assert_close(fused_moe_gemv(*one), ref[:1], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(fused_moe_gemv(x, w13, w2, weights, ids, 0, shared), ref, atol=1e-5, rtol=1e-5)
             assert fma_calls == fma_token_counts, value
+            if value is None:  # one program per token: each token's sums whatever the other tokens
+                both = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)
+                for r in range(2):
+                    alone = (x[r : r + 1], w13, w2, weights[r : r + 1], ids[r : r + 1], 0,
+                             (shared[0], shared[1], shared[2][r : r + 1]))
+                    assert torch.equal(fused_moe_gemv(*alone), both[r : r + 1]), r
         monkeypatch.setenv("LAMINA_MOE_GEMV_FMA", "1")
         selection.moe_gemv_fma_max_tokens.cache_clear()
         ours = fused_moe_gemv(x, w13, w2, weights, ids, 0, shared)

@@ -186,12 +186,12 @@ def gemv_fma() -> bool:
 @functools.cache
 def moe_gemv_fma_max_tokens() -> int:
     """Up to how many tokens the MoE decode GEMVs (`lamina.kernels.triton_moe_gemv`) take their
-    kernels without `tl.dot`: one by default (on an H200 the batch-1 step took 2.426 ms with them
-    against 2.452, batch 4 4.349 against 4.292: benchmarks/results/latency_moe_fma_session16_h200.json),
-    every decode token count with `LAMINA_MOE_GEMV_FMA=1`, none with `0`; read once per process."""
-    if os.environ.get("LAMINA_MOE_GEMV_FMA") is None:
-        return 1
-    return 1 << 30 if _switch("LAMINA_MOE_GEMV_FMA", "0") else 0
+    kernels without `tl.dot`: every decode token count by default and with `LAMINA_MOE_GEMV_FMA=1`,
+    none with `0`; read once per process. On an H200, since their down kernel sums every slot in
+    one accumulator, batch 1 / 2 / 3 / 4 took 2.35 / 3.07 / 3.54 / 4.09 ms a step with them against
+    2.43 (the FMA kernels before that change) / 3.22 / 3.65 / 4.23 with the `tl.dot` kernels from
+    two tokens on (benchmarks/results/latency_moe_fma_rows_session17_h200.json)."""
+    return 1 << 30 if _switch("LAMINA_MOE_GEMV_FMA", "1") else 0
 
 
 MAX_DECODE_QUERY_LEN = 8  # verification of up to 7 drafts (lamina.kernels.triton_verify.MAX_QUERIES)

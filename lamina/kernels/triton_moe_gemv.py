@@ -22,11 +22,14 @@ slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
 The products are `tl.dot`s of a 16-row tile whose row 0 is the token (the rest zero): Triton
 pipelines the weight loads that feed a dot (async copies into shared memory), which a plain
 elementwise GEMV loop does not get; compute is free here, the weights' bytes are the cost.
-`fma` configs (`GEMV_CONFIG_FMA`: the default for one token) take two kernels without `tl.dot`
-instead: gate/up one program per ((token, slot), up_n intermediate rows), down one program per
-(token, down_n output rows) over every slot in slot order (no partials, no ticket), plain loads
-unrolled over the whole input, float32 products summed once per row (the form of
-`lamina.kernels.triton_gemv`'s default GEMV; on an H200 faster at one token, slower at 2-4).
+`fma` configs (`GEMV_CONFIG_FMA`: the default at every token count) take two kernels without
+`tl.dot` instead: gate/up one program per ((token, slot), up_n intermediate rows), down one program
+per (token, down_n output rows) over every slot in slot order into one float32 accumulator (no
+partials, no ticket), plain loads unrolled over the whole input, float32 products summed once per
+row (the form of `lamina.kernels.triton_gemv`'s default GEMV). On an H200 faster at 1-4 tokens
+since the down kernel stopped summing each slot on its own (a reduction, and its barrier, between
+one slot's loads and the next's): 2.35 / 3.07 / 4.09 ms a step at batch 1 / 2 / 4 against 2.43 /
+3.22 / 4.23 (session 17, docs/PERFORMANCE.md).
 Experts of other EP ranks (ids outside this rank's range) contribute zero. Nothing syncs and every
 shape is fixed by `T` and the weights: capturable in a CUDA graph.
 """
@@ -255,16 +258,19 @@ def _gemv_down_fma_kernel(
     K_STEPS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down without `tl.dot` (`fma` configs): one program per (token, BLOCK_N output rows) over
-    every slot (unrolled, so all its loads can be in flight at once), each slot's rows summed over
-    the intermediate dim in float32, weighted (routing weight, or the shared expert's sigmoid
-    gate) and added in slot order: no partials, no ticket."""
+    every slot, unrolled: each slot's activation row is scaled by its weight (routing weight, or
+    the shared expert's sigmoid gate) and multiplied elementwise with its weight tile into one
+    float32 [BLOCK_N, BLOCK_K] accumulator, in slot order, and each row summed once at the end: no
+    reduction between the slots, so every slot's loads can be in flight at once (a sum per slot
+    put a cross-warp reduction, and its barrier, between one slot's loads and the next's). No
+    partials, no ticket."""
     wait_for_producer(PDL)
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     shared_gate = 1.0 / (1.0 + tl.exp(-tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)))
-    total = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for slot in tl.static_range(SLOTS):
         base, ok = _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts,
                                  stride_we, TOP_K)
@@ -276,15 +282,14 @@ def _gemv_down_fma_kernel(
             stride_n = stride_wn
         weight = tl.where(ok, weight, 0.0)  # a slot of another EP rank's expert adds nothing
         k_end = tl.where(ok, inter, 0)  # 0 masks its loads off (no bytes read)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for step in tl.static_range(K_STEPS):
             k = step * BLOCK_K + offs_k
             k_ok = k < k_end
             a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
             w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [N, K]
-            acc += w.to(tl.float32) * a[None, :]
-        total += weight * tl.sum(acc, axis=1)
+            acc += w.to(tl.float32) * (weight * a)[None, :]
+    total = tl.sum(acc, axis=1)  # [N]
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -318,10 +323,10 @@ GEMV_CONFIG = dict(up_n=32, up_k=256, up_warps=4, up_stages=3, up_split=1,
 GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 # fma = 1: the kernels without `tl.dot` (`_gemv_gate_up_fma_kernel`, `_gemv_down_fma_kernel`), few
 # rows per program, the same tiles at every T; up_n / up_k / down_n / down_k / *_warps are theirs
-# (stages, up_split and down_slots do not apply). The default for one token, for every T with
-# LAMINA_MOE_GEMV_FMA=1, never with 0 (`lamina.kernels.selection.moe_gemv_fma_max_tokens`: on an
-# H200 faster end to end at batch 1, slower at 2 and 4). A token's sums follow its step's token
-# count through this choice (ARCHITECTURE.md, "Batch invariance").
+# (stages, up_split and down_slots do not apply). The default at every token count, never with
+# LAMINA_MOE_GEMV_FMA=0 (`lamina.kernels.selection.moe_gemv_fma_max_tokens`: on an H200 faster end
+# to end at batch 1-4). One program per token (and slot, in gate/up): a token's sums are the same
+# whatever the other tokens of its step (ARCHITECTURE.md, "Batch invariance").
 GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=2, up_k=2048, up_warps=8, down_n=2, down_k=512, down_warps=4)
 # Rows a program of the default FMA tiles under Triton's interpreter (CI), which runs programs one
 # after another: fewer, wider ones. NumPy sums each row the same whatever the tile.
