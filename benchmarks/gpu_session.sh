@@ -23,6 +23,16 @@ json.dump(out, open('$OUT/$1.json', 'w'), indent=1)
 for k, v in out.items():
     for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
 }
+# ab_b1 NAME ROUNDS: batch-1 latency of .baseline then this tree, alternating, ROUNDS times, into $OUT/NAME.json
+ab_b1() {
+  for i in $(seq $2); do
+    (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 \
+      --output-len 64 --output-json /tmp/$1_base_$i.json 2>&1 | tail -1)
+    LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 \
+      --output-json /tmp/$1_new_$i.json 2>&1 | tail -1
+  done
+  merge_latency $1
+}
 exec 3>&1
 for part in $PARTS; do
   exec > >(tee -a $OUT/$part.log >&3) 2>&1  # each part's output lands in $OUT even if the run is cut short
@@ -495,24 +505,12 @@ for k in d['top_kernels'][:14]: print(round(k['us_per_step'],1), k['calls_per_st
       # weights before the PDL wait (its gate/up rows first in the grid): their GPU tests, batch 1 against .baseline
       # (9a31bf7) alternating, the engine's GPU tests
       timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "moe" 2>&1 | tail -1
-      for i in $(seq ${ROUNDS:-2}); do
-        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 \
-          --output-len 64 --output-json /tmp/sharedpre16_base_$i.json 2>&1 | tail -1)
-        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 \
-          --output-json /tmp/sharedpre16_new_$i.json 2>&1 | tail -1
-      done
-      merge_latency sharedpre16
+      ab_b1 sharedpre16 ${ROUNDS:-2}
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py 2>&1 | tail -1 ;;
     downacc17)  # the MoE FMA down kernel with one accumulator over the slots (no per-slot reduction between their
       # loads): its GPU tests, batch 1 against .baseline (HEAD) alternating, its own time without PDL, the engine's GPU tests
       timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "moe" 2>&1 | tail -1
-      for i in $(seq ${ROUNDS:-3}); do
-        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 \
-          --output-len 64 --output-json /tmp/downacc17_base_$i.json 2>&1 | tail -1)
-        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 --input-len 128 --output-len 64 \
-          --output-json /tmp/downacc17_new_$i.json 2>&1 | tail -1
-      done
-      merge_latency downacc17
+      ab_b1 downacc17 ${ROUNDS:-3}
       LAMINA_PDL=0 LAMINA_GDN_PREFILL=reference timeout 100 python3 benchmarks/profile_decode.py --batch 1 \
         --out $OUT/profile_b1_pdl0_downacc17.json > $OUT/profile_b1_pdl0_downacc17.txt 2>&1
       python3 -c "
