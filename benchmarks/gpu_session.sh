@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -541,6 +541,15 @@ for k in d['top_kernels'][:6]: print(round(k['us_per_step'],1), k['calls_per_ste
       merge_latency final17
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_pdl.py 2>&1 | tail -1 ;;
+    mtp18)  # (written in session 17, not yet run) MTP K=1..3 at batch 1 in verify graphs, whose 2-4-token verify steps
+      # take the FMA MoE kernels since session 17: LAMINA_MOE_GEMV_FMA=0 (the tl.dot kernels there) against the
+      # default; then the MTP GPU tests (verify kernels, MTP on the Triton kernels)
+      for f in 0 1; do
+        LAMINA_MOE_GEMV_FMA=$f timeout 100 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
+          --out $OUT/mtp18_moefma$f.json 2>&1 | tail -5 | cut -c1-300
+      done
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_verify_kernels.py tests/test_mtp_triton.py \
+        2>&1 | tail -3 ;;
     profilenopdl)  # (written in session 16, run in session 17) the batch-1 profile with PDL off (LAMINA_PDL=0): each kernel's
       # own time, without the wait for its producer that PDL's early start counts in (then the same with PDL, for the wall)
       for pdl in 0 1; do
