@@ -13,6 +13,13 @@ import pytest  # noqa: E402
 from tests import tiny_checkpoints as tc  # noqa: E402
 from tests import triton_interpreter  # noqa: E402
 
+# On the CPU, rank processes fork from one server that has imported torch, transformers and lamina
+# once (the engine's default, spawn, imports them in every rank: seconds per rank, hundreds of ranks
+# in the suite); test_parallel_layouts.py checks both start methods. GPU runs keep spawn: a server
+# that has touched CUDA cannot fork working ranks.
+if not torch.cuda.is_available():
+    os.environ.setdefault("LAMINA_WORKER_MULTIPROC_METHOD", "forkserver")
+
 # Triton's interpreter without its re-patching at every call of a jitted helper (same results, about
 # half the interpreted time: tests/triton_interpreter.py), here and in the rank processes the engine spawns.
 if triton_interpreter.install():

@@ -132,6 +132,45 @@ def test_raising_rank_is_named_with_its_error(qwen3_next_dir):
     assert not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_rank_start_methods_give_single_rank_tokens(qwen3_next_dir, method, monkeypatch):
+    """Both ways of starting rank processes (`worker_start_method`; the suite runs on forkserver,
+    conftest, and the engine's default is spawn) give the single-rank tokens under TP2; then, with
+    the processes started the same way, a rank reads the launching process's environment as it is
+    at the ranks' start, not as it was when the forkserver started: a bad LAMINA_KERNELS set now
+    fails the ranks' model build, naming it."""
+    monkeypatch.setenv("LAMINA_WORKER_MULTIPROC_METHOD", method)
+    outs, _ = run_layout(qwen3_next_dir, tensor_parallel_size=2)
+    assert_matches_single_rank(qwen3_next_dir, outs)
+    monkeypatch.setenv("LAMINA_KERNELS", "bogus")
+    with pytest.raises(WorkerError, match="LAMINA_KERNELS = 'bogus' is not one of"):
+        LLM(str(qwen3_next_dir), tensor_parallel_size=2, **ENGINE)
+
+
+def test_rank_start_method_choice(monkeypatch):
+    from lamina.engine.mp_executor import _forked_rank_main, worker_start_method
+
+    for name in ("LAMINA_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    assert worker_start_method() == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")  # vLLM's spelling
+    assert worker_start_method() == "forkserver"
+    monkeypatch.setenv("LAMINA_WORKER_MULTIPROC_METHOD", "spawn")  # lamina's wins
+    assert worker_start_method() == "spawn"
+    monkeypatch.setenv("LAMINA_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(ValueError, match="LAMINA_WORKER_MULTIPROC_METHOD = 'fork': rank processes start by one of "
+                                         "spawn, forkserver"):
+        worker_start_method()
+    saved = dict(os.environ)
+    seen = {}
+    try:  # a forked rank's entry replaces the environment it inherited with the one it is handed
+        _forked_rank_main(lambda *args: seen.update(args=args, env=dict(os.environ)), {"ONLY": "this"}, 1, "two")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == {"args": (1, "two"), "env": {"ONLY": "this"}}
+
+
 def test_two_nodes_on_loopback(qwen3_next_dir):
     port = find_free_port()
     common = ["--model", str(qwen3_next_dir), "--device", "cpu", "--dtype", "float32", "-tp", "2", "--nnodes", "2",
