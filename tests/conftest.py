@@ -15,8 +15,8 @@ from tests import triton_interpreter  # noqa: E402
 
 # On the CPU, rank processes fork from one server that has imported torch, transformers and lamina
 # once (the engine's default, spawn, imports them in every rank: seconds per rank, hundreds of ranks
-# in the suite); test_parallel_layouts.py checks both start methods. GPU runs keep spawn: a server
-# that has touched CUDA cannot fork working ranks.
+# in the suite); test_parallel_layouts.py checks both start methods. GPU runs keep spawn, the
+# engine's default: forkserver has not been run with GPU ranks.
 if not torch.cuda.is_available():
     os.environ.setdefault("LAMINA_WORKER_MULTIPROC_METHOD", "forkserver")
 

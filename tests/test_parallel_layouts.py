@@ -140,7 +140,10 @@ def test_rank_start_methods_give_single_rank_tokens(qwen3_next_dir, method, monk
     at the ranks' start, not as it was when the forkserver started: a bad LAMINA_KERNELS set now
     fails the ranks' model build, naming it."""
     monkeypatch.setenv("LAMINA_WORKER_MULTIPROC_METHOD", method)
-    outs, _ = run_layout(qwen3_next_dir, tensor_parallel_size=2)
+    with LLM(str(qwen3_next_dir), debug_layouts=True, tensor_parallel_size=2, **ENGINE) as llm:
+        popens = {type(p._popen).__module__ for p in llm.engine.executor.procs.procs.values()}
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+    assert popens == {{"spawn": "multiprocessing.popen_spawn_posix", "forkserver": "multiprocessing.popen_forkserver"}[method]}, popens
     assert_matches_single_rank(qwen3_next_dir, outs)
     monkeypatch.setenv("LAMINA_KERNELS", "bogus")
     with pytest.raises(WorkerError, match="LAMINA_KERNELS = 'bogus' is not one of"):
@@ -148,7 +151,9 @@ def test_rank_start_methods_give_single_rank_tokens(qwen3_next_dir, method, monk
 
 
 def test_rank_start_method_choice(monkeypatch):
-    from lamina.engine.mp_executor import _forked_rank_main, worker_start_method
+    import importlib.util
+
+    from lamina.engine.mp_executor import FORKSERVER_PRELOAD, _forked_rank_main, worker_start_method
 
     for name in ("LAMINA_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
         monkeypatch.delenv(name, raising=False)
@@ -161,14 +166,24 @@ def test_rank_start_method_choice(monkeypatch):
     with pytest.raises(ValueError, match="LAMINA_WORKER_MULTIPROC_METHOD = 'fork': rank processes start by one of "
                                          "spawn, forkserver"):
         worker_start_method()
+    monkeypatch.delenv("LAMINA_WORKER_MULTIPROC_METHOD")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # vLLM's default value: spawn, with a warning
+    with pytest.warns(UserWarning, match="VLLM_WORKER_MULTIPROC_METHOD = 'fork'"):
+        assert worker_start_method() == "spawn"
+    for module in FORKSERVER_PRELOAD:  # (a forkserver skips preloads that fail to import)
+        assert importlib.util.find_spec(module) is not None, module
     saved = dict(os.environ)
     seen = {}
+    handed = {"ONLY": "this", **({"TRITON_INTERPRET": saved["TRITON_INTERPRET"]} if "TRITON_INTERPRET" in saved else {})}
     try:  # a forked rank's entry replaces the environment it inherited with the one it is handed
-        _forked_rank_main(lambda *args: seen.update(args=args, env=dict(os.environ)), {"ONLY": "this"}, 1, "two")
+        _forked_rank_main(lambda *args: seen.update(args=args, env=dict(os.environ)), handed, 1, "two")
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    assert seen == {"args": (1, "two"), "env": {"ONLY": "this"}}
+    assert seen == {"args": (1, "two"), "env": handed}
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET = 'other' here but"):
+        _forked_rank_main(lambda *args: None, {**handed, "TRITON_INTERPRET": "other"})
+    assert os.environ == saved
 
 
 def test_two_nodes_on_loopback(qwen3_next_dir):

@@ -94,7 +94,8 @@ def _skip_dead_overflow_checks(interpreter) -> None:
     ends in a `device_assert` that is dropped, on the GPU and in the interpreter alike: the GPU
     compiles the check away, but the interpreter computes it (casts to int64, the operation again,
     two comparisons) with NumPy and throws it away, at every integer `+`, `-` and `*` of every
-    program. Here it is not computed when debug is off; with `TRITON_DEBUG` on it stays."""
+    program. Here it is not computed when the interpreter's options have debug off (in Triton 3.9
+    they always do: its interpreter never turns debug on, so no check could fire either way)."""
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     if options is None or not dataclasses.is_dataclass(options) or getattr(options, "debug", True):

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 
 from lamina.engine.setup import EngineSetup, resolve_setup
 from lamina.step_plan import SampledToken, StepPlan
@@ -60,19 +61,33 @@ def worker_start_method() -> str:
     seconds (the test suite starts hundreds). A forked rank is handed this process's environment
     at its start, as a spawned one inherits it; what torch, Triton or transformers read from the
     environment when they are imported is the server's, fixed when it started (the first
-    executor of this process). "fork" is refused: a process that has initialised CUDA cannot fork."""
-    for name in ("LAMINA_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
-        method = os.environ.get(name)
-        if method is not None:
-            if method not in START_METHODS:
-                raise ValueError(f"{name} = {method!r}: rank processes start by one of {', '.join(START_METHODS)}")
-            return method
-    return "spawn"
+    executor of this process); a forked rank refuses a TRITON_INTERPRET other than the server's.
+    LAMINA_WORKER_MULTIPROC_METHOD="fork" is refused (an engine that has initialised CUDA cannot
+    fork); vLLM's variable, whose values are "fork" (its default) and "spawn", is honoured when it
+    says "forkserver" or "spawn", and any other value of it gives spawn with a warning."""
+    method = os.environ.get("LAMINA_WORKER_MULTIPROC_METHOD")
+    if method is not None:
+        if method not in START_METHODS:
+            raise ValueError(f"LAMINA_WORKER_MULTIPROC_METHOD = {method!r}: rank processes start by one of "
+                             f"{', '.join(START_METHODS)}")
+        return method
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if method is not None and method not in START_METHODS:
+        warnings.warn(f"VLLM_WORKER_MULTIPROC_METHOD = {method!r}: lamina starts rank processes by "
+                      f"{' or '.join(START_METHODS)}; spawning them", stacklevel=2)
+        return "spawn"
+    return method or "spawn"
 
 
 def _forked_rank_main(entry, environment: dict, *args) -> None:
     """A forkserver rank's entry: the launching process's environment at its start (a spawned rank
-    inherits it; a forked one would have the server's), then `entry(*args)`."""
+    inherits it; a forked one would have the server's), then `entry(*args)`. Triton chose between
+    its interpreter and its compiler when the server imported it, so the launching process must
+    agree with the server on TRITON_INTERPRET."""
+    if environment.get("TRITON_INTERPRET") != os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError(f"TRITON_INTERPRET = {environment.get('TRITON_INTERPRET')!r} here but "
+                           f"{os.environ.get('TRITON_INTERPRET')!r} in the forkserver, which imported Triton with it: "
+                           "set it before the first executor starts, or use LAMINA_WORKER_MULTIPROC_METHOD=spawn")
     os.environ.clear()
     os.environ.update(environment)
     entry(*args)
