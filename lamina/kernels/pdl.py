@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.selection import triton_interpreted
+
 __all__ = ["pdl_kwargs", "pdl_launch", "wait_for_producer"]
 
 
@@ -39,7 +41,7 @@ def _switch() -> bool:
     if wanted not in ("0", "1"):
         raise ValueError(f"LAMINA_PDL = {wanted!r} must be 0 or 1")
     # Triton's interpreter (set before Triton is imported, so fixed per process) has no grid dependency control.
-    return wanted == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+    return wanted == "1" and not triton_interpreted()
 
 
 @functools.cache

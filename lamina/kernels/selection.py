@@ -47,6 +47,13 @@ KERNEL_SETS = ("auto", "reference", "triton")
 GDN_PREFILL_CHOICES = ("auto", "fla", "reference")
 
 
+@functools.cache
+def triton_interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (`TRITON_INTERPRET=1`, read by Triton when it is
+    imported, so fixed per process): the kernels then take tiles and grids cheaper to interpret."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernel_set(device: torch.device | str | None) -> str:
     """'triton' or 'reference' for layers built on `device`."""
     wanted = os.environ.get("LAMINA_KERNELS", "auto")
@@ -59,7 +66,7 @@ def kernel_set(device: torch.device | str | None) -> str:
     if wanted == "triton":
         if not has_triton:
             raise ValueError("LAMINA_KERNELS = 'triton' but Triton is not installed (pip install triton)")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not triton_interpreted():
             raise ValueError(
                 f"LAMINA_KERNELS = 'triton' on device {device.type!r} needs TRITON_INTERPRET=1 (Triton's CPU interpreter)"
             )

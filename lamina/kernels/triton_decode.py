@@ -21,25 +21,18 @@ Padded rows of a captured batch point at a spare state slot and have `seq_len >=
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
+from lamina.kernels.selection import triton_interpreted
 
 __all__ = ["paged_decode_attention", "gated_delta_rule_decode", "causal_conv1d_decode"]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.cache
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
 
 
 # ---- paged attention, one query per request ------------------------------------------------------
@@ -177,7 +170,7 @@ def paged_decode_attention(
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     if splits is None:
-        splits = INTERPRETER_ATTENTION_SPLITS if _interpreted() else ATTENTION_SPLITS
+        splits = INTERPRETER_ATTENTION_SPLITS if triton_interpreted() else ATTENTION_SPLITS
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_decode_attention: splits = {splits} must be a power of two")
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -31,15 +31,13 @@ renormalisation: `triton_moe.softmax_topk`), one launch where the decode step ha
 
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.selection import gemv_fma
+from lamina.kernels.selection import gemv_fma, triton_interpreted
 from lamina.kernels.triton_moe import softmax_topk
 
 __all__ = ["GEMV_MAX_ROWS", "gemv", "gemv_config", "gemv_route"]
@@ -223,11 +221,6 @@ FMA_MAX_IN_FEATURES = 16384
 INTERPRETER_FMA_BLOCK_N = 32
 
 
-@functools.cache
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import: fixed per process
-
-
 def gemv_config(out_features: int, in_features: int, rows: int = 1) -> dict:
     """The tuned tiles for a weight of this shape at this many input rows (host ints, fixed per
     captured batch size), with `gemv_fma` on and inputs up to FMA_MAX_IN_FEATURES: the FMA
@@ -293,7 +286,7 @@ def _gemv(x, weight, config, route):
         cfg = dict(_fma_config(out_features) if config.get("fma") else _dot_config(out_features), **config)
     else:  # LAMINA_GEMV_FMA's kernel; the routing epilogue only exists in the split-K kernel
         cfg = dict(_dot_config(out_features) if route else gemv_config(out_features, in_features, rows))
-        if cfg.get("fma") and _interpreted():
+        if cfg.get("fma") and triton_interpreted():
             # Triton's interpreter runs programs one after another: fewer, wider ones. The result is
             # the same (it sums each feature's products with NumPy whatever the tile).
             cfg["block_n"] = max(cfg["block_n"], INTERPRETER_FMA_BLOCK_N)

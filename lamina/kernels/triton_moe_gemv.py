@@ -36,14 +36,13 @@ shape is fixed by `T` and the weights: capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.selection import moe_gemv_fma_max_tokens
+from lamina.kernels.selection import moe_gemv_fma_max_tokens, triton_interpreted
 
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
            "fused_moe_gemv"]
@@ -400,7 +399,7 @@ def fused_moe_gemv(
     fma = config.get("fma", 0) if config else int(num_tokens <= moe_gemv_fma_max_tokens())
     cfg = dict(GEMV_CONFIG_FMA if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
-    if fma and not config and os.environ.get("TRITON_INTERPRET") == "1":
+    if fma and not config and triton_interpreted():
         cfg.update(up_n=INTERPRETER_FMA_ROWS, down_n=INTERPRETER_FMA_ROWS)
     _check_config(cfg)
     if shared is not None and shared[0].shape != (two_inter, hidden):
