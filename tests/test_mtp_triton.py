@@ -52,6 +52,8 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len,
                                                 num_speculative_tokens=k, static_off_cuda=True)
         assert (runner.verify_graphs is not None) == (graphs and k > 0)
+        for pool in (t for m in runner.model.state_modules() for t in m.state_tensors()):
+            pool.zero_()  # on CUDA the engine's warm-up requests left states behind
         owned = set()  # state slots of the requests replayed from the verify graphs
         if runner.verify_graphs is not None:
             replay = runner.verify_graphs.run

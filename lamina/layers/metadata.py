@@ -68,10 +68,13 @@ class StateCapture:
         """Remember the states after the captured tokens `[R, ...]` for the state pool `pool`."""
         self.kept.append((pool, captured))
 
-    def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step."""
-        for pool, captured in self.kept:
-            pool.index_copy_(0, slots, captured.index_select(0, rows).to(pool.dtype))
+    def commit(self, rows: torch.Tensor, slots: torch.Tensor, copy_rows=None) -> None:
+        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step. `copy_rows`
+        (pairs, dst_rows, src_rows): how (lamina.kernels.triton_state_rows: one launch per group of
+        like pools); default the torch reference, an `index_copy_` per pool."""
+        if copy_rows is None:
+            from lamina.kernels.triton_state_rows import copy_state_rows_reference as copy_rows
+        copy_rows(self.kept, slots, rows)
 
 
 @dataclass

@@ -49,6 +49,12 @@ class SpecDecodeStep:
         self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
+        self._copy_rows = None  # commits: the torch reference, an index_copy_ per state pool
+        state_kernels = {getattr(m, "kernels", None) for m in model.state_modules()}
+        if state_kernels == {"triton"}:  # one launch per group of like pools (lamina.kernels.triton_state_rows)
+            from lamina.kernels.triton_state_rows import StateRowCopier
+
+            self._copy_rows = StateRowCopier()
 
     # ---- states ----------------------------------------------------------------------------
     def capture_for(self, plan: StepPlan, buffers=None) -> StateCapture | None:
@@ -79,7 +85,7 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            capture.commit(to_device(rows, self.device), to_device(slots, self.device))
+            capture.commit(to_device(rows, self.device), to_device(slots, self.device), self._copy_rows)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
