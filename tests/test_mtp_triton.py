@@ -122,52 +122,6 @@ def test_mtp_greedy_through_verify_graph_buffers(mtp_short_dir, monkeypatch, k):
     assert k + 1 in replays
 
 
-def _drafts(path, monkeypatch, *, k: int, draft_graphs: str):
-    """Every draft the drafter proposed (per step: [B, D] as lists), after verification graphs
-    (replayed on a GPU, static buffers run eagerly on the CPU), its passes from the drafter's
-    graphs (`draft_graphs` "1") or eager ("0"); and how many first passes the graphs ran."""
-    monkeypatch.setenv("LAMINA_KERNELS", "triton")
-    monkeypatch.setenv("LAMINA_DRAFT_GRAPHS", draft_graphs)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    spec = {"method": "mtp", "num_speculative_tokens": k}
-    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=False, max_num_seqs=4,
-             speculative_config=spec) as llm:
-        runner = llm.engine.executor.runner
-        if DEVICE == "cpu":
-            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len,
-                                                num_speculative_tokens=k, static_off_cuda=True)
-        assert (runner.draft_graphs is not None) == (draft_graphs == "1")
-        proposer = runner.spec.proposer
-        proposed, first_passes = [], []
-        for name in ("propose", "propose_from_graphs"):
-            original = getattr(proposer, name)
-
-            def recording(*args, _original=original, **kwargs):
-                tokens, probs = _original(*args, **kwargs)
-                if tokens:
-                    proposed.append(torch.stack(tokens, dim=1).tolist())  # [B, D]
-                return tokens, probs
-
-            monkeypatch.setattr(proposer, name, recording)
-        if runner.draft_graphs is not None:
-            first = runner.draft_graphs.first_pass
-            monkeypatch.setattr(runner.draft_graphs, "first_pass", lambda *a: (first_passes.append(a[0]), first(*a))[1])
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return proposed, [list(o.outputs[0].token_ids) for o in outs], first_passes
-
-
-def test_draft_graphs_propose_the_eager_drafters_drafts(mtp_short_dir, monkeypatch):
-    """The drafter's graph bodies (first pass over the verification graph's rows, the LM head,
-    one-token passes from persistent buffers; 3 requests padded to 4) propose exactly the eager
-    drafter's drafts at every step, so its KV history and positions are the eager ones too."""
-    k = 3
-    ours, tokens, first_passes = _drafts(mtp_short_dir, monkeypatch, k=k, draft_graphs="1")
-    eager, eager_tokens, _ = _drafts(mtp_short_dir, monkeypatch, k=k, draft_graphs="0")
-    assert ours == eager and tokens == eager_tokens
-    assert k + 1 in first_passes  # steps of K + 1 tokens a request drafted from the graphs
-    assert any(len(step[0]) == k for step in ours)  # and K drafts each (passes 1..K-1 replayed)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k):

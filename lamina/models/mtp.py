@@ -82,9 +82,8 @@ class MTPBase(nn.Module):
         """The target's hidden states the first pass reads, from the last stage's output R [T, H]."""
         return stage_output
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The shared LM head's float32 logits [N, V]; `out`: a tensor to write them into."""
-        return self.target.compute_logits(hidden, out=out)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
 
     def _to_stream(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
         x = layout.tag(x, layout.R, self.ctx)

@@ -90,11 +90,10 @@ class Qwen4ExpMTP(MTPBase):
         mixed = self.hyper_connection_mixer(x)  # [rows, H]
         return self._from_stream(mixed, num_tokens), self._from_stream(x, num_tokens)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.shared_head is None:
-            return self.target.compute_logits(hidden, out=out)
-        logits = self.ctx.tp.all_gather(self.shared_head.forward_local(hidden), dim=-1).float()
-        return logits if out is None else out.copy_(logits)
+            return self.target.compute_logits(hidden)
+        return self.ctx.tp.all_gather(self.shared_head.forward_local(hidden), dim=-1).float()
 
     def add_weights(self, wm: WeightMap) -> None:
         target, p = self.target, self.prefix

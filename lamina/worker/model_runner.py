@@ -52,7 +52,6 @@ class ModelRunner:
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
         self.verify_graphs = None  # lamina.worker.verify_graphs.VerifyGraphs (MTP), once captured
-        self.draft_graphs = None  # lamina.worker.draft_graphs.DraftGraphs: the drafter's passes after them
         self.no_graphs_reason: str | None = None  # why `capture_decode_graphs` captured nothing (None: not asked, or captured)
         self.request_groups = request_groups_enabled()
         self.previous = None  # PreviousTokens of the last launched step that sampled (pending tokens)
@@ -129,25 +128,20 @@ class ModelRunner:
             if self.spec.mtp is None:
                 self.no_graphs_reason = "speculative decoding with no MTP drafter on this rank: verification steps run eagerly"
                 return False
-            from lamina.worker.draft_graphs import DraftGraphs, draft_graphs_enabled
             from lamina.worker.verify_graphs import VerifyGraphs
 
             graphs = VerifyGraphs(
                 self.model, device=self.device, max_batch=max_batch, num_speculative_tokens=num_speculative_tokens,
                 block_size=self.block_size, max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
             )
-            drafter = None
             try:
                 graphs.capture()
-                if draft_graphs_enabled():
-                    drafter = DraftGraphs(graphs, self.spec.mtp, num_speculative_tokens)
-                    drafter.capture()
             except (RuntimeError, MemoryError) as error:  # new on the GPU: say how to run without it
                 raise RuntimeError(
                     f"capturing the MTP verification CUDA graphs failed ({type(error).__name__}: {error}); "
                     f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
                 ) from error
-            self.verify_graphs, self.draft_graphs = graphs, drafter
+            self.verify_graphs = graphs
             return True
         graphs = cuda_graphs.DecodeGraphs(
             self.model, device=self.device, max_batch=max_batch, block_size=self.block_size,
@@ -278,8 +272,7 @@ class ModelRunner:
         self.graph_replays += 1
         capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
         hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
-        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits,
-                                     drafter=self.draft_graphs)
+        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits)
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""

@@ -83,26 +83,6 @@ class MTPProposer:
                 h_logits, h_next = self.mtp(token, h_next, step_meta, j + 1)
         return tokens, probs
 
-    def propose_from_graphs(
-        self, plan: StepPlan, drafter, num: int, batch: SamplingBatch | None, is_sampler: bool,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """`propose` after a verification graph's step, each pass and LM head a replay of the
-        drafter's graphs (lamina.worker.draft_graphs; its first pass already replayed); the drafts
-        are sampled between replays as `propose` samples them."""
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor | None] = []
-        token = None
-        for j in range(plan.num_draft_tokens):
-            logits = drafter.draft_logits(j, num, token)  # [B, V], a view of the graphs' buffer
-            q = None
-            token = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
-            if is_sampler:
-                token, q = sample_drafts(logits, batch)
-            token = self.broadcast(token)
-            tokens.append(token)
-            probs.append(q)
-        return tokens, probs
-
     def draft_meta(
         self, plan: StepPlan, meta: ForwardMetadata, index: torch.Tensor, last_pos: torch.Tensor,
         max_pos: list[int], capacity: list[int], step: int,

@@ -101,14 +101,13 @@ class SpecDecodeStep:
     # ---- last stage --------------------------------------------------------------------------
     def finish_step(
         self, plan: StepPlan, stage_output: torch.Tensor, token_ids: torch.Tensor, meta: ForwardMetadata,
-        block_size: int, logits: torch.Tensor | None = None, drafter=None,
+        block_size: int, logits: torch.Tensor | None = None,
     ) -> dict[str, SampledToken]:
         """Verify this step's drafts, emit tokens and propose the next drafts. `token_ids` [T] and
         `meta` are the step's inputs (the ones `stage_output` was computed from); `block_size` that
         of the paged caches; `logits`: optionally the LM head's output at every row `[T, V]`
-        already computed (a verification graph's); `drafter`: the drafter's graphs
-        (lamina.worker.draft_graphs) when the step replayed a verification graph. Returns the
-        per-request results on TP rank 0 (an empty dict elsewhere)."""
+        already computed (a verification graph's). Returns the per-request results on TP rank 0
+        (an empty dict elsewhere)."""
         model = self.model
         chunks = plan.chunks
         is_sampler = model.ctx.tp_rank == 0
@@ -139,25 +138,20 @@ class SpecDecodeStep:
             num_accepted, bonus = packed[0], packed[1]
 
         bonus_rows = to_device(base_rows, self.device) + num_accepted  # [B]
-        last_pos = to_device(base_pos, self.device) + num_accepted  # [B]: the last accepted position
-        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
+        target_hidden = self.mtp.target_hidden(stage_output, meta)
+        h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
         draft_batch = None
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
                 [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids,
                 [self._generator(c) for c in sampled], self.device, self.vocab_size,
             )
-        if drafter is not None:  # every chunk samples and verifies the same Q - 1 drafts
-            drafter.first_pass(chunks[0].num_tokens, num, bonus_rows, bonus, last_pos, capacity)
-            drafts, probs = self.proposer.propose_from_graphs(plan, drafter, num, draft_batch, is_sampler)
-        else:
-            target_hidden = self.mtp.target_hidden(stage_output, meta)
-            h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
-            max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
-            drafts, probs = self.proposer.propose(
-                plan, meta, sample_index, last_pos, max_pos, capacity,
-                h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
-            )
+        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
+        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
+        drafts, probs = self.proposer.propose(
+            plan, meta, sample_index, to_device(base_pos, self.device) + num_accepted, max_pos, capacity,
+            h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
+        )
         if not is_sampler or not num:
             return {}
         return self._results(sampled, drafts_k, verified, drafts, probs)

@@ -163,7 +163,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 per_rank = pdist.gather_objects((captured, runner.no_graphs_reason), groups)  # on rank 0
                 every_rank = pdist.broadcast_object(all(ok for ok, _ in per_rank) if rank == 0 else None, groups)
                 if not every_rank:
-                    runner.decode_graphs = runner.verify_graphs = runner.draft_graphs = None  # all ranks replay, or none
+                    runner.decode_graphs = runner.verify_graphs = None  # all ranks replay, or none
                 if rank == 0:
                     conn.send(("captured", per_rank))
             elif kind == "graph_replays":
