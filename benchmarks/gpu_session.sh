@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -541,6 +541,43 @@ for k in d['top_kernels'][:6]: print(round(k['us_per_step'],1), k['calls_per_ste
       merge_latency final17
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_pdl.py 2>&1 | tail -1 ;;
+    final18)  # this session's final tree: the state commit alone (bench_state_commit), its GPU test, MTP K = 0..3 at batch 1
+      timeout 120 python3 benchmarks/bench_state_commit.py --out $OUT/bench_state_commit_final.json 2>&1 | tail -5
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py 2>&1 | tail -1
+      timeout 220 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 --max-k 3 \
+        --out $OUT/mtp18_final.json > /tmp/mtp18_final.log 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/mtp18_final.json'))
+for r in d['rows']: print(r['mode'], r['k'], round(r['median_step_ms'], 3), round(r.get('decode_tok_s', 0), 1), r.get('first_divergence'))" ;;
+    commitbench18)  # the state commit alone (bench_state_commit: 60 pools of the 35B-A3B shape, reference against the
+      # grouped kernel, batch 1-64), then the kernel's and the MTP GPU tests on the final tree (eager drafts)
+      timeout 120 python3 benchmarks/bench_state_commit.py --out $OUT/bench_state_commit.json 2>&1 | tail -5
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py tests/test_mtp_triton.py \
+        tests/test_mtp_states.py 2>&1 | tail -3 ;;
+    draft18)  # (ran on a6c9656 but with the commit copier's first version; the drafter's graphs were dropped after it: no gain) the MTP drafter's
+      # passes replayed from CUDA graphs (LAMINA_DRAFT_GRAPHS=1) against eager drafts (0, today's code): bench_mtp K = 0..3
+      # at batch 1; then the MTP and kernel GPU tests
+      for g in 0 1; do
+        LAMINA_DRAFT_GRAPHS=$g timeout 220 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 \
+          --max-k 3 --out $OUT/mtp18_draftgraphs$g.json > /tmp/mtp18_g$g.log 2>&1
+        tail -1 /tmp/mtp18_g$g.log | cut -c1-200; python3 -c "
+import json; d=json.load(open('$OUT/mtp18_draftgraphs$g.json'))
+for r in d['rows']: print('graphs=$g', r['mode'], r['k'], round(r['median_step_ms'], 3), round(r.get('decode_tok_s', 0), 1), r.get('first_divergence'))"
+      done
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py tests/test_mtp_triton.py \
+        2>&1 | tail -3 ;;
+    commit18)  # MTP commits (the accepted position's states into the slots) in one launch per group of like pools,
+      # against .baseline's index_copy_ per pool: bench_mtp K = 0..2 at batch 1 (dummy drafts are rejected, so every
+      # verification step commits); then the kernel's tests and the MTP GPU tests
+      (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 \
+        --batches 1 --max-k 2 --out $OUT/mtp18_base.json > /tmp/mtp18_base.log 2>&1)
+      timeout 200 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 --max-k 2 \
+        --out $OUT/mtp18_new.json > /tmp/mtp18_new.log 2>&1
+      for f in base new; do tail -2 /tmp/mtp18_$f.log | cut -c1-200; python3 -c "
+import json; d=json.load(open('$OUT/mtp18_$f.json'))
+for r in d['rows']: print('$f', r['mode'], r['k'], round(r['median_step_ms'], 3), round(r.get('decode_tok_s', 0), 1))"; done
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py tests/test_mtp_triton.py \
+        tests/test_triton_verify_kernels.py 2>&1 | tail -3 ;;
     mtp18)  # (written in session 17, not yet run) MTP K=1..3 at batch 1 in verify graphs, whose 2-4-token verify steps
       # take the FMA MoE kernels since session 17: LAMINA_MOE_GEMV_FMA=0 (the tl.dot kernels there) against the
       # default; then the MTP GPU tests (verify kernels, MTP on the Triton kernels)
