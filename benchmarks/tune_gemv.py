@@ -147,7 +147,8 @@ def tune_moe(dev, results, many_programs: bool = False):
         rec = {"op": "moe", "batch": batch, "bytes": nbytes, "l2": f"cold ({ROTATIONS} routings rotated)",
                "trials": len(rows), "sweep_s": time.perf_counter() - started,
                "grouped_us": grouped_us, "grouped_gb_s": nbytes / grouped_us / 1e3,
-               "default_us": next(us for us, c, _ in rows if c == (GEMV_CONFIG_ONE_TOKEN if batch == 1 else GEMV_CONFIG)),
+               # the tl.dot kernels' default tiles (the engine's default is the FMA kernels since session 17)
+               "dot_default_us": next(us for us, c, _ in rows if c == (GEMV_CONFIG_ONE_TOKEN if batch == 1 else GEMV_CONFIG)),
                "best_us": rows[0][0], "best": rows[0][1],
                "best_gb_s": nbytes / rows[0][0] / 1e3, "max_rel_err_vs_grouped": max(r[2] for r in rows),
                "top5": [(us, c) for us, c, _ in rows[:5]]}
@@ -184,7 +185,7 @@ def tune_linear(dev, results):
             default_us = bench(lambda: [gemv(x, w) for w in weights]) / ROTATIONS
             nbytes = n * k * 2
             rec = {"op": name, "shape": [n, k], "batch": batch, "bytes": nbytes, "cublas_us": cublas_us,
-                   "cublas_gb_s": nbytes / cublas_us / 1e3, "default_us": default_us, "default": dict(gemv_config(n, k)),
+                   "cublas_gb_s": nbytes / cublas_us / 1e3, "default_us": default_us, "default": dict(gemv_config(n, k, batch)),
                    "best_us": rows[0][0], "best": rows[0][1],
                    "best_gb_s": nbytes / rows[0][0] / 1e3, "max_rel_err": max(r[2] for r in rows),
                    "top5": [(us, c) for us, c, _ in rows[:5]]}

@@ -50,8 +50,9 @@ class SpecDecodeStep:
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
         self._copy_rows = None  # commits: the torch reference, an index_copy_ per state pool
-        state_kernels = {getattr(m, "kernels", None) for m in model.state_modules()}
-        if state_kernels == {"triton"}:  # one launch per group of like pools (lamina.kernels.triton_state_rows)
+        # On the Triton kernel set (any state layer on it; Qwen4-Exp's PLE convs have no kernel
+        # choice of their own), one launch per group of like pools (lamina.kernels.triton_state_rows).
+        if any(getattr(m, "kernels", None) == "triton" for m in model.state_modules()):
             from lamina.kernels.triton_state_rows import StateRowCopier
 
             self._copy_rows = StateRowCopier()
