@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -541,6 +541,13 @@ for k in d['top_kernels'][:6]: print(round(k['us_per_step'],1), k['calls_per_ste
       merge_latency final17
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_pdl.py 2>&1 | tail -1 ;;
+    mtprounds)  # (written in session 18, not yet run) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
+      # over 3 rounds in one process (bench_mtp --rounds): added_ms_vs_k0 is the in-process figure to compare
+      timeout 400 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \
+        --out $OUT/mtp_rounds.json > /tmp/mtp_rounds.log 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/mtp_rounds.json'))
+for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), r.get('round_medians_ms'), r.get('added_ms_vs_k0'))" ;;
     final18)  # this session's final tree: the state commit alone (bench_state_commit), its GPU test, MTP K = 0..3 at batch 1
       timeout 120 python3 benchmarks/bench_state_commit.py --out $OUT/bench_state_commit_final.json 2>&1 | tail -5
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py 2>&1 | tail -1
