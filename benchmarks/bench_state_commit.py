@@ -5,7 +5,11 @@ Pools of the Qwen3.5-35B-A3B shape: 30 gated delta net layers, each a bf16 conv 
 [slots, 8192, 3] and a float32 recurrent state [slots, 32, 128, 128], with verification capture
 rows [B*K, ...]. Timed as the engine meets it: the commit starts on an idle GPU (the previous step
 synchronised on its sampled ids) and the next step waits for it, so each call is timed from the
-host's start to the device's end (synchronised), and also the host's launch time alone.
+host's start to the device's end (synchronised), and also the host's launch time alone. The same
+tensors every call, as under the verification graphs' persistent capture rows: the copier's
+address tables come from its cache (eager verification steps bring fresh capture rows, one table
+upload more a group). `triton_tb_per_s`: the bytes read and written over that whole time, launch
+included, so a floor on the kernel's own rate.
 
     python benchmarks/bench_state_commit.py --out commit.json
 """
@@ -18,7 +22,8 @@ import time
 
 import torch
 
-from lamina.kernels.triton_state_rows import StateRowCopier, copy_state_rows_reference
+from lamina.kernels.state_rows import copy_state_rows_reference
+from lamina.kernels.triton_state_rows import StateRowCopier
 
 LAYERS, CONV_SHAPE, SSM_SHAPE = 30, (8192, 3), (32, 128, 128)
 

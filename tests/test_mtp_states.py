@@ -72,3 +72,28 @@ def test_commit_copies_the_chosen_rows_into_the_slots():
     capture.commit(torch.tensor([3, 0]), torch.tensor([2, 1]))
     assert ssm_state.tolist() == [[0, 0], [0, 1], [6, 7], [0, 0]]
     assert conv_state.abs().sum() == 0
+
+
+def test_commit_on_the_reference_kernels_needs_no_triton():
+    """Triton is an optional dependency (extras test / gpu): MTP's commit on the reference kernels
+    must work where it does not import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton now raises ImportError
+import torch
+from lamina.layers.metadata import StateCapture
+capture = StateCapture.from_host([0, 0, 1], [0, 1, 0], torch.device("cpu"))
+pool, captured = torch.zeros(3, 2, 4), torch.arange(24.0).reshape(3, 2, 4)
+capture.keep(pool, captured)
+capture.commit(torch.tensor([1, 2]), torch.tensor([2, 0]))
+assert torch.equal(pool[2], captured[1]) and torch.equal(pool[0], captured[2]) and not pool[1].any()
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from lamina.kernels.triton_state_rows import BLOCK, StateRowCopier, copy_state_rows_reference  # noqa: E402
+from lamina.kernels.state_rows import copy_state_rows_reference  # noqa: E402
+from lamina.kernels.triton_state_rows import BLOCK, TABLE_CACHE_SIZE, StateRowCopier  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,26 +38,71 @@ def _copy(pairs):
     return [(p.clone(), c.clone()) for p, c in pairs]
 
 
-@pytest.mark.parametrize("count", [0, 1, 3])
-def test_copy_rows_equals_reference(count):
-    pairs = _pools(0, slots=6, rows=5)
+def _check(copier, pairs, dst_rows, src_rows):
     expected = _copy(pairs)
-    dst_rows = torch.tensor([4, 0, 2][:count], dtype=torch.long, device=DEVICE)
-    src_rows = torch.tensor([3, 4, 0][:count], dtype=torch.long, device=DEVICE)
-    copier = StateRowCopier()
     copier(pairs, dst_rows, src_rows)
     copy_state_rows_reference(expected, dst_rows, src_rows)
     for (pool, captured), (want, want_captured) in zip(pairs, expected):
         assert torch.equal(pool, want)
         assert torch.equal(captured, want_captured)  # sources untouched
-    if count:
-        assert not torch.equal(pairs[0][0], _pools(0, slots=6, rows=5)[0][0])  # the copy did something
-    # the second call reuses the cached address tables and still copies into the right tensors
-    again = _pools(1, slots=6, rows=5)
-    again_expected = _copy(again)
-    copier(again, dst_rows, src_rows)
-    copy_state_rows_reference(again_expected, dst_rows, src_rows)
-    assert all(torch.equal(p, w) for (p, _), (w, _) in zip(again, again_expected))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_copy_rows_equals_reference(count):
+    pairs = _pools(0, slots=6, rows=5)
+    before = _copy(pairs)
+    dst_rows = torch.tensor([4, 0, 2][:count], dtype=torch.long, device=DEVICE)
+    src_rows = torch.tensor([3, 4, 0][:count], dtype=torch.long, device=DEVICE)
+    copier = StateRowCopier()
+    _check(copier, pairs, dst_rows, src_rows)
+    changed = [not torch.equal(p, b) for (p, _), (b, _) in zip(pairs, before)]
+    assert all(changed) if count else not any(changed)
+    # the same tensors again, other rows: the cached address tables (three groups, two tables each)
+    _check(copier, pairs, torch.tensor([1], device=DEVICE), torch.tensor([2], device=DEVICE))
+    assert len(copier._tables) == 6
+
+
+def test_copy_rows_with_fresh_sources_past_the_table_cache():
+    """Fresh captured rows every call (the eager verification path): every call right, the
+    destination tables kept, the cache bounded."""
+    copier = StateRowCopier()
+    pools = _pools(4, slots=5, rows=2)
+    dst_rows, src_rows = torch.tensor([3, 1], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    for seed in range(TABLE_CACHE_SIZE + 4):
+        fresh = [(pool, captured.clone().add_(seed)) for pool, captured in pools]
+        _check(copier, fresh, dst_rows, src_rows)
+        assert len(copier._tables) <= TABLE_CACHE_SIZE
+    destination_keys = {tuple(p.data_ptr() for p, _ in pools if p.dtype == dtype) for dtype in (torch.float32, torch.bfloat16)}
+    # one float32 group per row length: the destination keys are subsets of these, all still cached
+    assert sum(1 for key in copier._tables if set(key) <= set().union(*destination_keys)) == 3
+
+
+def test_copy_rows_rejects_row_lists_of_different_lengths():
+    pairs = _pools(5, slots=4, rows=3)
+    with pytest.raises(ValueError, match="2 destination rows but 1 source rows"):
+        StateRowCopier()(pairs, torch.tensor([0, 1], device=DEVICE), torch.tensor([2], device=DEVICE))
+
+
+def test_copy_rows_with_a_tensor_both_written_and_read_follows_the_reference_order(monkeypatch):
+    """(a <- b), (b <- c): one launch would race on a GPU (the interpreter runs programs in
+    order, so it cannot show the race): the copier must not launch, and takes the reference's
+    pair order."""
+    from lamina.kernels import triton_state_rows
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched a copy whose destination is also a source")
+
+    monkeypatch.setattr(triton_state_rows, "_copy_rows_kernel", NoLaunch())
+    gen = torch.Generator().manual_seed(6)
+    a, b, c = (torch.randn(4, 3, 5, generator=gen).to(DEVICE) for _ in range(3))
+    a2, b2, c2 = a.clone(), b.clone(), c.clone()
+    b_before = b.clone()
+    dst_rows, src_rows = torch.tensor([0, 2], device=DEVICE), torch.tensor([2, 0], device=DEVICE)
+    StateRowCopier()([(a, b), (b, c)], dst_rows, src_rows)
+    copy_state_rows_reference([(a2, b2), (b2, c2)], dst_rows, src_rows)
+    assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(c, c2)
+    assert torch.equal(a[0], b_before[2]) and torch.equal(b[2], c[0])  # a read b's rows before b was written
 
 
 def test_copy_rows_falls_back_for_pairs_the_kernel_does_not_take():

@@ -12,7 +12,8 @@ the state plain decoding would have reached: the states are computed from the sa
 the chosen one is kept.
 
 Nothing here reads the host or depends on tensor values: the capture list is built from the plan,
-`keep` only records tensors, and `commit` is one `index_copy_` per kept pool.
+`keep` only records tensors, and `commit` is one `index_copy_` per kept pool (on the Triton
+kernel set one launch per group of like pools, lamina.kernels.triton_state_rows).
 """
 
 from __future__ import annotations
