@@ -103,6 +103,12 @@ def test_copy_rows_with_a_tensor_both_written_and_read_follows_the_reference_ord
     copy_state_rows_reference([(a2, b2), (b2, c2)], dst_rows, src_rows)
     assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(c, c2)
     assert torch.equal(a[0], b_before[2]) and torch.equal(b[2], c[0])  # a read b's rows before b was written
+    # b written by a pair the kernel does not take (a bf16 source: the reference's dtype change)
+    c16 = c.to(torch.bfloat16)
+    a2, b2 = a.clone(), b.clone()
+    StateRowCopier()([(a, b), (b, c16)], dst_rows, src_rows)
+    copy_state_rows_reference([(a2, b2), (b2, c16)], dst_rows, src_rows)
+    assert torch.equal(a, a2) and torch.equal(b, b2)
 
 
 def test_copy_rows_falls_back_for_pairs_the_kernel_does_not_take():

@@ -92,8 +92,8 @@ class StateRowCopier:
                 srcs.append(src.data_ptr())
             else:
                 others.append((dst, src))
-        written = {p for dsts, _ in groups.values() for p in dsts}
-        read = {p for _, srcs in groups.values() for p in srcs}
+        written = {p for dsts, _ in groups.values() for p in dsts} | {d.data_ptr() for d, _ in others}
+        read = {p for _, srcs in groups.values() for p in srcs} | {s.data_ptr() for _, s in others}
         if written & read:  # a tensor both written and read: the reference's order, pair by pair
             copy_state_rows_reference(pairs, dst_rows, src_rows)
             return
