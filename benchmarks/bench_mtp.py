@@ -102,18 +102,34 @@ def timed_run(llm: LLM, prompts: list, new_tokens: int) -> dict:
     return row, finals
 
 
-def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3) -> None:
-    """Operator table (self time, CPU and device) of a few decode steps once the batch decodes."""
+def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3, timeline: bool = False) -> None:
+    """Operator table (self time, CPU and device) of a few decode steps once the batch decodes;
+    with `timeline`, also the Chrome trace (`out` with .trace.json) and its per-step summary
+    (`out` with .timeline.json, benchmarks/timeline.py): device busy / idle time of each step and
+    the host work its largest idle gaps waited on."""
     from torch.profiler import ProfilerActivity, profile
 
+    from timeline import annotate, summarise
+
+    out.parent.mkdir(parents=True, exist_ok=True)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=8 + steps, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     for _ in range(4):  # prefill and the first decode steps
         engine.step()
+    runner = engine.executor.runner
+    spec = getattr(runner, "spec", None)
+    labels = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
+              (runner, "prepare", "runner.prepare"), (runner, "commit_spec_states", "commit_spec_states"),
+              (runner, "apply_cache_copies", "apply_cache_copies"), (runner, "replay_decode", "replay_decode"),
+              (runner, "_sample_launch", "sample_launch"), (runner.verify_graphs, "run", "verify_graphs.run"),
+              (spec, "capture_for", "spec.capture_for"), (spec, "finish_step", "spec.finish_step"),
+              (spec, "_verify", "spec.verify"), (spec, "_results", "spec.results"),
+              (getattr(spec, "proposer", None), "first_pass", "proposer.first_pass"),
+              (getattr(spec, "proposer", None), "propose", "proposer.propose")] if timeline else []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with annotate(labels), profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         if engine.device.type == "cuda":
@@ -123,6 +139,16 @@ def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3) -> None:
     sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     out.write_text(prof.key_averages().table(sort_by=sort, row_limit=40)
                    + "\n\nby CPU time\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    if timeline:
+        trace = out.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))
+        summary = summarise(trace)
+        out.with_suffix(".timeline.json").write_text(json.dumps(summary, indent=1))
+        for row in summary["steps"]:
+            print(json.dumps({k: v for k, v in row.items() if k != "largest_gaps"}), flush=True)
+            for gap in row.get("largest_gaps", [])[:6]:
+                print("   ", json.dumps(gap), flush=True)
+        print(json.dumps(summary["host_labels_us"]), flush=True)
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
@@ -164,7 +190,7 @@ def compare(reference: dict, logprobs: dict, out: dict) -> dict:
 
 def bench_batch(
     path: Path, device: str, dtype: str, batch: int, new_tokens: int, vocab: int, max_k: int,
-    profile_dir: str | None = None, enforce_eager: bool = False, rounds: int = 1,
+    profile_dir: str | None = None, enforce_eager: bool = False, rounds: int = 1, timeline: bool = False,
 ) -> list[dict]:
     """One plain engine (the baseline) and one engine built with K = max_k, switched between
     fixed k = 0..max_k and the auto policy: every row of a batch size comes from the same two
@@ -185,6 +211,8 @@ def bench_batch(
                            use_tqdm=False)
     logprobs = {tuple(o.prompt_token_ids): o.outputs[0].logprobs for o in with_lp}
     rows[0]["repeat_identical"] = all(list(o.outputs[0].token_ids) == reference[tuple(o.prompt_token_ids)] for o in with_lp)
+    if profile_dir is not None and timeline:  # plain decode steps on the same timeline, for comparison
+        profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_plain.txt", timeline=True)
     llm.shutdown()
     del llm
     gc.collect()  # the two engines are never resident together (a 40-layer model is ~67 GB in bf16)
@@ -221,9 +249,10 @@ def bench_batch(
     llm.engine.draft_override = oracle
     alternate([("fixed", k) for k in range(1, max_k + 1)] + [("auto", max_k)], "oracle")
     llm.engine.draft_override = None
-    if profile_dir is not None:  # one decode step at fixed k = 1 under torch.profiler
-        policy.set_policy("fixed", min(1, max_k))
-        profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k1.txt")
+    if profile_dir is not None:  # decode steps at fixed k = 1 (and k = 0 with --timeline) under torch.profiler
+        for k in ([0, 1] if timeline else [1]):
+            policy.set_policy("fixed", min(k, max_k))
+            profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k{k}.txt", timeline=timeline)
     llm.shutdown()
     del llm, policy
     gc.collect()
@@ -250,6 +279,8 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--profile-dir", default=None, help="also write an operator table of k=1 steps here")
+    parser.add_argument("--timeline", action="store_true",
+                        help="with --profile-dir: also k = 0, Chrome traces and per-step device idle gaps (benchmarks/timeline.py)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the drafter engine's modes this many times, alternating; rows merge the rounds")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -263,7 +294,7 @@ def main() -> None:
     rows, plain_runs = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
         batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir,
-                                                    args.enforce_eager, args.rounds)
+                                                    args.enforce_eager, args.rounds, args.timeline)
         rows += batch_rows
         plain_runs.append((batch, reference, logprobs))
     # Plain decoding alone, across batch sizes: the first prompts of every batch are the same, so

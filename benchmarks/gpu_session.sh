@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -541,6 +541,25 @@ for k in d['top_kernels'][:6]: print(round(k['us_per_step'],1), k['calls_per_ste
       merge_latency final17
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_pdl.py 2>&1 | tail -1 ;;
+    timeline19)  # batch-1 steps on the device's timeline (bench_mtp --timeline): plain decode, MTP k = 0 and k = 1,
+      # with PDL off, then on; per step: wall, device busy / idle, the largest idle gaps and the host labels they waited on
+      for pdl in 0 1; do
+        LAMINA_PDL=$pdl timeout 240 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 32 --batches 1 --max-k 1 \
+          --profile-dir /tmp/tl$pdl --timeline --out /tmp/tl_rows$pdl.json > /tmp/tl$pdl.log 2>&1
+        grep -v '^{"mode' /tmp/tl$pdl.log | grep -v "^USDT\|^after releasing" | tail -45 | cut -c1-330
+      done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-2] + '_' + f.split('/')[-1].split('.')[0]: json.load(open(f)) for f in sorted(glob.glob('/tmp/tl[01]/*.timeline.json'))}
+out['rows'] = {p: json.load(open(f'/tmp/tl_rows{p}.json'))['rows'] for p in '01' if glob.glob(f'/tmp/tl_rows{p}.json')}
+json.dump(out, open('$OUT/timeline19.json', 'w'), indent=1)" ;;
+    launch19)  # host cost of CUDA graph replays (cudaGraphLaunch) by what the graph holds, and of the engine's batch-1
+      # decode and MTP verification graphs (40 layers)
+      timeout 200 python3 benchmarks/bench_graph_launch.py --engine-layers 40 --out $OUT/bench_graph_launch.json 2>&1 \
+        | grep "^{" | cut -c1-300 ;;
+    gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU)
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/ 2>&1 \
+        | grep -v "^$" | tail -25 | cut -c1-220 ;;
     mtprounds)  # (written in session 18, not yet run) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
       # over 3 rounds in one process (bench_mtp --rounds): added_ms_vs_k0 is the in-process figure to compare
       timeout 400 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \

@@ -125,3 +125,34 @@ def test_copy_rows_falls_back_for_pairs_the_kernel_does_not_take():
     copy_state_rows_reference(expected, dst_rows, src_rows)
     for (pool, _), (want, _) in zip(pairs, expected):
         assert torch.equal(pool, want)
+
+
+def test_copy_rows_caches_the_grouping_per_pair_list(monkeypatch):
+    """The same tensors (a new list of them, as every graph-replayed commit passes) group once;
+    fresh captured rows (the eager path) group again, and the cache holds no strong reference
+    to them; a grouping changed under a cached key would show as wrong pools."""
+    import gc
+    import weakref
+
+    from lamina.kernels import triton_state_rows
+
+    calls = []
+    real_group = triton_state_rows._group
+    monkeypatch.setattr(triton_state_rows, "_group", lambda pairs: calls.append(len(pairs)) or real_group(pairs))
+    copier = StateRowCopier()
+    pairs = _pools(7, slots=5, rows=3)
+    dst_rows, src_rows = torch.tensor([4, 1], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    _check(copier, pairs, dst_rows, src_rows)
+    _check(copier, list(pairs), torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE))
+    assert calls == [5]
+    fresh = [(pool, captured.clone()) for pool, captured in pairs]
+    _check(copier, fresh, dst_rows, src_rows)
+    assert calls == [5, 5]
+    dead = weakref.ref(fresh[0][1])
+    del fresh
+    gc.collect()
+    assert dead() is None  # the plan cache kept no captured rows alive
+    # a pair list whose tensors changed (other pools at the cached list's positions): regrouped, right
+    swapped = [pairs[1], pairs[0]] + pairs[2:]
+    _check(copier, swapped, dst_rows, src_rows)
+    assert calls == [5, 5, 5]

@@ -18,24 +18,55 @@ from lamina.host_to_device import to_device
 class StateCapture:
     """One verification step's captured tokens and the states the layers kept after them."""
 
-    req: torch.Tensor  # [R] long: the request (row of the step's batch) of each captured token
-    offset: torch.Tensor  # [R] long: the token's offset inside its request's chunk
-    max_offset: int  # host bound on `offset`: keeps the kernels' buffers small
-    # `req` and `offset` on the host: request groups split the capture list by group.
+    # the request (row of the step's batch) of each captured token, and the token's offset inside
+    # its request's chunk, on the host [R]; request groups split the capture list by group
     req_host: tuple[int, ...]
     offset_host: tuple[int, ...]
+    device: torch.device
     # (state pool [num_slots, ...], its states after the captured tokens [R, ...]) per layer state
     kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Where the layers put the captured rows: persistent rows per state pool (the verification
     # CUDA graphs' buffers, lamina.layers.spec_state.CaptureBuffers), or None: fresh tensors.
     buffers: object | None = None
+    _on_device: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def from_host(
         cls, req: list[int], offset: list[int], device: torch.device, buffers: object | None = None,
+        *, upload: bool = True,
     ) -> StateCapture:
-        return cls(to_device(req, device), to_device(offset, device), max(offset), tuple(req), tuple(offset),
-                   buffers=buffers)
+        """`upload`: copy `req` and `offset` to the device now (one copy); False leaves it to
+        the first read of `tokens`: a step replayed from a verification graph never reads them
+        (the graph's own capture holds its rows), so its host prologue skips the copy. Never
+        read `tokens` of an un-uploaded capture inside a CUDA graph capture."""
+        capture = cls(tuple(req), tuple(offset), device, buffers=buffers)
+        if upload:
+            capture.tokens
+        return capture
+
+    @property
+    def max_offset(self) -> int:
+        """Host bound on `offset`: keeps the kernels' buffers small."""
+        return max(self.offset_host)
+
+    @property
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The kernels' `capture` argument: (req [R] long, offset [R] long, max offset)."""
+        if self._on_device is None:
+            count = len(self.req_host)
+            start = count + count % 2  # `offset` starts 16-byte aligned, as a tensor of its own would
+            both = to_device(self.req_host + (0,) * (start - count) + self.offset_host, self.device)  # [start + R]
+            self._on_device = (both[:count], both[start:])
+        req, offset = self._on_device
+        return req, offset, self.max_offset
+
+    @property
+    def req(self) -> torch.Tensor:
+        return self.tokens[0]
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return self.tokens[1]
 
     def per_request(self, num_reqs: int) -> int | None:
         """n when every one of the step's `num_reqs` requests captures its tokens 0..n-1 and the
@@ -54,11 +85,6 @@ class StateCapture:
         if self.buffers is not None:
             return self.buffers.rows(pool, count)
         return torch.empty((count, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-
-    @property
-    def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The kernels' `capture` argument: (req [R], offset [R], max offset)."""
-        return self.req, self.offset, self.max_offset
 
     @property
     def host(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -72,7 +72,8 @@ class SpecDecodeStep:
                 first = c.num_tokens - 1 - k  # the request's last accepted token
                 req += [i] * k
                 offset += range(first, first + k)
-        self._capture = StateCapture.from_host(req, offset, self.device, buffers) if req else None
+        # replayed from a verification graph (`buffers`), the step's layers never read its tokens
+        self._capture = StateCapture.from_host(req, offset, self.device, buffers, upload=buffers is None) if req else None
         return self._capture
 
     def commit(self, plan: StepPlan) -> None:
@@ -86,7 +87,9 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            capture.commit(to_device(rows, self.device), to_device(slots, self.device), self._copy_rows)
+            start = len(rows) + len(rows) % 2  # the slots start 16-byte aligned
+            both = to_device(rows + [0] * (start - len(rows)) + slots, self.device)  # [start + N]: rows, then slots
+            capture.commit(both[: len(rows)], both[start:], self._copy_rows)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
