@@ -16,6 +16,7 @@ its 2-token verification graph are timed the same way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -120,6 +121,7 @@ def engine_graphs(layers: int) -> list[dict]:
     rows = []
     verify = runner.verify_graphs
     graphs = getattr(verify, "graphs", {}) if verify is not None else {}
+    graph = None
     for key, graph in sorted(graphs.items(), key=lambda kv: str(kv[0])):
         if graph is None:
             continue
@@ -127,7 +129,8 @@ def engine_graphs(layers: int) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     llm.shutdown()
-    del llm
+    del llm, runner, verify, graphs, graph  # the two 40-layer engines never fit together
+    gc.collect()
     torch.cuda.empty_cache()
     llm = LLM(str(path), dtype="bfloat16", load_format="dummy", max_model_len=1024, max_num_seqs=1, show_progress=False)
     llm.generate([{"prompt_token_ids": list(range(1, 65))}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

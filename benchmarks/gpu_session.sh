@@ -555,15 +555,15 @@ out['rows'] = {p: json.load(open(f'/tmp/tl_rows{p}.json'))['rows'] for p in '01'
 json.dump(out, open('$OUT/timeline19.json', 'w'), indent=1)" ;;
     launch19)  # host cost of CUDA graph replays (cudaGraphLaunch) by what the graph holds, and of the engine's batch-1
       # decode and MTP verification graphs (40 layers)
-      timeout 200 python3 benchmarks/bench_graph_launch.py --engine-layers 40 --out $OUT/bench_graph_launch.json 2>&1 \
-        | grep "^{" | cut -c1-300 ;;
+      timeout 200 python3 benchmarks/bench_graph_launch.py --engine-layers 40 --nodes ${LAUNCH_NODES:-1,100,500,1000} --out $OUT/bench_graph_launch.json 2>&1 \
+        | grep "^{\|Error" | cut -c1-300 ;;
     gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU)
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/ 2>&1 \
         | grep -v "^$" | tail -25 | cut -c1-220 ;;
-    mtprounds)  # (written in session 18, not yet run) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
+    mtprounds)  # (written in session 18; its first run, session 19, printed nothing) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
       # over 3 rounds in one process (bench_mtp --rounds): added_ms_vs_k0 is the in-process figure to compare
       timeout 400 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \
-        --out $OUT/mtp_rounds.json > /tmp/mtp_rounds.log 2>&1
+        --out $OUT/mtp_rounds.json > /tmp/mtp_rounds.log 2>&1 || tail -25 /tmp/mtp_rounds.log | cut -c1-300
       python3 -c "
 import json; d=json.load(open('$OUT/mtp_rounds.json'))
 for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), r.get('round_medians_ms'), r.get('added_ms_vs_k0'))" ;;
