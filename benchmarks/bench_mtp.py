@@ -254,7 +254,7 @@ def bench_batch(
             policy.set_policy("fixed", min(k, max_k))
             profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k{k}.txt", timeline=timeline)
     llm.shutdown()
-    del llm, policy
+    del llm, policy, verify, alternate  # the verify graphs and their buffers too: the next batch size builds two engines
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -557,6 +557,12 @@ json.dump(out, open('$OUT/timeline19.json', 'w'), indent=1)" ;;
       # decode and MTP verification graphs (40 layers)
       timeout 200 python3 benchmarks/bench_graph_launch.py --engine-layers 40 --nodes ${LAUNCH_NODES:-1,100,500,1000} --out $OUT/bench_graph_launch.json 2>&1 \
         | grep "^{\|Error" | cut -c1-300 ;;
+    gputests19)  # this session's MTP prologue changes (state rows, capture, commit) and the engine's graphs on the GPU
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_state_rows.py tests/test_mtp_states.py \
+        tests/test_mtp_triton.py tests/test_triton_verify_kernels.py 2>&1 | tail -2
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=6 tests/test_gpu_engine.py \
+        tests/test_batch_invariance.py tests/test_pdl.py tests/test_qwen4_graphs.py tests/test_triton_gdn_decode.py \
+        tests/test_triton_router.py 2>&1 | grep -v "^$" | tail -12 | cut -c1-200 ;;
     gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU)
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/ 2>&1 \
         | grep -v "^$" | tail -25 | cut -c1-220 ;;
