@@ -118,7 +118,7 @@ def profile_steps(llm: LLM, prompts: list, out: Path, steps: int = 3, timeline: 
         engine.add_request(p, params)
     for _ in range(4):  # prefill and the first decode steps
         engine.step()
-    runner = engine.executor.runner
+    runner = engine.executor.runner if timeline else None  # in-process executors only
     spec = getattr(runner, "spec", None)
     labels = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
               (runner, "prepare", "runner.prepare"), (runner, "commit_spec_states", "commit_spec_states"),

@@ -24,20 +24,20 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 def annotate(targets: list[tuple[object, str, str]]):
     """Wrap `getattr(obj, name)` in a `record_function(label)` for the block: (obj, name, label)."""
     saved = []
-    for obj, name, label in targets:
-        if obj is None or not hasattr(obj, name):
-            continue
-        original = getattr(obj, name)
-
-        def wrapped(*args, _original=original, _label=label, **kwargs):
-            with torch.profiler.record_function(_label):
-                return _original(*args, **kwargs)
-
-        functools.update_wrapper(wrapped, original)
-        had_own = name in getattr(obj, "__dict__", {})
-        setattr(obj, name, wrapped)
-        saved.append((obj, name, original, had_own))
     try:
+        for obj, name, label in targets:
+            if obj is None or not hasattr(obj, name):
+                continue
+            original = getattr(obj, name)
+
+            def wrapped(*args, _original=original, _label=label, **kwargs):
+                with torch.profiler.record_function(_label):
+                    return _original(*args, **kwargs)
+
+            functools.update_wrapper(wrapped, original)
+            had_own = name in getattr(obj, "__dict__", {})
+            setattr(obj, name, wrapped)
+            saved.append((obj, name, original, had_own))
         yield
     finally:
         for obj, name, original, had_own in reversed(saved):
@@ -63,8 +63,10 @@ def summarise(trace_path: str | Path, step_label: str = "step", min_gap_us: floa
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = sorted((e for e in spans if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     labels = [e for e in spans if e.get("cat") == "user_annotation"]
+    # the host call that queued each device event: runtime calls (cudaLaunchKernel, cudaGraphLaunch,
+    # copies) and driver calls (cuLaunchKernelEx: Triton's launches), matched by correlation id
     launches = {e["args"]["correlation"]: e for e in spans
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat", "").startswith("cuda") and "correlation" in e.get("args", {})}
     steps = sorted((e for e in labels if e["name"] == step_label), key=lambda e: e["ts"])
 
     def enclosing(ts: float) -> list[str]:
@@ -74,8 +76,10 @@ def summarise(trace_path: str | Path, step_label: str = "step", min_gap_us: floa
     rows = []
     for i, step in enumerate(steps):
         start = step["ts"]
-        # the step's device work: launched while the step ran (it may finish after the host returns)
-        mine = [e for e in device if start <= launches.get(e.get("args", {}).get("correlation"), e)["ts"] <= start + step["dur"]]
+        # the step's device work: launched while the step ran (it may finish after the host returns);
+        # a device event without a matched launch is counted apart, never placed by its own start
+        mine = [e for e in device if e.get("args", {}).get("correlation") in launches
+                and start <= launches[e["args"]["correlation"]]["ts"] <= start + step["dur"]]
         if not mine:
             rows.append({"step": i, "wall_us": step["dur"], "device_events": 0})
             continue
@@ -95,8 +99,9 @@ def summarise(trace_path: str | Path, step_label: str = "step", min_gap_us: floa
                      "host_lead_us": round(first - start, 1), "device_tail_us": round(last - (start + step["dur"]), 1),
                      "device_events": len(mine), "gaps_total_us": round(sum(g["gap_us"] for g in gaps), 1),
                      "largest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:top]})
+    unmatched = sum(1 for e in device if e.get("args", {}).get("correlation") not in launches)
     label_totals: dict[str, list[float]] = {}
     for e in labels:
         label_totals.setdefault(e["name"], []).append(e["dur"])
-    return {"steps": rows,
+    return {"steps": rows, "device_events_without_launch": unmatched,
             "host_labels_us": {k: {"calls": len(v), "mean_us": round(sum(v) / len(v), 1)} for k, v in sorted(label_totals.items())}}

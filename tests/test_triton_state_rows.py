@@ -130,7 +130,7 @@ def test_copy_rows_falls_back_for_pairs_the_kernel_does_not_take():
 def test_copy_rows_caches_the_grouping_per_pair_list(monkeypatch):
     """The same tensors (a new list of them, as every graph-replayed commit passes) group once;
     fresh captured rows (the eager path) group again, and the cache holds no strong reference
-    to them; a grouping changed under a cached key would show as wrong pools."""
+    to them; an entry is used only for the very tensors it was built from."""
     import gc
     import weakref
 
@@ -152,7 +152,15 @@ def test_copy_rows_caches_the_grouping_per_pair_list(monkeypatch):
     del fresh
     gc.collect()
     assert dead() is None  # the plan cache kept no captured rows alive
-    # a pair list whose tensors changed (other pools at the cached list's positions): regrouped, right
-    swapped = [pairs[1], pairs[0]] + pairs[2:]
+    # pools 0 and 2 are of one group: their captured rows exchanged, a plan reused by mistake would
+    # copy each pool's rows from the other's capture
+    swapped = [(pairs[0][0], pairs[2][1]), pairs[1], (pairs[2][0], pairs[0][1])] + pairs[3:]
     _check(copier, swapped, dst_rows, src_rows)
     assert calls == [5, 5, 5]
+    # the safety check itself: another list's plan planted under this list's key is not used
+    key_of = lambda ps: tuple(x for d, s in ps for x in (id(d), d.data_ptr(), id(s), s.data_ptr()))  # noqa: E731
+    copier._plans[key_of(pairs)] = copier._plans[key_of(swapped)]
+    _check(copier, pairs, dst_rows, src_rows)
+    assert calls == [5, 5, 5, 5]
+    _check(copier, pairs, dst_rows, src_rows)  # regrouped and cached again under its key
+    assert calls == [5, 5, 5, 5]

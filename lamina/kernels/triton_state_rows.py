@@ -75,13 +75,17 @@ class StateRowCopier:
         commit under the verification graphs' persistent capture rows (every step the same
         pools and rows) skips the per-pair checks: ~120 us of host time for 60 pools. The
         cache keeps weak references only: a captured row tensor of an eager step is not kept
-        alive by it, and an entry whose tensors died (a new tensor may take the old id) misses."""
+        alive by it, and an entry whose tensors died (a new tensor may take the old id) misses.
+        A hit needs the same live tensor objects at the same addresses; what it cannot see is an
+        in-place change of a tensor's metadata (`resize_`, `as_strided_`, `.data =`), which
+        state pools and capture rows never get."""
         key = tuple(x for dst, src in pairs for x in (id(dst), dst.data_ptr(), id(src), src.data_ptr()))
         entry = self._plans.get(key)
         if entry is not None and all(ref() is t for ref, t in zip(entry[0], (t for pair in pairs for t in pair))):
             self._plans.move_to_end(key)
             return entry[1]
         plan = _group(pairs)
+        self._plans.pop(key, None)  # an entry of dead tensors whose ids and addresses came back
         if len(self._plans) >= PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
         self._plans[key] = ([weakref.ref(t) for pair in pairs for t in pair], plan)

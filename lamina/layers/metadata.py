@@ -28,6 +28,7 @@ class StateCapture:
     # Where the layers put the captured rows: persistent rows per state pool (the verification
     # CUDA graphs' buffers, lamina.layers.spec_state.CaptureBuffers), or None: fresh tensors.
     buffers: object | None = None
+    max_offset: int = 0  # host bound on `offset_host`: keeps the kernels' buffers small
     _on_device: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
@@ -39,15 +40,10 @@ class StateCapture:
         the first read of `tokens`: a step replayed from a verification graph never reads them
         (the graph's own capture holds its rows), so its host prologue skips the copy. Never
         read `tokens` of an un-uploaded capture inside a CUDA graph capture."""
-        capture = cls(tuple(req), tuple(offset), device, buffers=buffers)
+        capture = cls(tuple(req), tuple(offset), device, buffers=buffers, max_offset=max(offset))
         if upload:
             capture.tokens
         return capture
-
-    @property
-    def max_offset(self) -> int:
-        """Host bound on `offset`: keeps the kernels' buffers small."""
-        return max(self.offset_host)
 
     @property
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
