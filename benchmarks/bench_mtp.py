@@ -292,11 +292,26 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     path = write_config(Path(tempfile.mkdtemp()) / "cfg", shape, args.layers)
     rows, plain_runs = [], []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def write(across: list, complete: bool) -> None:
+        """The JSON so far: rewritten after every batch size, so a later batch's failure keeps
+        the earlier rows (`complete` false until the last)."""
+        if args.out:
+            result = {"device": args.device, "plain_across_batch_sizes": across,
+                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                      "torch": torch.__version__, "dtype": dtype,
+                      "config": ("tiny" if args.tiny else "Qwen3.5-35B-A3B shape") + f", {args.layers} layers + 1 MTP layer",
+                      "enforce_eager": args.enforce_eager, "command": " ".join(sys.argv),
+                      "batches_done": [b for b, _, _ in plain_runs], "complete": complete, "rows": rows}
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
+    for batch in batches:
         batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir,
                                                     args.enforce_eager, args.rounds, args.timeline)
         rows += batch_rows
         plain_runs.append((batch, reference, logprobs))
+        write([], complete=False)
     # Plain decoding alone, across batch sizes: the first prompts of every batch are the same, so
     # this says how much the output moves when only the batch shape changes (no speculation).
     across = []
@@ -304,12 +319,7 @@ def main() -> None:
         shared = {key: ref1[key] for key in ref1 if key in ref2}
         across.append({"batches": [b1, b2], **compare(shared, lp1, {key: ref2[key] for key in shared})})
     print(json.dumps({"plain_across_batch_sizes": across}), flush=True)
-    result = {"device": args.device, "plain_across_batch_sizes": across, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-              "torch": torch.__version__, "dtype": dtype,
-              "config": ("tiny" if args.tiny else "Qwen3.5-35B-A3B shape") + f", {args.layers} layers + 1 MTP layer",
-              "enforce_eager": args.enforce_eager, "command": " ".join(sys.argv), "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    write(across, complete=True)
 
 
 if __name__ == "__main__":
