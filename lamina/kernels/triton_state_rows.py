@@ -9,9 +9,10 @@ from the host's start to the device's end at batch 1 on an H200, 0.31 ms here
 (`docs/PERFORMANCE.md`, session 18). The pairs are grouped by element size and row length, and
 each group is one launch that reads its tensors' addresses from a device table (`[pairs]` int64,
 cached per address tuple, least recently used out: a table holds exactly its key, so a recycled
-address never makes it stale), and the grouping itself is cached per pair list (weak references to
-the tensors; under the verification graphs every commit has the same pairs). Rows are copied as flat runs of integers of the element's width,
-bit for bit, so the result is the reference's exactly.
+address never makes it stale), and the grouping itself is cached per pair list (weak references
+to the tensors; under the verification graphs every commit has the same pairs). Rows are copied
+as flat runs of integers of the element's width, bit for bit, so the result is the reference's
+exactly.
 
 Pairs the kernel does not take go through the reference: differing dtypes or row lengths,
 non-contiguous tensors, and every pair when a tensor is both a destination and a source (the
