@@ -30,6 +30,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from graph_timing import capture_graph  # noqa: E402 (this folder, on the path as the script's own)
+
 
 @triton.jit
 def _tick_kernel(x_ptr, USE_PDL: tl.constexpr):
@@ -65,19 +67,6 @@ def time_replay(graph: torch.cuda.CUDAGraph, repeats: int = 30) -> dict:
             "call_to_device_end_us": round(med(idle_total), 1)}
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile / warm outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def synthetic(nodes: list[int]) -> list[dict]:
     x = torch.zeros(16, device="cuda")
     scratch = torch.zeros(1 << 16, device="cuda")
@@ -100,7 +89,7 @@ def synthetic(nodes: list[int]) -> list[dict]:
         for name, fn in (("triton", triton_chain(False)), ("triton_pdl", triton_chain(True)),
                          ("torch_add", torch_chain), ("triton_with_memset", triton_chain(False, "memset")),
                          ("triton_with_copy", triton_chain(False, "copy"))):
-            graph = capture(fn)
+            graph = capture_graph(fn)
             row = {"graph": name, "nodes": n, **time_replay(graph)}
             print(json.dumps(row), flush=True)
             rows.append(row)
