@@ -22,19 +22,28 @@ Normalisation performed at construction time:
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from lamina.structured_output import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS", "MAX_LOGIT_BIAS"]
+__all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MAX_LOGIT_BIAS"]
 
 # Temperatures below this are treated as greedy decoding (same cut-off as
 # vLLM): dividing logits by such a small number only risks overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # OpenAI's range for one logit_bias entry.
 MAX_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs the engine reports for a request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # after every step: everything generated so far
+    DELTA = 1  # vLLM: only what is new since the last output (not supported by lamina)
+    FINAL_ONLY = 2  # once, when the request finishes (what `LLM.generate` asks for)
 
 
 def _is_int(value: object) -> bool:
@@ -100,6 +109,10 @@ class SamplingParams:
         skip_special_tokens: Drop special tokens when detokenizing.
         spaces_between_special_tokens: Put spaces between special tokens when
             detokenizing (honoured only by tokenizers that support it).
+        output_kind: :class:`RequestOutputKind`: ``CUMULATIVE`` (default) reports
+            the whole output after every step, ``FINAL_ONLY`` only the finished
+            one (``LLM.generate`` sets it; the engine then skips building the
+            outputs of unfinished steps). ``DELTA`` is not supported.
     """
 
     n: int = 1
@@ -126,6 +139,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine from `bad_words` and its tokenizer: the token sequences to ban.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -272,6 +286,14 @@ class SamplingParams:
 
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
+
+        kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+        if isinstance(self.output_kind, bool) or self.output_kind not in kinds:
+            raise ValueError(
+                f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
+                + (" (DELTA outputs are not supported)" if self.output_kind == RequestOutputKind.DELTA else "")
+            )
+        self.output_kind = RequestOutputKind(self.output_kind)
 
         for s in self.stop:
             if s == "":

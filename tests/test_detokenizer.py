@@ -165,3 +165,38 @@ def test_include_stop_str_in_output_with_multibyte(tokenizer):
     assert result is not None
     detok.truncate(result[1])
     assert detok.text == "答案是42。"
+
+
+class _SlowTokenizer:
+    """The test tokenizer seen only through `decode` (no backend): the detokenizer's other path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+def test_backend_decode_gives_the_tokenizers_text(tokenizer):
+    """Streams through the fast tokenizer's backend (the engine's path) and through
+    `tokenizer.decode` give the same deltas, with and without special tokens."""
+    assert IncrementalDetokenizer(tokenizer, [])._backend is tokenizer.backend_tokenizer
+    slow_tokenizer = _SlowTokenizer(tokenizer)
+    assert IncrementalDetokenizer(slow_tokenizer, [])._backend is None
+    rng = random.Random(1)
+    base = tokenizer.encode(" ".join(TEXTS)) + [tokenizer.eos_token_id]
+    for skip in (True, False):
+        for _ in range(10):
+            ids = [rng.choice(base) for _ in range(30)]
+            prompt = [rng.choice(base) for _ in range(3)]
+            chunks = [rng.randint(1, 3)]
+            fast, fast_deltas = _stream(tokenizer, prompt, ids, chunks, skip_special_tokens=skip)
+            slow, slow_deltas = _stream(slow_tokenizer, prompt, ids, chunks, skip_special_tokens=skip)
+            assert fast_deltas == slow_deltas
+            assert fast.flush() + "".join(fast_deltas) == slow.flush() + "".join(slow_deltas)
+            assert fast.text == slow.text
+
+
+def test_tokenizer_that_cleans_up_spaces_decodes_through_itself(tokenizer):
+    """`clean_up_tokenization_spaces` changes decode's text after the backend's: keep decode."""
+    cleaning = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>", clean_up_tokenization_spaces=True
+    )
+    assert IncrementalDetokenizer(cleaning, [])._backend is None

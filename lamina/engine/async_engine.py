@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from lamina.engine.gc_heap import frozen_heap
 from lamina.engine.llm_engine import LLMEngine
 from lamina.engine.stats_log import EngineStatsLogger
 from lamina.outputs import RequestOutput
@@ -214,7 +215,8 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop_forever()
+            with frozen_heap():  # collections skip the loaded engine's objects (lamina.engine.gc_heap)
+                self._loop_forever()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             self.dead_error = f"the engine loop failed: {type(e).__name__}: {e}"
             logger.exception("engine loop died")

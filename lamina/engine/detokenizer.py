@@ -25,11 +25,25 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["IncrementalDetokenizer", "find_stop_string"]
+__all__ = ["IncrementalDetokenizer", "fast_decoder", "find_stop_string"]
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Number of prompt tokens used as initial decoding context.
 _INITIAL_CONTEXT_TOKENS = 5
+
+
+def fast_decoder(tokenizer: Any):
+    """The `tokenizers.Tokenizer` behind a fast Hugging Face tokenizer when decoding through it
+    gives exactly `tokenizer.decode`'s text: no clean-up of tokenization spaces (Qwen's tokenizers
+    turn it off); None otherwise (decode through the tokenizer). `tokenizer.decode` converts its
+    input and checks for batches on every call, which costs more than the decode itself on the
+    engine's few-token windows (two per generated token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
 
 
 class IncrementalDetokenizer:
@@ -59,6 +73,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
+        self._backend = fast_decoder(tokenizer)
         self.text = ""
         self.output_token_ids: list[int] = []
 
@@ -77,6 +92,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:  # what tokenizer.decode returns, without its per-call conversions
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         kwargs: dict[str, Any] = {"skip_special_tokens": self.skip_special_tokens}
         if not self.spaces_between_special_tokens:
             kwargs["spaces_between_special_tokens"] = False

@@ -22,7 +22,7 @@ from lamina.engine.setup import resolve_setup
 from lamina.engine.spec_policy import SpecDecodePolicy
 from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
-from lamina.sampling_params import SamplingParams
+from lamina.sampling_params import RequestOutputKind, SamplingParams
 from lamina.models.hybrid_config import num_mtp_layers
 from lamina.worker.model_loader import build_model
 from lamina.worker.model_runner import ModelRunner
@@ -652,12 +652,17 @@ class LLMEngine:
                 state.metrics.num_preemptions = request.num_preemptions
                 if state.detokenizer is not None and not isinstance(request.stop_reason, str):
                     state.text += state.detokenizer.flush()  # text held back for an unfinished character
+            final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+            if final_only and not request.status.finished:
+                continue  # no output before the last one (LLM.generate reads only that)
             output = self._make_output(state)
             parent_id = self._parent_of.get(request.request_id)
             if parent_id is not None:
                 output = self._parents[parent_id].update(output)
                 if output is not None and output.finished:
                     self._forget_parent(parent_id)
+                if final_only and output is not None and not output.finished:
+                    output = None  # another child is still running
             if output is not None:
                 outputs.append(output)
             if request.status.finished:

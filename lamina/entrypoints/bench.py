@@ -188,6 +188,7 @@ def _engine_kwargs(args) -> dict:
 def run_latency(args, model_path: str) -> list[dict]:
     from lamina import LLM, SamplingParams
     from lamina.config import resolve_device
+    from lamina.engine.gc_heap import frozen_heap
 
     device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
@@ -215,20 +216,21 @@ def run_latency(args, model_path: str) -> list[dict]:
             start = time.perf_counter()
             produced = {}
             first_steps_ms = []  # each step's wall time until every request has its first token
-            while engine.has_unfinished_requests():
-                before = time.perf_counter()
-                outs = engine.step()
-                now = time.perf_counter()
-                if ttft is None:
-                    first_steps_ms.append(round((now - before) * 1e3, 3))
-                all_started = len(produced) == batch
-                for o in outs:
-                    produced[o.request_id] = len(o.outputs[0].token_ids)
-                if ttft is None and len(produced) == batch:
-                    ttft, first_all = now - start, now
-                elif all_started and len(outs) == batch:
-                    decode_steps += 1
-                    last_all = now
+            with frozen_heap():  # as LLM.generate and the server run their steps (lamina.engine.gc_heap)
+                while engine.has_unfinished_requests():
+                    before = time.perf_counter()
+                    outs = engine.step()
+                    now = time.perf_counter()
+                    if ttft is None:
+                        first_steps_ms.append(round((now - before) * 1e3, 3))
+                    all_started = len(produced) == batch
+                    for o in outs:
+                        produced[o.request_id] = len(o.outputs[0].token_ids)
+                    if ttft is None and len(produced) == batch:
+                        ttft, first_all = now - start, now
+                    elif all_started and len(outs) == batch:
+                        decode_steps += 1
+                        last_all = now
             tpot = (last_all - first_all) / decode_steps if decode_steps else float("nan")
             record = {
                 "kind": "latency", "command": command_line(args), "gpu": _gpu_name(device),

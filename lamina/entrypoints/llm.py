@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from lamina.config import EngineArgs
 from lamina.engine.llm_engine import LLMEngine
 from lamina.outputs import RequestOutput
-from lamina.sampling_params import SamplingParams
+from lamina.engine.gc_heap import frozen_heap
+from lamina.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -120,6 +121,14 @@ class LLM:
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        # Only finished outputs are returned: the engine builds no output for earlier steps
+        # (vLLM's LLM does the same). The caller's objects are not changed.
+        final: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if isinstance(params, SamplingParams) and id(params) not in final:
+                final[id(params)] = params.clone()
+                final[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
+        params_list = [final.get(id(params), params) for params in params_list]
         # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
         prepared = []
         for prompt, params in zip(prompts, params_list):
@@ -130,12 +139,15 @@ class LLM:
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        remaining = len(ids)
         try:
-            while engine.has_unfinished_requests() and any(r is None for r in results):
-                for output in engine.step():
-                    if output.finished and output.request_id in order:
-                        results[order[output.request_id]] = output
-                        bar.update(1)
+            with frozen_heap():  # collections skip the loaded engine's objects (lamina.engine.gc_heap)
+                while remaining and engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished and output.request_id in order:
+                            remaining -= results[order[output.request_id]] is None
+                            results[order[output.request_id]] = output
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)

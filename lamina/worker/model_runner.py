@@ -93,6 +93,8 @@ class ModelRunner:
     def apply_cache_copies(self, plan: StepPlan) -> None:
         """Prompt sharing: copy the plan's KV blocks and state slots (source -> destination) in every
         cache tensor of this rank, one batched `index_copy_` per tensor, before the step's forward."""
+        if not plan.has_copies:  # nearly every step: skip walking the layers for their tensors
+            return
         for pairs, tensors in (
             (plan.block_copies, [t for m in self.paged_cache_modules() for t in m.paged_cache_tensors()]),
             (plan.state_copies, [t for m in self.model.state_modules() for t in m.state_tensors()]),

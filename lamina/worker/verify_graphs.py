@@ -218,6 +218,36 @@ class VerifyGraphs:
         fitting = [s for (q, s) in self.graphs if q == queries and s >= num_reqs]
         return min(fitting) if fitting else None
 
+    def stage(self, chunks, queries: int, size: int) -> None:
+        """Write a step of `len(chunks)` requests of `queries` tokens into the pinned host buffer,
+        padded to `size` rows. Verification steps run without asynchronous scheduling, so this is
+        host time the device waits for: each field is built as one Python list and written with
+        one numpy assignment (the block tables row by row), with no numpy work per request."""
+        num_reqs = len(chunks)
+        host = self.host_np
+        bs = self.block_size
+        try:
+            slots = [table[p // bs] * bs + p % bs for c in chunks for table in (c.block_table,)
+                     for p in range(c.start_position, c.start_position + queries)]  # [B*Q]
+        except IndexError:
+            late = next(c for c in chunks if (c.start_position + queries - 1) // bs >= len(c.block_table))
+            raise RuntimeError(
+                f"request {late.request_id!r}: position {late.start_position + queries - 1} lies past its "
+                f"{len(late.block_table)} KV blocks of {bs} (the scheduler allocates them first)"
+            ) from None
+        flat = num_reqs * queries
+        self._token_field(host, "token_ids", flat)[:] = [t for c in chunks for t in c.token_ids]
+        self._token_field(host, "positions", flat)[:] = [
+            p for c in chunks for p in range(c.start_position, c.start_position + queries)]
+        self._token_field(host, "slot_mapping", flat)[:] = slots
+        self._request_field(host, "seq_lens", num_reqs)[:] = [c.start_position + queries for c in chunks]
+        self._request_field(host, "state_slots", num_reqs)[:] = [c.state_slot for c in chunks]
+        self._request_field(host, "keep", num_reqs)[:] = [c.start_position > 0 for c in chunks]
+        tables = self._tables(host, size)
+        for row, chunk in enumerate(chunks):
+            tables[row, : len(chunk.block_table)] = chunk.block_table
+        self._fill_padding(queries, num_reqs, size)
+
     def run(self, chunks, queries: int, capture: StateCapture | None):
         """Replay (queries, padded size) for a step of `len(chunks)` requests of `queries` tokens.
         `capture`: the step's StateCapture (spec_step.capture_for, built on `self.buffers`): its
@@ -225,26 +255,7 @@ class VerifyGraphs:
         token ids [B*Q], the step's metadata for B requests), views of persistent buffers."""
         num_reqs = len(chunks)
         size = self.size_for(queries, num_reqs)
-        host = self.host_np
-        tokens = self._token_field(host, "token_ids", size * queries).reshape(size, queries)  # [Bc, Q]
-        positions = self._token_field(host, "positions", size * queries).reshape(size, queries)  # [Bc, Q]
-        slot_mapping = self._token_field(host, "slot_mapping", size * queries).reshape(size, queries)  # [Bc, Q]
-        seq_lens = self._request_field(host, "seq_lens", size)
-        state_slots = self._request_field(host, "state_slots", size)
-        keep = self._request_field(host, "keep", size)
-        tables = self._tables(host, size)
-        offsets = np.arange(queries)
-        for row, chunk in enumerate(chunks):
-            table = chunk.block_table
-            pos = chunk.start_position + offsets  # [Q]
-            tokens[row] = chunk.token_ids
-            positions[row] = pos
-            slot_mapping[row] = np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size
-            seq_lens[row] = chunk.end_position
-            state_slots[row] = chunk.state_slot
-            keep[row] = chunk.start_position > 0
-            tables[row, : len(table)] = table
-        self._fill_padding(queries, num_reqs, size)
+        self.stage(chunks, queries, size)
         self.inputs.copy_(self.host, non_blocking=True)
         graph = self.graphs[(queries, size)]
         if graph is None:
