@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -566,6 +566,25 @@ json.dump(out, open('$OUT/timeline19.json', 'w'), indent=1)" ;;
     gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU)
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/ 2>&1 \
         | grep -v "^$" | tail -25 | cut -c1-220 ;;
+    host20)  # (written in session 20, not yet run) session 20's host-path changes on the GPU: .baseline (carried: git
+      # archive of e4548f2's lamina/) against this tree, alternating: MTP K = 0 / 1 at batch 1 and 8 (bench_mtp), and
+      # plain decode latency at batch 1 / 64 / 256
+      for i in $(seq ${ROUNDS:-2}); do
+        for tree in base new; do
+          root=$PWD; [ $tree = base ] && root=$PWD/.baseline
+          PYTHONPATH=/tmp/site:$root timeout 150 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 \
+            --max-k 1 --out /tmp/host20_mtp_${tree}_$i.json > /tmp/host20_mtp_${tree}_$i.log 2>&1 || tail -5 /tmp/host20_mtp_${tree}_$i.log
+          (cd $root && PYTHONPATH=/tmp/site:$root LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 64 256 \
+            --input-len 128 --output-len 64 --output-json /tmp/host20_lat_${tree}_$i.json 2>&1 | tail -1)
+        done
+      done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/host20_*.json'))}
+json.dump(out, open('$OUT/host20.json', 'w'), indent=1)
+for k, v in out.items():
+    rows = v['rows'] if isinstance(v, dict) and 'rows' in v else (v if isinstance(v, list) else [v])
+    for r in rows: print(k, r.get('batch', r.get('batch_size')), r.get('mode'), r.get('k'), r.get('median_step_ms', r.get('tpot_ms')))" ;;
     mtprounds)  # (written in session 18; its first run, session 19, printed nothing) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
       # over 3 rounds in one process (bench_mtp --rounds): added_ms_vs_k0 is the in-process figure to compare
       timeout 400 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \

@@ -1,6 +1,7 @@
 """The verification graphs' host staging (`VerifyGraphs.stage`): a step's token ids, positions, KV
 slots, context lengths, state slots and block tables packed into the persistent host buffer,
-padded to the captured size, against values computed here per request."""
+padded to the captured size, against values computed here per request; and the one upload that
+carries an MTP step's other host ints (`to_device_many`)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,14 @@ def test_stage_refuses_a_position_past_the_request_blocks():
     graphs = _graphs()
     with pytest.raises(RuntimeError, match=r"request 'r1': position 6 lies past its 1 KV blocks of 4"):
         graphs.stage([_chunk(0, 0, [1]), _chunk(1, 4, [2])], QUERIES, size=2)
+
+
+def test_to_device_many_gives_aligned_views_of_one_upload():
+    from lamina.host_to_device import to_device_many
+
+    lists = ([3, 1, 4], [], [1, 5], [9, 2, 6, 5, 3])
+    tensors = to_device_many("cpu", *lists)
+    assert [t.tolist() for t in tensors] == [list(v) for v in lists]
+    assert all(t.dtype == torch.long for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one upload
+    assert all(t.storage_offset() % 2 == 0 for t in tensors)  # each starts 16 bytes aligned

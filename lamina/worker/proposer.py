@@ -56,16 +56,16 @@ class MTPProposer:
         return self.mtp(next_ids, target_hidden, meta, 0)
 
     def propose(
-        self, plan: StepPlan, meta: ForwardMetadata, sample_index: list[int], last_pos: torch.Tensor,
-        max_pos: list[int], capacity: list[int], h_logits: torch.Tensor, h_next: torch.Tensor,
-        batch: SamplingBatch | None, is_sampler: bool,
+        self, plan: StepPlan, meta: ForwardMetadata, index: torch.Tensor, last_pos: torch.Tensor,
+        max_pos: list[int], capacity: list[int], capacity_on_device: torch.Tensor, h_logits: torch.Tensor,
+        h_next: torch.Tensor, batch: SamplingBatch | None, is_sampler: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """`plan.num_draft_tokens` drafts for each sampling request. `last_pos` [B] (device): the
-        last accepted position; `max_pos` / `capacity` (host): its upper bound and the last
-        position the request's blocks hold. Returns per draft position the tokens [B] and (on the
-        sampling rank, for random requests) the drafter's distribution [B, V]."""
-        num = len(sample_index)
-        index = to_device(sample_index, self.device)
+        """`plan.num_draft_tokens` drafts for each sampling request. `index` [B] (device): the
+        sampling requests' rows among the step's requests; `last_pos` [B] (device): the last
+        accepted position; `max_pos` / `capacity` (host, and `capacity_on_device` [B]): its upper
+        bound and the last position the request's blocks hold. Returns per draft position the
+        tokens [B] and (on the sampling rank, for random requests) the drafter's distribution [B, V]."""
+        num = len(capacity)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
         for j in range(plan.num_draft_tokens):  # draft positions, not tokens
@@ -79,18 +79,17 @@ class MTPProposer:
                 tokens.append(token)
                 probs.append(q)
             if j + 1 < plan.num_draft_tokens:
-                step_meta = self.draft_meta(plan, meta, index, last_pos, max_pos, capacity, j + 1)
+                step_meta = self.draft_meta(plan, meta, index, last_pos, max_pos, capacity, capacity_on_device, j + 1)
                 h_logits, h_next = self.mtp(token, h_next, step_meta, j + 1)
         return tokens, probs
 
     def draft_meta(
         self, plan: StepPlan, meta: ForwardMetadata, index: torch.Tensor, last_pos: torch.Tensor,
-        max_pos: list[int], capacity: list[int], step: int,
+        max_pos: list[int], capacity: list[int], capacity_on_device: torch.Tensor, step: int,
     ) -> ForwardMetadata:
         """One token per sampling request at position last_pos + step (clamped to its blocks)."""
-        num = index.shape[0]
-        cap = to_device(capacity, self.device)  # [B]
-        positions = torch.minimum(last_pos + step, cap)  # [B]
+        num = len(capacity)
+        positions = torch.minimum(last_pos + step, capacity_on_device)  # [B]
         tables = meta.block_tables.index_select(0, index)  # [B, max_blocks]
         block_size = self.mtp.paged_cache_modules()[0].k_cache.shape[1]
         blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]  # [B]

@@ -22,9 +22,11 @@ read, and are rewritten by the next step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from lamina.host_to_device import to_device
+from lamina.host_to_device import to_device, to_device_many
 from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
@@ -32,6 +34,18 @@ from lamina.worker.rejection_sampler import verify_drafts
 from lamina.worker.sampler import RequestGenerators, SamplingBatch
 
 NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
+
+
+@dataclass
+class _VerifyInputs:
+    """A verification's host side: per row (R) the sampling options, and the ints its device part
+    reads: the [B, W] grid of rows (flat), each row's request / position / draft, each request's k."""
+
+    params: list
+    out_lens: list[int]
+    gens: list
+    width: int
+    int_lists: tuple[list[int], ...]
 
 
 class SpecDecodeStep:
@@ -125,23 +139,35 @@ class SpecDecodeStep:
         base_rows = [ends[i + 1] - 1 - k for i, k in zip(sample_index, drafts_k)]  # last accepted row
         base_pos = [c.end_position - 1 - c.num_draft_tokens for c in sampled]
 
+        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
+        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
+        rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
+        select = num > 0 and (logits is None or len(rows) != logits.shape[0])  # R == T, in order: no selection
+        verify_host = self._verify_inputs(sampled, drafts_k) if is_sampler and num else None
+        # This step's host ints in one upload (each copy costs host time and a gap on the device;
+        # MTP steps run without asynchronous scheduling, so the device waits for both).
+        uploads = to_device_many(
+            self.device, base_rows, base_pos, sample_index, capacity, rows if select else [],
+            *(verify_host.int_lists if verify_host is not None else ()),
+        )
+        base_rows_t, base_pos_t, index_t, capacity_t, rows_t = uploads[:5]
+
         verified = None
         num_accepted = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
         bonus = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
         if num:
-            rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
             if logits is None:
-                logits = model.compute_logits(stage_output.index_select(0, to_device(rows, self.device)))  # [R, V]
-            elif len(rows) != logits.shape[0]:  # every row verified (R == T, rows in order) needs no selection
-                logits = logits.index_select(0, to_device(rows, self.device))  # [T, V] -> [R, V]
+                logits = model.compute_logits(stage_output.index_select(0, rows_t))  # [R, V]
+            elif select:
+                logits = logits.index_select(0, rows_t)  # [T, V] -> [R, V]
             if is_sampler:
-                verified = self._verify(logits, sampled, drafts_k, token_ids, rows)
+                verified = self._verify(logits, sampled, drafts_k, verify_host, uploads[5:])
                 num_accepted = verified.num_accepted
                 bonus = verified.tokens.gather(1, num_accepted[:, None])[:, 0]
             packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
             num_accepted, bonus = packed[0], packed[1]
 
-        bonus_rows = to_device(base_rows, self.device) + num_accepted  # [B]
+        bonus_rows = base_rows_t + num_accepted  # [B]
         target_hidden = self.mtp.target_hidden(stage_output, meta)
         h_logits, h_next = self.proposer.first_pass(token_ids, meta, chunks, bonus_rows, bonus, target_hidden)
         draft_batch = None
@@ -150,10 +176,8 @@ class SpecDecodeStep:
                 [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids,
                 [self._generator(c) for c in sampled], self.device, self.vocab_size,
             )
-        capacity = [len(c.block_table) * block_size - 1 for c in sampled]
-        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
         drafts, probs = self.proposer.propose(
-            plan, meta, sample_index, to_device(base_pos, self.device) + num_accepted, max_pos, capacity,
+            plan, meta, index_t, base_pos_t + num_accepted, max_pos, capacity, capacity_t,
             h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
         )
         if not is_sampler or not num:
@@ -163,7 +187,9 @@ class SpecDecodeStep:
     def _generator(self, chunk) -> torch.Generator | None:
         return self.generators.get(chunk.request_id, chunk.sampling_params)
 
-    def _verify(self, logits, sampled, drafts_k, token_ids, rows):
+    def _verify_inputs(self, sampled, drafts_k) -> "_VerifyInputs":
+        """Host side of verification: each row's sampling options, and the int lists the device
+        part reads (uploaded with the step's other ints)."""
         params, out_lens, gens, row_req, row_pos, row_draft = [], [], [], [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
             gen = self._generator(c)
@@ -174,22 +200,25 @@ class SpecDecodeStep:
                 row_req.append(b)
                 row_pos.append(j)
                 row_draft.append(c.token_ids[len(c.token_ids) - k + j] if j < k else -1)
-        batch = SamplingBatch.build(params, out_lens, self.eos_token_ids, gens, self.device, self.vocab_size)
         width = max(drafts_k) + 1
         starts = [0]
         for k in drafts_k:
             starts.append(starts[-1] + k + 1)
-        grid = [[starts[b] + min(j, k) for j in range(width)] for b, k in enumerate(drafts_k)]  # [B, W]
-        draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
-        dev = self.device
-        return verify_drafts(
-            logits, to_device(grid, dev), to_device(row_req, dev), to_device(row_pos, dev), to_device(row_draft, dev),
-            to_device(drafts_k, dev), batch, draft_probs,
-        )
+        grid = [starts[b] + min(j, k) for b, k in enumerate(drafts_k) for j in range(width)]  # [B*W]
+        return _VerifyInputs(params, out_lens, gens, width, (grid, row_req, row_pos, row_draft, drafts_k))
 
-    def _draft_prob_rows(self, sampled, drafts_k, row_draft, vocab: int) -> torch.Tensor:
+    def _verify(self, logits, sampled, drafts_k, host: "_VerifyInputs", device_ints: list[torch.Tensor]):
+        grid, row_req, row_pos, row_draft, num_drafts = device_ints
+        batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, host.gens, self.device,
+                                    self.vocab_size)
+        draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
+        rows = grid.view(len(sampled), host.width)  # [B, W]
+        return verify_drafts(logits, rows, row_req, row_pos, row_draft, num_drafts, batch, draft_probs)
+
+    def _draft_prob_rows(self, sampled, drafts_k, row_draft: torch.Tensor, vocab: int) -> torch.Tensor:
         """q [R, V] at every verified row: the stored draft distributions (a point mass at the
-        draft when none was stored, e.g. for drafts drawn greedily), zeros at bonus rows."""
+        draft when none was stored, e.g. for drafts drawn greedily), zeros at bonus rows.
+        `row_draft` [R] (device): the draft checked at each row."""
         blocks, row = [], 0
         for c, k in zip(sampled, drafts_k):
             block = torch.zeros(k + 1, vocab, device=self.device)  # [k+1, V]
@@ -197,16 +226,20 @@ class SpecDecodeStep:
             if k and stored is not None and stored.shape[0] >= k and not c.sampling_params.greedy:
                 block[:k] = stored[:k]
             elif k:
-                block[torch.arange(k, device=self.device), to_device(row_draft[row : row + k], self.device)] = 1.0
+                block[torch.arange(k, device=self.device), row_draft[row : row + k]] = 1.0
             blocks.append(block)
             row += k + 1
         return torch.cat(blocks)
 
     def _results(self, sampled, drafts_k, verified, drafts, probs) -> dict[str, SampledToken]:
-        accepted = verified.num_accepted.tolist()
-        tokens = verified.tokens.tolist()
+        # accepted counts, emitted tokens and next drafts in one copy to the host (one wait)
+        width = verified.tokens.shape[1]
+        parts = [verified.num_accepted[:, None], verified.tokens] + [d[:, None] for d in drafts]
+        host = torch.cat(parts, dim=1).tolist()  # [B, 1 + W + D]
+        accepted = [r[0] for r in host]
+        tokens = [r[1 : 1 + width] for r in host]
+        draft_lists = [r[1 + width :] for r in host]  # [B, D]
         row_lps = verified.row_logprobs_lists()
-        draft_lists = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in sampled]  # [B, D]
         results, row = {}, 0
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):
             a = accepted[b]
