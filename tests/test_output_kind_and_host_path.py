@@ -105,3 +105,12 @@ def test_generate_leaves_nothing_frozen_even_when_it_fails(llm):
         executor.execute_replicas = original
     assert gc.get_freeze_count() == 0
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].finished  # still serving
+
+
+def test_request_status_finished():
+    from lamina.engine.request import RequestStatus
+
+    assert {s for s in RequestStatus if s.finished} == {
+        RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }

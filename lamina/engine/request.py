@@ -18,7 +18,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self._value_ not in _UNFINISHED_VALUES  # read for every request several times a step: no enum lookups
+
+
+_UNFINISHED_VALUES = frozenset({RequestStatus.WAITING.value, RequestStatus.RUNNING.value})
 
 
 @dataclass(eq=False)
