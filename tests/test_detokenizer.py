@@ -200,3 +200,19 @@ def test_tokenizer_that_cleans_up_spaces_decodes_through_itself(tokenizer):
         tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>", clean_up_tokenization_spaces=True
     )
     assert IncrementalDetokenizer(cleaning, [])._backend is None
+
+
+def test_tokenizer_with_its_own_decode_decodes_through_itself(tokenizer):
+    """A subclass that overrides `_decode` (as some of transformers' fast tokenizers do) may
+    change the text: keep calling it."""
+
+    class Overriding(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    overriding = Overriding(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>",
+                            clean_up_tokenization_spaces=False)
+    detok = IncrementalDetokenizer(overriding, [])
+    assert detok._backend is None
+    ids = tokenizer.encode("Hello world")
+    assert detok.push(ids) == "HELLO WORLD"

@@ -70,6 +70,13 @@ def test_stage_refuses_a_position_past_the_request_blocks():
         graphs.stage([_chunk(0, 0, [1]), _chunk(1, 4, [2])], QUERIES, size=2)
 
 
+def test_stage_refuses_a_request_of_another_length():
+    ragged = _chunk(1, 4, [2, 3])
+    ragged.token_ids = ragged.token_ids[:2]
+    with pytest.raises(ValueError, match=r"request 'r1': 2 tokens in a step of 3 a request"):
+        _graphs().stage([_chunk(0, 0, [1]), ragged], QUERIES, size=2)
+
+
 def test_to_device_many_gives_aligned_views_of_one_upload():
     from lamina.host_to_device import to_device_many
 

@@ -215,7 +215,7 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with frozen_heap():  # collections skip the loaded engine's objects (lamina.engine.gc_heap)
+            with frozen_heap(collect=True):  # collections skip the loaded engine's objects (lamina.engine.gc_heap)
                 self._loop_forever()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             self.dead_error = f"the engine loop failed: {type(e).__name__}: {e}"

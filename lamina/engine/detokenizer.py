@@ -32,16 +32,35 @@ _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
 
 
+# Where transformers' stock fast tokenizers define `decode` and `_decode` (5.x; 4.x for `_decode`):
+# `_decode` there is the backend's decode, then the optional clean-up of tokenization spaces.
+_STOCK_DECODE_MODULES = {
+    "decode": ("transformers.tokenization_utils_base",),
+    "_decode": ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"),
+}
+
+
+def _defined_in(cls: type, name: str) -> str | None:
+    """The module of the class in `cls`'s MRO that defines `name`."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass.__module__
+    return None
+
+
 def fast_decoder(tokenizer: Any):
     """The `tokenizers.Tokenizer` behind a fast Hugging Face tokenizer when decoding through it
-    gives exactly `tokenizer.decode`'s text: no clean-up of tokenization spaces (Qwen's tokenizers
-    turn it off); None otherwise (decode through the tokenizer). `tokenizer.decode` converts its
-    input and checks for batches on every call, which costs more than the decode itself on the
-    engine's few-token windows (two per generated token)."""
+    gives exactly `tokenizer.decode`'s text: transformers' own `decode` / `_decode` (no subclass
+    override) and no clean-up of tokenization spaces (Qwen's tokenizers turn it off); None
+    otherwise (decode through the tokenizer). `tokenizer.decode` converts its input and checks for
+    batches on every call, which costs more than the decode itself on the engine's few-token
+    windows (two per generated token)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not callable(getattr(backend, "decode", None)):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    if any(_defined_in(type(tokenizer), name) not in modules for name, modules in _STOCK_DECODE_MODULES.items()):
         return None
     return backend
 

@@ -10,8 +10,12 @@ as usual.
 
 Frozen objects that become cyclic garbage are not freed while frozen, so lamina freezes only for
 the span of a generate call or of the server's engine loop and unfreezes after it: an engine
-dropped later is collected as before. Where the process has frozen objects already (the caller's
-own `gc.freeze()`), nothing is done, so the caller's freeze is never undone.
+dropped later is collected as before. The server's loop lasts as long as the process, so it
+collects first (`collect=True`, ~0.1 s once): garbage left by loading, warm-up and graph capture
+(possibly holding device memory) is freed rather than frozen for good. A generate call does not
+(a collection per call would cost more than it saves; what it freezes is collectable again when
+the call returns). Where the process has frozen objects already (the caller's own `gc.freeze()`,
+or a server loop in the same process), nothing is done, so no one else's freeze is undone.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import gc
 
 
 @contextlib.contextmanager
-def frozen_heap():
-    """Inside the block, collections skip every object tracked at its start."""
+def frozen_heap(collect: bool = False):
+    """Inside the block, collections skip every object tracked at its start (`collect`: after a
+    full collection, for blocks that last as long as the process)."""
     if gc.get_freeze_count() or not gc.isenabled():
         yield
         return
+    if collect:
+        gc.collect()
     gc.freeze()
     try:
         yield

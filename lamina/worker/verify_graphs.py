@@ -226,6 +226,9 @@ class VerifyGraphs:
         num_reqs = len(chunks)
         host = self.host_np
         bs = self.block_size
+        ragged = next((c for c in chunks if c.num_tokens != queries), None)
+        if ragged is not None:
+            raise ValueError(f"request {ragged.request_id!r}: {ragged.num_tokens} tokens in a step of {queries} a request")
         try:
             slots = [table[p // bs] * bs + p % bs for c in chunks for table in (c.block_table,)
                      for p in range(c.start_position, c.start_position + queries)]  # [B*Q]
