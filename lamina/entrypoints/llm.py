@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from lamina.config import EngineArgs
+from lamina.engine.gc_heap import frozen_heap
 from lamina.engine.llm_engine import LLMEngine
 from lamina.outputs import RequestOutput
-from lamina.engine.gc_heap import frozen_heap
 from lamina.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
