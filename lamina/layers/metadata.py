@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lamina.host_to_device import to_device
+from lamina.host_to_device import to_device_many
 
 
 @dataclass
@@ -49,10 +49,7 @@ class StateCapture:
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The kernels' `capture` argument: (req [R] long, offset [R] long, max offset)."""
         if self._on_device is None:
-            count = len(self.req_host)
-            start = count + count % 2  # `offset` starts 16-byte aligned, as a tensor of its own would
-            both = to_device(self.req_host + (0,) * (start - count) + self.offset_host, self.device)  # [start + R]
-            self._on_device = (both[:count], both[start:])
+            self._on_device = tuple(to_device_many(self.device, self.req_host, self.offset_host))  # one upload
         req, offset = self._on_device
         return req, offset, self.max_offset
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.host_to_device import to_device, to_device_many
+from lamina.host_to_device import to_device_many
 from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.proposer import MTPProposer
@@ -101,9 +101,8 @@ class SpecDecodeStep:
                 rows.append(entry[1] + accepted)
                 slots.append(entry[0])
         if rows:
-            start = len(rows) + len(rows) % 2  # the slots start 16-byte aligned
-            both = to_device(rows + [0] * (start - len(rows)) + slots, self.device)  # [start + N]: rows, then slots
-            capture.commit(both[: len(rows)], both[start:], self._copy_rows)
+            rows_on_device, slots_on_device = to_device_many(self.device, rows, slots)  # one upload
+            capture.commit(rows_on_device, slots_on_device, self._copy_rows)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
