@@ -19,6 +19,11 @@ round's, and `added_ms_vs_k0` its cost over fixed k = 0 in the same process. The
 another process-lifetime's model (the two never fit together), and the same command has moved by
 up to 50% between processes on the H200 machines (docs/PERFORMANCE.md, session 18): compare K
 against k = 0, not against plain, when deciding anything.
+
+`--with-async` adds every "mtp-*" mode with asynchronous scheduling ("mtp-*-async": the next
+step planned before this one's accepted counts reach the host, lamina.engine.async_scheduling),
+alternating with the synchronous ones; those steps are timed without a device sync, as the wall
+time between two `step()` returns.
 """
 
 from __future__ import annotations
@@ -69,15 +74,21 @@ def timed_run(llm: LLM, prompts: list, new_tokens: int) -> dict:
     for p in prompts:
         engine.add_request(p, params)
     sync = torch.cuda.synchronize if torch.cuda.is_available() and engine.device.type == "cuda" else (lambda: None)
+    # Asynchronous scheduling: no device sync around a step (it would undo the overlap); a step's
+    # time is then the wall time between two step() returns (in steady decoding, the period).
+    if engine.async_scheduling:
+        sync = lambda: None  # noqa: E731
     times, ks, lengths, finals = [], [], {}, {}
     window_tokens, window_s = 0, 0.0
+    t_end = time.perf_counter()
     while engine.has_unfinished_requests():
         waiting = engine.num_waiting
         sync()
-        t0 = time.perf_counter()
+        t0 = t_end if engine.async_scheduling else time.perf_counter()
         outs = engine.step()
         sync()
-        elapsed = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        elapsed = t_end - t0
         new = {o.request_id: len(o.outputs[0].token_ids) for o in outs}
         if waiting == 0 and len(outs) == len(prompts) and all(lengths.get(r, 0) >= 1 for r in new):
             times.append(elapsed)  # every request was decoding: no prompt token in this step
@@ -191,6 +202,7 @@ def compare(reference: dict, logprobs: dict, out: dict) -> dict:
 def bench_batch(
     path: Path, device: str, dtype: str, batch: int, new_tokens: int, vocab: int, max_k: int,
     profile_dir: str | None = None, enforce_eager: bool = False, rounds: int = 1, timeline: bool = False,
+    with_async: bool = False,
 ) -> list[dict]:
     """One plain engine (the baseline) and one engine built with K = max_k, switched between
     fixed k = 0..max_k and the auto policy: every row of a batch size comes from the same two
@@ -228,26 +240,30 @@ def bench_batch(
                   "verify_graphs": len(verify.graphs) if verify is not None else 0,
                   "verify_capture_gib": verify.buffers.nbytes / 2**30 if verify is not None and verify.buffers else 0.0}
 
-    def alternate(modes: list[tuple[str, int]], label: str) -> None:
-        """Every mode once a round, `rounds` rounds; one merged row per mode."""
-        runs: dict[tuple[str, int], list] = {mode: [] for mode in modes}
+    def alternate(modes: list[tuple[str, int, bool]], label: str) -> None:
+        """Every mode (policy, k, asynchronous scheduling) once a round, `rounds` rounds; one
+        merged row per mode."""
+        runs: dict[tuple[str, int, bool], list] = {mode: [] for mode in modes}
         for _ in range(rounds):
-            for mode, k in modes:
+            for mode, k, overlap in modes:
                 policy.set_policy(mode, k)
-                runs[(mode, k)].append(timed_run(llm, prompts, new_tokens))
-        for (mode, k), done in runs.items():
+                llm.engine.async_scheduling = overlap
+                runs[(mode, k, overlap)].append(timed_run(llm, prompts, new_tokens))
+        llm.engine.async_scheduling = False
+        for (mode, k, overlap), done in runs.items():
             row = merge_rounds([r for r, _ in done])
-            rows.append({"mode": f"{label}-{mode}", "k": k, "batch": batch, **graph_info,
-                         **compare(reference, logprobs, done[-1][1]), **row})
+            rows.append({"mode": f"{label}-{mode}{'-async' if overlap else ''}", "k": k, "batch": batch,
+                         "async_scheduling": overlap, **graph_info, **compare(reference, logprobs, done[-1][1]), **row})
 
-    alternate([("fixed", k) for k in range(max_k + 1)] + [("auto", max_k)], "mtp")
+    overlaps = (False, True) if with_async else (False,)
+    alternate([("fixed", k, o) for k in range(max_k + 1) for o in overlaps] + [("auto", max_k, o) for o in overlaps], "mtp")
 
     def oracle(request, proposed):  # the plain run's next tokens: every draft is right
         ahead = reference[tuple(request.prompt_token_ids)][len(request.output_token_ids):][: len(proposed)]
         return ahead + [0] * (len(proposed) - len(ahead))
 
     llm.engine.draft_override = oracle
-    alternate([("fixed", k) for k in range(1, max_k + 1)] + [("auto", max_k)], "oracle")
+    alternate([("fixed", k, False) for k in range(1, max_k + 1)] + [("auto", max_k, False)], "oracle")
     llm.engine.draft_override = None
     if profile_dir is not None:  # decode steps at fixed k = 1 (and k = 0 with --timeline) under torch.profiler
         for k in ([0, 1] if timeline else [1]):
@@ -283,6 +299,9 @@ def main() -> None:
                         help="with --profile-dir: also k = 0, Chrome traces and per-step device idle gaps (benchmarks/timeline.py)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the drafter engine's modes this many times, alternating; rows merge the rounds")
+    parser.add_argument("--with-async", action="store_true",
+                        help="also every MTP mode with asynchronous scheduling (rows `mtp-*-async`; the oracle's "
+                             "planted drafts keep steps synchronous)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs (plain decode and MTP verification steps run eagerly)")
     args = parser.parse_args()
@@ -308,7 +327,7 @@ def main() -> None:
 
     for batch in batches:
         batch_rows, reference, logprobs = bench_batch(path, args.device, dtype, batch, args.new_tokens, shape["vocab_size"], args.max_k, args.profile_dir,
-                                                    args.enforce_eager, args.rounds, args.timeline)
+                                                    args.enforce_eager, args.rounds, args.timeline, args.with_async)
         rows += batch_rows
         plain_runs.append((batch, reference, logprobs))
         write([], complete=False)

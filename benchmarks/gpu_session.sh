@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -585,6 +585,15 @@ json.dump(out, open('$OUT/host20.json', 'w'), indent=1)
 for k, v in out.items():
     rows = v['rows'] if isinstance(v, dict) and 'rows' in v else (v if isinstance(v, list) else [v])
     for r in rows: print(k, r.get('batch', r.get('batch_size')), r.get('mode'), r.get('k'), r.get('median_step_ms', r.get('tpot_ms')))" ;;
+    mtpasync21)  # (written in session 21, not yet run) MTP with asynchronous scheduling against without, in one process
+      # (bench_mtp --with-async: modes alternating over 2 rounds, async steps timed without a device sync), then its
+      # GPU tests (real CUDA graphs: tokens equal to the synchronous run's and plain decoding's)
+      timeout 420 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 2 \
+        --with-async --out $OUT/mtp_async.json > /tmp/mtp_async.log 2>&1 || tail -25 /tmp/mtp_async.log | cut -c1-300
+      python3 -c "
+import json; d=json.load(open('$OUT/mtp_async.json'))
+for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), r.get('identical_to_plain'), r.get('added_ms_vs_k0'))"
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mtp_async.py tests/test_triton_state_rows.py 2>&1 | tail -3 ;;
     mtprounds)  # (written in session 18; its first run, session 19, printed nothing) MTP K = 0..3 at batch 1 and 8, the drafter engine's modes alternating
       # over 3 rounds in one process (bench_mtp --rounds): added_ms_vs_k0 is the in-process figure to compare
       timeout 400 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \

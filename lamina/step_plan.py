@@ -73,6 +73,9 @@ class StepPlan:
     # sampling-request counts of all data-parallel replicas (drafting passes under EP lockstep).
     num_draft_tokens: int = 0
     spec_commits: dict[str, int] = field(default_factory=dict)
+    # Asynchronous scheduling (one rank): requests verified in the previous step whose accepted
+    # counts the engine does not know yet; the runner commits them from its own on the device.
+    device_commits: list[str] = field(default_factory=list)
     dp_num_samples: tuple[int, ...] | None = None
     # Prompt sharing (`n` / `best_of`): before this step's forward every rank copies cache rows,
     # (source, destination) pairs of plain ints: whole KV blocks of every paged-cache layer, and

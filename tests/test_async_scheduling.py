@@ -80,7 +80,8 @@ def test_resolution_rules():
     assert resolve_async_scheduling(True, device_type="cpu", **common)
     assert not resolve_async_scheduling(False, device_type="cuda", **common)
     assert not resolve_async_scheduling(None, device_type="cuda", **{**common, "speculative": True})
-    for bad in ({"single_rank": False}, {"speculative": True}, {"token_history_len": 4}):
+    assert resolve_async_scheduling(True, device_type="cuda", **{**common, "speculative": True})
+    for bad in ({"single_rank": False}, {"token_history_len": 4}):
         with pytest.raises(ValueError, match="async_scheduling = True is not supported"):
             resolve_async_scheduling(True, device_type="cuda", **{**common, **bad})
 

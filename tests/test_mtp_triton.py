@@ -58,10 +58,10 @@ def _run(path, monkeypatch, *, kernels: str, k: int = 0, graphs: bool = False, o
         if runner.verify_graphs is not None:
             replay = runner.verify_graphs.run
 
-            def replaying(chunks, q, capture):
+            def replaying(chunks, q, capture, *rest):
                 calls.append(-q)
                 owned.update(c.state_slot for c in chunks)
-                return replay(chunks, q, capture)
+                return replay(chunks, q, capture, *rest)
 
             monkeypatch.setattr(runner.verify_graphs, "run", replaying)
         if override is not None:

@@ -47,6 +47,23 @@ def _check(copier, pairs, dst_rows, src_rows):
         assert torch.equal(captured, want_captured)  # sources untouched
 
 
+def test_negative_source_rows_copy_nothing():
+    """The device-side commit of a step planned ahead (spec_step.commit): a request that accepted
+    every draft gets source row -1, and its slot keeps its state, in both forms."""
+    pairs = _pools(3, slots=6, rows=5)
+    before = _copy(pairs)
+    dst_rows = torch.tensor([4, 0, 2], dtype=torch.long, device=DEVICE)
+    src_rows = torch.tensor([3, -1, 1], dtype=torch.long, device=DEVICE)
+    reference = _copy(pairs)
+    StateRowCopier()(pairs, dst_rows, src_rows, skip_negative=True)
+    copy_state_rows_reference(reference, dst_rows, src_rows, skip_negative=True)
+    for (pool, captured), (want, _), (old, old_captured) in zip(pairs, reference, before):
+        assert torch.equal(pool, want)
+        assert torch.equal(pool[0], old[0])  # skipped
+        assert torch.equal(pool[4], old_captured[3]) and torch.equal(pool[2], old_captured[1])
+        assert torch.equal(captured, old_captured)
+
+
 @pytest.mark.parametrize("count", [0, 1, 3])
 def test_copy_rows_equals_reference(count):
     pairs = _pools(0, slots=6, rows=5)

@@ -17,8 +17,18 @@ are the same as without overlap (a request's result never depends on the rest of
 A step overlaps the next only when nothing in the next plan needs its tokens on the host:
 requests whose sampling reads their generated tokens (penalties, bad words), structured output
 (the grammar advances with each token), and prompt logprobs are processed before anything else
-is planned. Speculative decoding, several ranks and token-history models (Qwen4-Exp's N-gram PLE
-reads earlier token ids on the host) are not supported yet: `auto` leaves it off there.
+is planned. Several ranks and token-history models (Qwen4-Exp's N-gram PLE reads earlier token
+ids on the host) are not supported yet: `auto` leaves it off there.
+
+Speculative decoding (MTP) overlaps when asked for (`async_scheduling=True`; `auto` leaves it off
+until it is measured on a GPU): step N+1 is planned as if every draft of step N were accepted,
+its chunks `[N's target token, N's drafts]` all pending; the verification graphs fill them in on
+the device and move the positions back by N's rejected count, the runner commits N's recurrent
+states from N's accepted counts on the device (`StepPlan.device_commits`), and the engine takes
+the rejected drafts back from each request's computed tokens when N reports
+(`Scheduler.on_verified`). It plans ahead only when the verification graphs can take the whole
+next step (`LLMEngine._may_plan_ahead`: every running request decoding, nothing waiting, no
+min_tokens still to reach); otherwise step N reports first, as without overlap.
 """
 
 from __future__ import annotations
@@ -29,17 +39,16 @@ from lamina.step_plan import StepPlan
 def resolve_async_scheduling(
     requested: bool | None, *, device_type: str, single_rank: bool, speculative: bool, token_history_len: int,
 ) -> bool:
-    """`requested` None (auto): on for a single-rank CUDA engine where supported. True where it is
-    not supported raises, naming why."""
+    """`requested` None (auto): on for a single-rank CUDA engine where supported, and not yet
+    under speculative decoding (supported, not yet measured on a GPU). True where it is not
+    supported raises, naming why."""
     unsupported = []
     if not single_rank:
         unsupported.append("more than one rank (tensor / pipeline / data / expert parallel)")
-    if speculative:
-        unsupported.append("speculative decoding (speculative_config)")
     if token_history_len > 0:
         unsupported.append(f"a model whose layers read earlier token ids (token_history_len = {token_history_len})")
     if requested is None:
-        return device_type == "cuda" and not unsupported
+        return device_type == "cuda" and not unsupported and not speculative
     if requested and unsupported:
         raise ValueError(
             "async_scheduling = True is not supported with " + "; ".join(unsupported)

@@ -112,6 +112,7 @@ class LLMEngine:
             token_history_len=model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0,
         )
         self._inflight = None  # asynchronous scheduling: (plans, launched step, start time) of the step in flight
+        self._last_launched = None  # asynchronous scheduling: the last launched plan not yet followed by another
 
         self.load_report = None
         if self.parallel_config.is_single_rank:
@@ -500,23 +501,50 @@ class LLMEngine:
         """Run one step; returns an output for every request that got a new token. With asynchronous
         scheduling, launches the next step and returns the outputs of the one before it."""
         started = time.perf_counter()
-        plans = self._plan_step()
         if self.async_scheduling:
-            return self._step_overlapped(plans, started)
+            outputs = [] if self._may_plan_ahead() else self._finish_inflight()
+            return outputs + self._step_overlapped(self._plan_step(), started)
+        plans = self._plan_step()
         if plans is None:
             return []
         return self._finish_step(plans, self.executor.execute_replicas(plans), started)
+
+    def _may_plan_ahead(self) -> bool:
+        """Asynchronous scheduling: whether the next step may be planned while one is in flight.
+        Plain decoding always may (its pending tokens are filled in on the device). Speculative
+        decoding may when that step's pending tokens, drafts and positions can all be filled in by
+        the verification graphs: every running request decodes in the step in flight, nothing
+        waits, the batch fits the graphs, and no request needs its real token count on the host
+        (min_tokens not yet reached) or its tokens (penalties, grammar); else the step in flight
+        reports first."""
+        if self._inflight is None or self.spec_config is None:
+            return True
+        if self.draft_override is not None or self.num_replicas != 1:
+            return False
+        scheduler = self.scheduler
+        if not scheduler.all_running_pending() or scheduler.num_running > self.executor.runner.speculative_plan_ahead_batch():
+            return False
+        for request in scheduler.running:
+            params = request.sampling_params
+            if (params.needs_output_tokens or self.structured.has(request.request_id)
+                    or len(request.output_token_ids) < params.min_tokens):
+                return False
+        return True
 
     def _step_overlapped(self, plans, started: float) -> list[RequestOutput]:
         launched = None
         if plans is not None:
             handle = self.executor.launch(plans[0])
-            self.scheduler.on_step_done(plans[0])  # computed as planned; sampled tokens pending
+            # computed as planned, drafts as if all accepted (`_process` takes back the rejected ones);
+            # sampled tokens pending
+            self.scheduler.on_step_done(plans[0], assume_accepted=True)
+            self._last_launched = plans[0]
             requests = {}  # the requests of this step (an id may be taken again once its request ends)
             for chunk in plans[0].chunks:
                 request = requests[chunk.request_id] = self._states[chunk.request_id].request
                 if chunk.sample:
-                    request.num_pending_tokens += 1
+                    request.num_pending_tokens += 1 + chunk.num_draft_tokens
+                    request.num_pending_drafts = plans[0].num_draft_tokens
             launched = (plans, handle, started, requests)
         outputs = self._finish_inflight() if self._inflight is not None else []
         self._inflight = launched
@@ -534,9 +562,16 @@ class LLMEngine:
         num_drafts = self._decide_num_draft_tokens()
         plans = [scheduler.schedule(num_drafts) for scheduler in self.schedulers]
         self._note_waits(plans, time.monotonic())
+        if self.async_scheduling and self.spec_config is not None and self._last_launched is not None:
+            # The runner commits the last launched step's verifications from its own accepted
+            # counts on the device (this plan may be made before they reach the engine).
+            running = {r.request_id for r in self.scheduler.running}
+            plans[0].device_commits = [c.request_id for c in self._last_launched.chunks
+                                       if c.num_draft_tokens and c.request_id in running]
         if all(p.is_empty for p in plans):
             if any(p.finished_request_ids or p.has_copies for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state, copy caches
+                self._last_launched = None  # its verifications are committed now
             return None
         self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)
@@ -629,8 +664,11 @@ class LLMEngine:
             elif state.metrics.last_token_time is not None:
                 state.metrics.inter_token_latencies.append(now - state.metrics.last_token_time)
             state.metrics.last_token_time = now
-            if launched_requests is not None:
-                request.num_pending_tokens -= 1  # this step's token, now known
+            if launched_requests is not None:  # this step's tokens, now known
+                request.num_pending_tokens -= 1 + chunk.num_draft_tokens
+                if not request.num_pending_tokens:
+                    request.num_pending_drafts = 0
+                scheduler.on_verified(request, chunk.num_draft_tokens - len(result.accepted_token_ids))
             # Speculative decoding emits the accepted drafts, then the target's own token.
             for token, logprobs in zip(result.token_ids, [*result.accepted_logprobs, result.logprobs]):
                 request.append_output(token)
@@ -687,11 +725,14 @@ class LLMEngine:
                 verifications.append((chunk.num_draft_tokens, accepted))
         if request.status.finished:
             return
+        if request.status == RequestStatus.WAITING:  # preempted while this step ran: it starts over without drafts
+            request.spec_token_ids = []
+            return
         drafts = list(result.draft_token_ids)
         if self.draft_override is not None:
             drafts = list(self.draft_override(request, drafts))
         request.spec_token_ids = drafts
-        if chunk.num_draft_tokens:
+        if chunk.num_draft_tokens and not self.async_scheduling:  # asynchronous: the runner commits (device_commits)
             self._pending_commits[replica][request.request_id] = accepted
 
     def _check_stop(self, state: _RequestState, new_text_len: int, scheduler: Scheduler) -> None:

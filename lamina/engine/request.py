@@ -41,8 +41,11 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
-    # Asynchronous scheduling: tokens sampled by a step still in flight, not yet appended
+    # Asynchronous scheduling: tokens sampled by a step still in flight, not yet appended (under
+    # speculative decoding as if all its drafts were accepted: 1 + drafts verified), and the
+    # drafts that step proposes, which the next step verifies without the host seeing them
     num_pending_tokens: int = 0
+    num_pending_drafts: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -125,6 +125,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def all_running_pending(self) -> bool:
+        """Every running request has tokens in flight and nothing waits (no prompt, no fork): the
+        next step can be planned from the step in flight alone (speculative asynchronous scheduling)."""
+        return not self.waiting and not self._forks and all(r.num_pending_tokens > 0 for r in self.running)
+
     # ---- planning ------------------------------------------------------------------------
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.cache.free(request.request_id)
@@ -196,9 +201,20 @@ class Scheduler:
         params = request.sampling_params
         return params.seed is not None and not params.greedy
 
-    def _drafts(self, request: Request, num_new: int, budget_left: int) -> list[int]:
+    def _drafts(self, request: Request, num_new: int, budget_left: int) -> list[int] | None:
         """The drafts a request's chunk verifies: none unless the chunk reaches its last token; at
-        most what the budget, max_model_len and max_tokens leave room for."""
+        most what the budget, max_model_len and max_tokens leave room for. Drafts still being
+        proposed by the step in flight (asynchronous scheduling) are verified all or not at all:
+        None when there is no room for all of them (the request sits this step out)."""
+        if request.num_pending_drafts:
+            if request.num_computed_tokens + num_new != request.num_tokens_with_pending:
+                return []
+            room = min(
+                budget_left,
+                self.config.max_model_len - request.num_tokens_with_pending,
+                request.max_tokens - request.num_output_tokens_with_pending - 1,
+            )
+            return [PENDING_TOKEN_ID] * request.num_pending_drafts if room >= request.num_pending_drafts else None
         if request.num_computed_tokens + num_new != request.num_tokens or not request.spec_token_ids:
             return []
         room = min(
@@ -240,6 +256,9 @@ class Scheduler:
                 index += 1
                 continue
             drafts = self._drafts(request, num_new, budget - num_new)
+            if drafts is None:
+                index += 1
+                continue
             if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
                 # A seeded sampling request draws random numbers for every draft it verifies: cutting
                 # its drafts to another request's leftover budget would make its text depend on the
@@ -281,14 +300,22 @@ class Scheduler:
                 plan.state_copies.append(state_copy)
         return plan
 
-    def on_step_done(self, plan: StepPlan, results: dict | None = None) -> None:
+    def on_step_done(self, plan: StepPlan, results: dict | None = None, *, assume_accepted: bool = False) -> None:
         """Advance each scheduled request by the tokens it computed (sampled tokens are appended by
-        the engine). Of a chunk's drafts only the accepted ones (`results`) count as computed."""
+        the engine). Of a chunk's drafts only the accepted ones (`results`) count as computed; with
+        `assume_accepted` (a step just launched, results to come) all of them, until
+        `on_verified` takes back the rejected ones."""
         by_id = {r.request_id: r for r in self.running}
         for chunk in plan.chunks:
             request = by_id.get(chunk.request_id)
             if request is not None:
-                rejected = chunk.num_draft_tokens
+                rejected = 0 if assume_accepted else chunk.num_draft_tokens
                 if rejected and results is not None and chunk.request_id in results:
                     rejected -= len(results[chunk.request_id].accepted_token_ids)
                 request.num_computed_tokens = chunk.end_position - rejected
+
+    def on_verified(self, request: Request, num_rejected: int) -> None:
+        """A step launched with `assume_accepted` reported: `num_rejected` of the request's drafts
+        were not computed after all (nothing to do for a request no longer running)."""
+        if num_rejected and request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_rejected

@@ -47,7 +47,7 @@ def _copy_rows_kernel(dst_table, src_table, dst_rows, src_rows, row_numel, WORD:
     dst_row = tl.load(dst_rows + copy).to(tl.int64)
     src_row = tl.load(src_rows + copy).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < row_numel
+    mask = offsets < tl.where(src_row >= 0, row_numel, 0)  # a negative source row: nothing to copy
     values = tl.load(src + src_row * row_numel + offsets, mask=mask)
     tl.store(dst + dst_row * row_numel + offsets, values, mask=mask)
 
@@ -94,11 +94,13 @@ class StateRowCopier:
 
     def __call__(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_rows: torch.Tensor, src_rows: torch.Tensor,
+        *, skip_negative: bool = False,
     ) -> None:
         """`dst[dst_rows[i]] = src[src_rows[i]]` for every (dst, src) pair; `dst_rows` and
-        `src_rows` [N] int64 on the tensors' device, in range, no destination row twice. The
-        kernel copies a row as a flat run of its elements: pairs of one row length and dtype,
-        contiguous, take it whatever their trailing shapes."""
+        `src_rows` [N] int64 on the tensors' device, in range (with `skip_negative`, a negative
+        source row copies nothing), no destination row twice. The kernel copies a row as a flat
+        run of its elements: pairs of one row length and dtype, contiguous, take it whatever
+        their trailing shapes (and always skips negative source rows)."""
         count = dst_rows.shape[0]
         if src_rows.shape[0] != count:
             raise ValueError(f"copy_state_rows: {count} destination rows but {src_rows.shape[0]} source rows")
@@ -106,7 +108,7 @@ class StateRowCopier:
             return
         plan = self._plan(pairs)
         if plan.overlapping:  # a tensor both written and read: the reference's order, pair by pair
-            copy_state_rows_reference(pairs, dst_rows, src_rows)
+            copy_state_rows_reference(pairs, dst_rows, src_rows, skip_negative=skip_negative)
             return
         device = dst_rows.device
         for (size, row_numel), (dsts, srcs) in plan.groups.items():
@@ -116,7 +118,7 @@ class StateRowCopier:
                 WORD=_WORD[size], BLOCK=BLOCK,
             )
         if plan.others:
-            copy_state_rows_reference([pairs[i] for i in plan.others], dst_rows, src_rows)
+            copy_state_rows_reference([pairs[i] for i in plan.others], dst_rows, src_rows, skip_negative=skip_negative)
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,14 @@ class StateCapture:
         """Remember the states after the captured tokens `[R, ...]` for the state pool `pool`."""
         self.kept.append((pool, captured))
 
-    def commit(self, rows: torch.Tensor, slots: torch.Tensor, copy_rows=None) -> None:
-        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step. `copy_rows`
-        (pairs, dst_rows, src_rows): how (lamina.kernels.triton_state_rows: one launch per group of
-        like pools); default the torch reference (lamina.kernels.state_rows), an `index_copy_` per pool."""
+    def commit(self, rows: torch.Tensor, slots: torch.Tensor, copy_rows=None, *, skip_negative: bool = False) -> None:
+        """`pool[slots[i]] = captured[rows[i]]` for every state kept in this step (with
+        `skip_negative`, nothing where rows[i] < 0). `copy_rows` (pairs, dst_rows, src_rows):
+        how (lamina.kernels.triton_state_rows: one launch per group of like pools); default the
+        torch reference (lamina.kernels.state_rows), an `index_copy_` per pool."""
         if copy_rows is None:
             from lamina.kernels.state_rows import copy_state_rows_reference as copy_rows
-        copy_rows(self.kept, slots, rows)
+        copy_rows(self.kept, slots, rows, skip_negative=skip_negative)
 
 
 @dataclass

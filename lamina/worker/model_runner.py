@@ -237,7 +237,7 @@ class ModelRunner:
     @torch.inference_mode()
     def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, SampledToken]:
         """Last stage under speculative decoding (a TP collective: every TP rank calls it)."""
-        return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size)
+        return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size).result()
 
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
@@ -271,10 +271,24 @@ class ModelRunner:
     def replay_verify(self, plan: StepPlan, queries: int) -> dict[str, SampledToken]:
         """MTP: the target's step of `queries` tokens per request replayed from its verification
         graph (`VerifyGraphs.queries_for`), then verification and drafting (spec_step.finish_step)."""
+        return self._launch_verify(plan, queries).result()
+
+    @torch.inference_mode()
+    def _launch_verify(self, plan: StepPlan, queries: int):
+        """`replay_verify`, queued: the results come from the handle's `result()`. Chunks whose
+        tokens are pending (planned before the last step's results) are filled in on the device."""
         self.graph_replays += 1
         capture = self.spec.capture_for(plan, self.verify_graphs.buffers)
-        hidden, logits, token_ids, meta = self.verify_graphs.run(plan.chunks, queries, capture)
-        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits)
+        hidden, logits, token_ids, meta, shift = self.verify_graphs.run(plan.chunks, queries, capture, self.spec.previous)
+        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits, position_shift=shift)
+
+    def speculative_plan_ahead_batch(self) -> int:
+        """Speculative decoding: the most requests a step planned ahead of the last one's results
+        may hold (its pending tokens are filled in by the verification graphs); 0 without them."""
+        graphs = self.verify_graphs
+        if self.spec is None or self.spec.mtp is None or graphs is None:
+            return 0
+        return graphs.verify_batch if graphs.max_queries > 1 else graphs.max_batch
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
@@ -294,10 +308,16 @@ class ModelRunner:
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:
-                return ReadyStep(self.replay_verify(plan, queries))
+                return self._launch_verify(plan, queries)
+            if any(PENDING_TOKEN_ID in c.token_ids for c in plan.chunks):
+                raise RuntimeError(
+                    "a speculative step planned ahead of the last step's results does not fit the verification "
+                    "graphs (the engine plans ahead only when it does)"
+                )
         hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
-            return ReadyStep(self.verify_and_propose(plan, hidden, inputs))
+            with torch.inference_mode():
+                return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size)
         if any(c.num_prompt_tokens for c in plan.chunks) or not any(c.sample for c in plan.chunks):
             return ReadyStep(self.logits_and_sample(plan, hidden, inputs.logits_rows))
         with torch.inference_mode():

@@ -37,6 +37,19 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", non_blocking=True)
 
 
+def _output_to_host(out: SamplerOutput) -> SamplerOutput:
+    logprobs = out.logprobs
+    if logprobs is not None:
+        logprobs = LogprobsTensors(*(_to_host(getattr(logprobs, f.name)) for f in dataclasses.fields(logprobs)))
+    return SamplerOutput(_to_host(out.token_ids), logprobs, out.num_logprobs)
+
+
+def _recorded_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class PendingSamples:
     """Sampled tokens (and logprobs) of `chunks`, still being computed or copied to the host."""
 
@@ -44,12 +57,8 @@ class PendingSamples:
         self.chunks = chunks
         self.event = None
         if out.token_ids.device.type == "cuda":
-            logprobs = out.logprobs
-            if logprobs is not None:
-                logprobs = LogprobsTensors(*(_to_host(getattr(logprobs, f.name)) for f in dataclasses.fields(logprobs)))
-            out = SamplerOutput(_to_host(out.token_ids), logprobs, out.num_logprobs)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            out = _output_to_host(out)
+            self.event = _recorded_event()
         self.out = out
 
     def result(self) -> dict[str, SampledToken]:
@@ -93,3 +102,77 @@ class PreviousTokens:
         """In place: `token_ids[i] = sampled[source_rows[i]]` where `source_rows[i] >= 0` (on the device)."""
         taken = self.sampled.index_select(0, source_rows.clamp(min=0))  # [T]
         torch.where(source_rows >= 0, taken, token_ids, out=token_ids)
+
+
+class PendingVerify:
+    """A speculative step's results on their way to the host: per request (rows of `packed`
+    `[B, 1 + W + D]`) the accepted count, the W emitted-token slots and the D next drafts, and
+    per verified row the emitted token's logprobs (`row_out`). Copied at launch, read by
+    `result()` once the step's event has passed, so the next step can be queued meanwhile."""
+
+    def __init__(self, request_ids: list[str], drafts_k: list[int], packed: torch.Tensor, width: int,
+                 row_out: SamplerOutput):
+        self.request_ids = request_ids
+        self.drafts_k = drafts_k
+        self.width = width
+        self.event = None
+        self.num_rows = sum(k + 1 for k in drafts_k)
+        self.row_out = row_out if row_out.logprobs is not None else None  # no logprobs asked: nothing to copy
+        if packed.device.type == "cuda":
+            packed = _to_host(packed)
+            if self.row_out is not None:
+                self.row_out = _output_to_host(self.row_out)
+            self.event = _recorded_event()
+        self.packed = packed
+
+    def result(self) -> dict[str, SampledToken]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        host = self.packed.tolist()  # [B, 1 + W + D]
+        row_lps = self.row_out.logprobs_lists() if self.row_out is not None else [None] * self.num_rows
+        results, row = {}, 0
+        for b, (request_id, k) in enumerate(zip(self.request_ids, self.drafts_k)):
+            accepted = host[b][0]
+            emitted = host[b][1 : 1 + accepted + 1]
+            lps = row_lps[row : row + accepted + 1]
+            results[request_id] = SampledToken(
+                token_id=emitted[-1], logprobs=lps[-1], accepted_token_ids=emitted[:-1], accepted_logprobs=lps[:-1],
+                num_draft_tokens=k, draft_token_ids=host[b][1 + self.width :],
+            )
+            row += k + 1
+        return results
+
+
+@dataclass
+class PreviousVerify:
+    """The last launched speculative step's results on the device, for a step planned before they
+    reach the host (asynchronous scheduling): each sampling request's row, the target's token after
+    its accepted drafts, the drafts proposed for the next step, and how many of its drafts were
+    rejected (its positions in the next plan lie that far too late)."""
+
+    rows: dict[str, int]
+    bonus: torch.Tensor  # [B] long
+    drafts: torch.Tensor  # [B, D] long
+    rejected: torch.Tensor  # [B] long
+
+    def source_rows(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Each chunk's row here when its tokens are pending (all of them: the bonus token and
+        the drafts), else -1; None when no chunk is pending."""
+        rows, any_pending = [], False
+        for chunk in chunks:
+            if chunk.token_ids[0] != PENDING_TOKEN_ID:
+                if PENDING_TOKEN_ID in chunk.token_ids:
+                    raise RuntimeError(f"request {chunk.request_id!r}: only some of its tokens are pending")
+                rows.append(-1)
+                continue
+            row = self.rows.get(chunk.request_id)
+            if row is None or chunk.num_tokens - 1 > self.drafts.shape[1]:
+                raise RuntimeError(
+                    f"request {chunk.request_id!r}: {chunk.num_tokens} pending tokens, but the last launched step "
+                    f"{'did not sample for it' if row is None else f'proposed {self.drafts.shape[1]} drafts'} "
+                    "(asynchronous scheduling out of order)"
+                )
+            rows.append(row)
+            any_pending = True
+        return rows if any_pending else None

@@ -18,6 +18,14 @@ Every rank of a replica (all pipeline stages, all TP ranks) does the same from t
 
 KV slots of rejected positions need no rollback: they lie beyond the request's length, are never
 read, and are rewritten by the next step.
+
+Asynchronous scheduling (single rank, verification graphs): the engine plans step N+1 before step
+N's results reach the host, as if every draft of N were accepted. N+1's chunks then carry pending
+tokens (N's target token and drafts) at positions that lie N's rejected count too late, and name
+the requests whose commit of N the runner derives from N's accepted counts on the device
+(`StepPlan.device_commits`). `previous` keeps what N left on the device for that; the
+verification graphs fill the tokens in and move the positions back before the replay
+(`VerifyGraphs.run`).
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ import torch
 
 from lamina.host_to_device import to_device_many
 from lamina.layers.metadata import ForwardMetadata, StateCapture
-from lamina.step_plan import SampledToken, StepPlan
+from lamina.step_plan import StepPlan
+from lamina.worker.pending_step import PendingVerify, PreviousVerify, ReadyStep
 from lamina.worker.proposer import MTPProposer
 from lamina.worker.rejection_sampler import verify_drafts
-from lamina.worker.sampler import RequestGenerators, SamplingBatch
+from lamina.worker.sampler import RequestGenerators, SamplerOutput, SamplingBatch
 
 NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
 
@@ -63,6 +72,10 @@ class SpecDecodeStep:
         self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
         self._draft_probs: dict[str, torch.Tensor] = {}  # sampling rank: q [k, V] of the drafts last proposed
+        # The last launched step's results on the device: for the next plan's pending tokens and
+        # its device commits (asynchronous scheduling); None before the first step.
+        self.previous: PreviousVerify | None = None
+        self._accepted: torch.Tensor | None = None  # [B] the last step's accepted counts, rows as `previous.rows`
         self._copy_rows = None  # commits: the torch reference, an index_copy_ per state pool
         # On the Triton kernel set (any state layer on it; Qwen4-Exp's PLE convs have no kernel
         # choice of their own), one launch per group of like pools (lamina.kernels.triton_state_rows).
@@ -91,7 +104,9 @@ class SpecDecodeStep:
         return self._capture
 
     def commit(self, plan: StepPlan) -> None:
-        """Put the state after each verified request's accepted position into its slot."""
+        """Put the state after each verified request's accepted position into its slot: from the
+        accepted counts the plan carries (`spec_commits`), and for `device_commits` from the last
+        step's counts on the device (its results have not reached the engine yet)."""
         captured, self._captured = self._captured, {}
         capture, self._capture = self._capture, None
         rows, slots = [], []
@@ -103,6 +118,19 @@ class SpecDecodeStep:
         if rows:
             rows_on_device, slots_on_device = to_device_many(self.device, rows, slots)  # one upload
             capture.commit(rows_on_device, slots_on_device, self._copy_rows)
+        pending = [request_id for request_id in plan.device_commits if request_id in captured]
+        if pending:
+            if self._accepted is None or self.previous is None:
+                raise RuntimeError("device commits in the plan, but no verification step ran on this rank")
+            entries = [captured[request_id] for request_id in pending]
+            batch_rows, first_rows, drafts, slots_on_device = to_device_many(
+                self.device, [self.previous.rows[request_id] for request_id in pending], [e[1] for e in entries],
+                [e[2] for e in entries], [e[0] for e in entries],
+            )  # [P] each, one upload
+            accepted = self._accepted.index_select(0, batch_rows)  # [P]
+            # all accepted: the slot already holds the state after the whole chunk (-1: no copy)
+            source = torch.where(accepted < drafts, first_rows + accepted, -1)  # [P]
+            capture.commit(source, slots_on_device, self._copy_rows, skip_negative=True)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -118,13 +146,15 @@ class SpecDecodeStep:
     # ---- last stage --------------------------------------------------------------------------
     def finish_step(
         self, plan: StepPlan, stage_output: torch.Tensor, token_ids: torch.Tensor, meta: ForwardMetadata,
-        block_size: int, logits: torch.Tensor | None = None,
-    ) -> dict[str, SampledToken]:
-        """Verify this step's drafts, emit tokens and propose the next drafts. `token_ids` [T] and
-        `meta` are the step's inputs (the ones `stage_output` was computed from); `block_size` that
-        of the paged caches; `logits`: optionally the LM head's output at every row `[T, V]`
-        already computed (a verification graph's). Returns the per-request results on TP rank 0
-        (an empty dict elsewhere)."""
+        block_size: int, logits: torch.Tensor | None = None, position_shift: torch.Tensor | None = None,
+    ) -> PendingVerify | ReadyStep:
+        """Verify this step's drafts, emit tokens and propose the next drafts, all queued on the
+        device. `token_ids` [T] and `meta` are the step's inputs (the ones `stage_output` was
+        computed from); `block_size` that of the paged caches; `logits`: optionally the LM head's
+        output at every row `[T, V]` already computed (a verification graph's); `position_shift`
+        [chunks] (device): how far each request's real positions lie before its chunk's (the
+        drafts the previous step rejected, for a step planned before that step's results). Returns
+        a handle whose `result()` gives the per-request results on TP rank 0 (empty elsewhere)."""
         model = self.model
         chunks = plan.chunks
         is_sampler = model.ctx.tp_rank == 0
@@ -139,17 +169,19 @@ class SpecDecodeStep:
         base_pos = [c.end_position - 1 - c.num_draft_tokens for c in sampled]
 
         capacity = [len(c.block_table) * block_size - 1 for c in sampled]
-        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]
+        max_pos = [p + k for p, k in zip(base_pos, drafts_k)]  # with a position shift: upper bounds
         rows = [r for b, k in zip(base_rows, drafts_k) for r in range(b, b + k + 1)]  # [R]
         select = num > 0 and (logits is None or len(rows) != logits.shape[0])  # R == T, in order: no selection
-        verify_host = self._verify_inputs(sampled, drafts_k) if is_sampler and num else None
-        # This step's host ints in one upload (each copy costs host time and a gap on the device;
-        # MTP steps run without asynchronous scheduling, so the device waits for both).
+        verify_host = self._verify_inputs(sampled, drafts_k, base_rows) if is_sampler and num else None
+        # This step's host ints in one upload (each copy costs host time, and a gap on the device
+        # whenever the step was not queued ahead).
         uploads = to_device_many(
-            self.device, base_rows, base_pos, sample_index, capacity, rows if select else [],
+            self.device, base_rows, base_pos, sample_index, capacity, drafts_k, rows if select else [],
             *(verify_host.int_lists if verify_host is not None else ()),
         )
-        base_rows_t, base_pos_t, index_t, capacity_t, rows_t = uploads[:5]
+        base_rows_t, base_pos_t, index_t, capacity_t, drafts_k_t, rows_t = uploads[:6]
+        if position_shift is not None:
+            base_pos_t = base_pos_t - position_shift.index_select(0, index_t)  # [B]
 
         verified = None
         num_accepted = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
@@ -160,7 +192,7 @@ class SpecDecodeStep:
             elif select:
                 logits = logits.index_select(0, rows_t)  # [T, V] -> [R, V]
             if is_sampler:
-                verified = self._verify(logits, sampled, drafts_k, verify_host, uploads[5:])
+                verified = self._verify(logits, sampled, drafts_k, verify_host, uploads[6:], token_ids)
                 num_accepted = verified.num_accepted
                 bonus = verified.tokens.gather(1, num_accepted[:, None])[:, 0]
             packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
@@ -179,17 +211,27 @@ class SpecDecodeStep:
             plan, meta, index_t, base_pos_t + num_accepted, max_pos, capacity, capacity_t,
             h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
         )
+        next_drafts = torch.stack(drafts, dim=1) if drafts else bonus.new_zeros((num, 0))  # [B, D]
+        self.previous = PreviousVerify({c.request_id: b for b, c in enumerate(sampled)}, bonus, next_drafts,
+                                       drafts_k_t - num_accepted)
+        self._accepted = num_accepted
         if not is_sampler or not num:
-            return {}
-        return self._results(sampled, drafts_k, verified, drafts, probs)
+            return ReadyStep({})
+        self._keep_draft_probs(sampled, probs)
+        # accepted counts, emitted tokens and next drafts in one copy to the host
+        packed = torch.cat([verified.num_accepted[:, None], verified.tokens, next_drafts], dim=1)  # [B, 1 + W + D]
+        row_out = SamplerOutput(verified.row_tokens, verified.logprobs, verified.num_logprobs)
+        return PendingVerify([c.request_id for c in sampled], drafts_k, packed, verified.tokens.shape[1], row_out)
 
     def _generator(self, chunk) -> torch.Generator | None:
         return self.generators.get(chunk.request_id, chunk.sampling_params)
 
-    def _verify_inputs(self, sampled, drafts_k) -> "_VerifyInputs":
+    def _verify_inputs(self, sampled, drafts_k, base_rows) -> "_VerifyInputs":
         """Host side of verification: each row's sampling options, and the int lists the device
-        part reads (uploaded with the step's other ints)."""
-        params, out_lens, gens, row_req, row_pos, row_draft = [], [], [], [], [], []
+        part reads (uploaded with the step's other ints). The drafts themselves are read from the
+        step's token ids on the device (`row_draft_at`: the token row of the draft a row checks,
+        -1 at bonus rows): a step queued ahead has them only there."""
+        params, out_lens, gens, row_req, row_pos, row_draft_at = [], [], [], [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
             gen = self._generator(c)
             for j in range(k + 1):
@@ -198,16 +240,18 @@ class SpecDecodeStep:
                 gens.append(gen)
                 row_req.append(b)
                 row_pos.append(j)
-                row_draft.append(c.token_ids[len(c.token_ids) - k + j] if j < k else -1)
+                row_draft_at.append(base_rows[b] + 1 + j if j < k else -1)
         width = max(drafts_k) + 1
         starts = [0]
         for k in drafts_k:
             starts.append(starts[-1] + k + 1)
         grid = [starts[b] + min(j, k) for b, k in enumerate(drafts_k) for j in range(width)]  # [B*W]
-        return _VerifyInputs(params, out_lens, gens, width, (grid, row_req, row_pos, row_draft, drafts_k))
+        return _VerifyInputs(params, out_lens, gens, width, (grid, row_req, row_pos, row_draft_at, drafts_k))
 
-    def _verify(self, logits, sampled, drafts_k, host: "_VerifyInputs", device_ints: list[torch.Tensor]):
-        grid, row_req, row_pos, row_draft, num_drafts = device_ints
+    def _verify(self, logits, sampled, drafts_k, host: "_VerifyInputs", device_ints: list[torch.Tensor],
+                token_ids: torch.Tensor):
+        grid, row_req, row_pos, row_draft_at, num_drafts = device_ints
+        row_draft = torch.where(row_draft_at >= 0, token_ids.index_select(0, row_draft_at.clamp(min=0)), -1)  # [R]
         batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, host.gens, self.device,
                                     self.vocab_size)
         draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
@@ -230,27 +274,11 @@ class SpecDecodeStep:
             row += k + 1
         return torch.cat(blocks)
 
-    def _results(self, sampled, drafts_k, verified, drafts, probs) -> dict[str, SampledToken]:
-        # accepted counts, emitted tokens and next drafts in one copy to the host (one wait)
-        width = verified.tokens.shape[1]
-        parts = [verified.num_accepted[:, None], verified.tokens] + [d[:, None] for d in drafts]
-        host = torch.cat(parts, dim=1).tolist()  # [B, 1 + W + D]
-        accepted = [r[0] for r in host]
-        tokens = [r[1 : 1 + width] for r in host]
-        draft_lists = [r[1 + width :] for r in host]  # [B, D]
-        row_lps = verified.row_logprobs_lists()
-        results, row = {}, 0
-        for b, (c, k) in enumerate(zip(sampled, drafts_k)):
-            a = accepted[b]
-            emitted, lps = tokens[b][: a + 1], row_lps[row : row + a + 1]
-            results[c.request_id] = SampledToken(
-                token_id=emitted[-1], logprobs=lps[-1], accepted_token_ids=emitted[:-1],
-                accepted_logprobs=lps[:-1], num_draft_tokens=k, draft_token_ids=draft_lists[b],
-            )
-            if drafts and probs[0] is not None and not c.sampling_params.greedy:
+    def _keep_draft_probs(self, sampled, probs) -> None:
+        """The drafter's distributions of the drafts just proposed, for the next verification of
+        random requests (on the device: the next step may be queued before these results are read)."""
+        for b, c in enumerate(sampled):
+            if probs and probs[0] is not None and not c.sampling_params.greedy:
                 self._draft_probs[c.request_id] = torch.stack([q[b] for q in probs])  # [D, V]
             else:
                 self._draft_probs.pop(c.request_id, None)
-            row += k + 1
-        return results
-

@@ -30,9 +30,11 @@ import os
 import numpy as np
 import torch
 
+from lamina.host_to_device import to_device
 from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.layers.spec_state import CaptureBuffers
 from lamina.worker.cuda_graphs import capture_sizes
+from lamina.worker.pending_step import PreviousVerify
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,9 @@ class VerifyGraphs:
         total = self._tables_at + max_batch * max_blocks_per_seq
         self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
+        # The last upload from `host`: a step planned ahead stages its inputs while the step before
+        # may not have read them yet (the copy waits in the stream), so staging waits for it.
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.inputs = torch.zeros(total, dtype=torch.long, device=device)
         rows = torch.arange(max_batch + 1, device=device)  # [max_batch + 1]
         self._qsl = {q: rows * q for q in range(1, self.max_queries + 1)}  # query_start_loc per Q
@@ -220,7 +225,7 @@ class VerifyGraphs:
 
     def stage(self, chunks, queries: int, size: int) -> None:
         """Write a step of `len(chunks)` requests of `queries` tokens into the pinned host buffer,
-        padded to `size` rows. Verification steps run without asynchronous scheduling, so this is
+        padded to `size` rows. Unless the step is planned ahead (asynchronous scheduling) this is
         host time the device waits for: each field is built as one Python list and written with
         one numpy assignment (the block tables row by row), with no numpy work per request."""
         num_reqs = len(chunks)
@@ -251,15 +256,25 @@ class VerifyGraphs:
             tables[row, : len(chunk.block_table)] = chunk.block_table
         self._fill_padding(queries, num_reqs, size)
 
-    def run(self, chunks, queries: int, capture: StateCapture | None):
+    def run(self, chunks, queries: int, capture: StateCapture | None, previous: PreviousVerify | None = None):
         """Replay (queries, padded size) for a step of `len(chunks)` requests of `queries` tokens.
         `capture`: the step's StateCapture (spec_step.capture_for, built on `self.buffers`): its
-        kept states become the capture buffers. Returns (hidden [B*Q, H], logits [B*Q, V],
-        token ids [B*Q], the step's metadata for B requests), views of persistent buffers."""
+        kept states become the capture buffers. `previous`: the last launched step's results on
+        the device, for chunks whose tokens are pending (asynchronous scheduling). Returns
+        (hidden [B*Q, H], logits [B*Q, V], token ids [B*Q], the step's metadata for B requests,
+        views of persistent buffers, and the position shift [B] of the pending chunks or None)."""
         num_reqs = len(chunks)
         size = self.size_for(queries, num_reqs)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         self.stage(chunks, queries, size)
         self.inputs.copy_(self.host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        source_rows = previous.source_rows(chunks) if previous is not None else None
+        shift = None
+        if source_rows is not None:
+            shift = self._fill_pending(num_reqs, queries, to_device(source_rows, self.device), previous)
         graph = self.graphs[(queries, size)]
         if graph is None:
             self._forward(queries, size)
@@ -270,4 +285,25 @@ class VerifyGraphs:
         max_seq_len = max(c.end_position for c in chunks)
         token_ids, meta = self._meta(queries, num_reqs, capture, max_seq_len)
         rows = num_reqs * queries
-        return self.hidden_out[:rows], self.logits_out[:rows], token_ids, meta
+        return self.hidden_out[:rows], self.logits_out[:rows], token_ids, meta, shift
+
+    def _fill_pending(self, num_reqs: int, queries: int, source_rows: torch.Tensor, previous: PreviousVerify):
+        """On the device, after the upload: the tokens of pending chunks (`source_rows` [B], the
+        chunk's row in `previous`, -1 where nothing is pending) become the previous step's
+        target token and drafts, and their positions, context lengths and KV slots move back by
+        the drafts it rejected (the plan assumed every draft accepted; its block tables cover
+        that). Returns the shift [B] (0 where nothing is pending)."""
+        buf, tokens, bs = self.inputs, num_reqs * queries, self.block_size
+        pending = source_rows >= 0  # [B]
+        rows = source_rows.clamp(min=0)  # [B]
+        shift = torch.where(pending, previous.rejected.index_select(0, rows), 0)  # [B]
+        filled = torch.cat([previous.bonus.index_select(0, rows)[:, None],
+                            previous.drafts.index_select(0, rows)[:, : queries - 1]], dim=1)  # [B, Q]
+        token_ids = self._token_field(buf, "token_ids", tokens).view(num_reqs, queries)  # [B, Q]
+        token_ids.copy_(torch.where(pending[:, None], filled, token_ids))
+        positions = self._token_field(buf, "positions", tokens).view(num_reqs, queries)  # [B, Q]
+        positions.sub_(shift[:, None])
+        self._request_field(buf, "seq_lens", num_reqs).sub_(shift)
+        blocks = self._tables(buf, num_reqs).gather(1, positions // bs)  # [B, Q]
+        self._token_field(buf, "slot_mapping", tokens).view(num_reqs, queries).copy_(blocks * bs + positions % bs)
+        return shift
