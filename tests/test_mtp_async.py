@@ -57,7 +57,7 @@ def _plant_drafts(runner, sequences: dict[str, list[int]]) -> None:
 
 
 def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None, max_num_seqs: int = 4,
-         preemptions: list | None = None, **options):
+         preemptions: list | None = None, max_queries: int | None = None, **options):
     """Tokens and finish reason per request, and how many launched plans verified pending drafts
     (`shifts` collects the position shifts the verification graphs applied to pending chunks)."""
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
@@ -78,6 +78,8 @@ def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None,
         if k and DEVICE == "cpu":
             assert runner.capture_decode_graphs(engine.max_num_seqs, engine.max_model_len, num_speculative_tokens=k,
                                                 static_off_cuda=True)
+        if max_queries is not None:  # graphs for fewer tokens a request than K + 1 (as when K + 1 > 8)
+            runner.verify_graphs.max_queries = max_queries
         launch = engine.executor.launch
 
         def spy(plan):
@@ -155,4 +157,14 @@ def test_planned_ahead_with_preemptions(mtp_short_dir, monkeypatch, plain_greedy
                              preemptions=counts, **options)
     assert ahead > 0 and counts[0] > 0
     assert overlapped == sync
+    assert [tokens for tokens, _ in overlapped] == [ref[:9] for ref in plain_greedy]
+
+
+def test_no_planning_ahead_past_the_verification_graphs(mtp_short_dir, monkeypatch, plain_greedy):
+    """Verification graphs for at most 2 tokens a request, K = 3: steps of 4 tokens run eagerly
+    and are never planned ahead (the runner could not fill their pending tokens in); steps the
+    graphs take (the K = 1 tail near max_tokens, or none) may be. Tokens stay plain decoding's."""
+    requests = [(p, GREEDY) for p in PROMPTS]
+    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=3, references=plain_greedy,
+                             max_queries=2)
     assert [tokens for tokens, _ in overlapped] == [ref[:9] for ref in plain_greedy]

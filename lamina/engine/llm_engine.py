@@ -112,7 +112,9 @@ class LLMEngine:
             token_history_len=model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0,
         )
         self._inflight = None  # asynchronous scheduling: (plans, launched step, start time) of the step in flight
-        self._last_launched = None  # asynchronous scheduling: the last launched plan not yet followed by another
+        # asynchronous scheduling: (plan, its requests by id) of the last launched step not yet followed by another
+        self._last_launched = None
+        self._last_report = 0.0  # when the last step's results were processed (perf_counter)
 
         self.load_report = None
         if self.parallel_config.is_single_rank:
@@ -522,7 +524,10 @@ class LLMEngine:
         if self.draft_override is not None or self.num_replicas != 1:
             return False
         scheduler = self.scheduler
-        if not scheduler.all_running_pending() or scheduler.num_running > self.executor.runner.speculative_plan_ahead_batch():
+        if not scheduler.all_running_pending():
+            return False
+        queries = 1 + max((r.num_pending_drafts for r in scheduler.running), default=0)
+        if not self.executor.runner.fits_verify_graphs(queries, scheduler.num_running):
             return False
         for request in scheduler.running:
             params = request.sampling_params
@@ -538,13 +543,13 @@ class LLMEngine:
             # computed as planned, drafts as if all accepted (`_process` takes back the rejected ones);
             # sampled tokens pending
             self.scheduler.on_step_done(plans[0], assume_accepted=True)
-            self._last_launched = plans[0]
             requests = {}  # the requests of this step (an id may be taken again once its request ends)
             for chunk in plans[0].chunks:
                 request = requests[chunk.request_id] = self._states[chunk.request_id].request
                 if chunk.sample:
                     request.num_pending_tokens += 1 + chunk.num_draft_tokens
                     request.num_pending_drafts = plans[0].num_draft_tokens
+            self._last_launched = (plans[0], requests)
             launched = (plans, handle, started, requests)
         outputs = self._finish_inflight() if self._inflight is not None else []
         self._inflight = launched
@@ -565,9 +570,10 @@ class LLMEngine:
         if self.async_scheduling and self.spec_config is not None and self._last_launched is not None:
             # The runner commits the last launched step's verifications from its own accepted
             # counts on the device (this plan may be made before they reach the engine).
-            running = {r.request_id for r in self.scheduler.running}
-            plans[0].device_commits = [c.request_id for c in self._last_launched.chunks
-                                       if c.num_draft_tokens and c.request_id in running]
+            running = {r.request_id: r for r in self.scheduler.running}
+            last_plan, last_requests = self._last_launched
+            plans[0].device_commits = [c.request_id for c in last_plan.chunks if c.num_draft_tokens
+                                       and running.get(c.request_id) is last_requests[c.request_id]]
         if all(p.is_empty for p in plans):
             if any(p.finished_request_ids or p.has_copies for p in plans):
                 self.executor.execute_replicas(plans)  # let workers drop per-request state, copy caches
@@ -598,11 +604,15 @@ class LLMEngine:
                 self.schedulers[replica].on_step_done(plan, sampled_by_replica[replica])
             outputs += self._process(plan, sampled_by_replica[replica], self.schedulers[replica], replica, verifications,
                                      launched_requests)
+        now = time.perf_counter()
         if self.spec_policy is not None:
             self.spec_policy.observe(verifications)
             if all(_steady_decode(c, num_drafts) for p in plans for c in p.chunks):
                 batch = max(len(p.chunks) for p in plans)  # the requests that decoded
-                self.spec_policy.observe_step_time(batch, num_drafts, time.perf_counter() - started)
+                # an overlapped step reports one step period after the one before it (its own
+                # start lies before that one's end): its time is the span between the two reports
+                self.spec_policy.observe_step_time(batch, num_drafts, now - max(started, self._last_report))
+        self._last_report = now
         return outputs
 
     def _note_waits(self, plans, now: float) -> None:

@@ -282,13 +282,14 @@ class ModelRunner:
         hidden, logits, token_ids, meta, shift = self.verify_graphs.run(plan.chunks, queries, capture, self.spec.previous)
         return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size, logits=logits, position_shift=shift)
 
-    def speculative_plan_ahead_batch(self) -> int:
-        """Speculative decoding: the most requests a step planned ahead of the last one's results
-        may hold (its pending tokens are filled in by the verification graphs); 0 without them."""
+    def fits_verify_graphs(self, queries: int, num_reqs: int) -> bool:
+        """Speculative decoding: whether a step of `num_reqs` requests of `queries` tokens each
+        replays a verification graph (a step planned ahead of the last one's results must: the
+        graphs fill in its pending tokens)."""
         graphs = self.verify_graphs
         if self.spec is None or self.spec.mtp is None or graphs is None:
-            return 0
-        return graphs.verify_batch if graphs.max_queries > 1 else graphs.max_batch
+            return False
+        return 1 <= queries <= graphs.max_queries and graphs.size_for(queries, num_reqs) is not None
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
