@@ -57,7 +57,7 @@ def _plant_drafts(runner, sequences: dict[str, list[int]]) -> None:
 
 
 def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None, max_num_seqs: int = 4,
-         preemptions: list | None = None, max_queries: int | None = None, **options):
+         preemptions: list | None = None, max_queries: int | None = None, logprobs: list | None = None, **options):
     """Tokens and finish reason per request, and how many launched plans verified pending drafts
     (`shifts` collects the position shifts the verification graphs applied to pending chunks)."""
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
@@ -100,6 +100,8 @@ def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None,
         if preemptions is not None:
             preemptions.append(engine.num_preemptions)
     results = [(list(finals[i].outputs[0].token_ids), finals[i].outputs[0].finish_reason) for i in ids]
+    if logprobs is not None:
+        logprobs.extend(finals[i].outputs[0].logprobs for i in ids)
     return results, planned_ahead
 
 
@@ -127,20 +129,27 @@ def test_planned_ahead_greedy_equals_synchronous_and_plain(mtp_short_dir, monkey
 def test_planned_ahead_stops_limits_and_seeded_sampling(mtp_short_dir, monkeypatch, plain_greedy):
     """A stop token met mid-way (the request rides a step planned ahead, whose tokens are
     dropped), max_tokens reached inside a verification (optimistic counts at the limit), seeded
-    random sampling (the same draws as without overlap), and a fifth request that waits for a
-    free slot (steps are not planned ahead while it waits)."""
+    random sampling (the same draws as without overlap), logprobs, and a fifth request that waits
+    for a free slot (steps are not planned ahead while it waits)."""
     requests = [
         (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[plain_greedy[0][4]])),
         (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
         (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True)),
-        (PROMPTS[3], GREEDY),
+        (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2)),
         (PROMPTS[0][:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
     ]
     references = plain_greedy + [plain_greedy[0]]
-    sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=references)
-    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=2, references=references)
+    sync_lps, overlapped_lps = [], []
+    sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=references, logprobs=sync_lps)
+    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=2, references=references,
+                             logprobs=overlapped_lps)
     assert ahead > 0
     assert overlapped == sync
+    # logprobs of verified rows come back through the pinned copies (PendingVerify); batch sizes
+    # differ (a stopped request rides a step planned ahead): float32 GEMM rounding
+    for entry_a, entry_b in zip(sync_lps[3], overlapped_lps[3], strict=True):
+        assert entry_a.keys() == entry_b.keys()
+        torch.testing.assert_close(list(entry_a.values()), list(entry_b.values()), atol=1e-4, rtol=0)
     assert overlapped[0] == (plain_greedy[0][:5], "stop")
     assert overlapped[1] == (plain_greedy[1][:5], "length")
 
