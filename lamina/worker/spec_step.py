@@ -75,7 +75,6 @@ class SpecDecodeStep:
         # The last launched step's results on the device: for the next plan's pending tokens and
         # its device commits (asynchronous scheduling); None before the first step.
         self.previous: PreviousVerify | None = None
-        self._accepted: torch.Tensor | None = None  # [B] the last step's accepted counts, rows as `previous.rows`
         self._copy_rows = None  # commits: the torch reference, an index_copy_ per state pool
         # On the Triton kernel set (any state layer on it; Qwen4-Exp's PLE convs have no kernel
         # choice of their own), one launch per group of like pools (lamina.kernels.triton_state_rows).
@@ -106,7 +105,7 @@ class SpecDecodeStep:
     def commit(self, plan: StepPlan) -> None:
         """Put the state after each verified request's accepted position into its slot: from the
         accepted counts the plan carries (`spec_commits`), and for `device_commits` from the last
-        step's counts on the device (its results have not reached the engine yet)."""
+        step's rejected counts on the device (its results have not reached the engine yet)."""
         captured, self._captured = self._captured, {}
         capture, self._capture = self._capture, None
         rows, slots = [], []
@@ -120,16 +119,17 @@ class SpecDecodeStep:
             capture.commit(rows_on_device, slots_on_device, self._copy_rows)
         pending = [request_id for request_id in plan.device_commits if request_id in captured]
         if pending:
-            if self._accepted is None or self.previous is None:
+            if self.previous is None:
                 raise RuntimeError("device commits in the plan, but no verification step ran on this rank")
             entries = [captured[request_id] for request_id in pending]
-            batch_rows, first_rows, drafts, slots_on_device = to_device_many(
-                self.device, [self.previous.rows[request_id] for request_id in pending], [e[1] for e in entries],
-                [e[2] for e in entries], [e[0] for e in entries],
-            )  # [P] each, one upload
-            accepted = self._accepted.index_select(0, batch_rows)  # [P]
-            # all accepted: the slot already holds the state after the whole chunk (-1: no copy)
-            source = torch.where(accepted < drafts, first_rows + accepted, -1)  # [P]
+            batch_rows, last_rows, slots_on_device = to_device_many(
+                self.device, [self.previous.rows[request_id] for request_id in pending],
+                [e[1] + e[2] for e in entries], [e[0] for e in entries],
+            )  # [P] each, one upload: the row, the row after its last captured one, the slot
+            rejected = self.previous.rejected.index_select(0, batch_rows)  # [P]
+            # the state after the last accepted token; none rejected: the slot already holds the
+            # state after the whole chunk (-1: no copy)
+            source = torch.where(rejected > 0, last_rows - rejected, -1)  # [P]
             capture.commit(source, slots_on_device, self._copy_rows, skip_negative=True)
 
     def forget(self, request_ids) -> None:
@@ -214,7 +214,6 @@ class SpecDecodeStep:
         next_drafts = torch.stack(drafts, dim=1) if drafts else bonus.new_zeros((num, 0))  # [B, D]
         self.previous = PreviousVerify({c.request_id: b for b, c in enumerate(sampled)}, bonus, next_drafts,
                                        drafts_k_t - num_accepted)
-        self._accepted = num_accepted
         if not is_sampler or not num:
             return ReadyStep({})
         self._keep_draft_probs(sampled, probs)
