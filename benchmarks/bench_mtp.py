@@ -79,6 +79,7 @@ def timed_run(llm: LLM, prompts: list, new_tokens: int) -> dict:
     if engine.async_scheduling:
         sync = lambda: None  # noqa: E731
     times, ks, lengths, finals = [], [], {}, {}
+    overlapped_before = engine.num_overlapped_steps
     window_tokens, window_s = 0, 0.0
     t_end = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -103,7 +104,8 @@ def timed_run(llm: LLM, prompts: list, new_tokens: int) -> dict:
     times = sorted(times)
     row |= {"median_step_ms": times[len(times) // 2] * 1e3 if times else float("nan"), "steps_timed": len(times),
            "mean_k": sum(ks) / len(ks) if ks else 0.0,
-           "decode_tok_s": window_tokens / window_s if window_s else float("nan")}
+           "decode_tok_s": window_tokens / window_s if window_s else float("nan"),
+           "overlapped_steps": engine.num_overlapped_steps - overlapped_before}
     if before is not None:
         after = engine.spec_decode_metrics.as_dict()
         steps = after["num_steps"] - before["num_steps"]
@@ -171,7 +173,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
     row["steps_timed"] = len(steps)
     if len(rounds) > 1:
         row["round_medians_ms"] = [r["median_step_ms"] for r in rounds]
-        for key in ("verify_steps", "draft_tokens", "accepted_tokens"):
+        row["round_overlapped_steps"] = [r["overlapped_steps"] for r in rounds]
+        for key in ("verify_steps", "draft_tokens", "accepted_tokens", "overlapped_steps"):
             if key in row:
                 row[key] = sum(r[key] for r in rounds)
     return row
@@ -269,6 +272,11 @@ def bench_batch(
         for k in ([0, 1] if timeline else [1]):
             policy.set_policy("fixed", min(k, max_k))
             profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k{k}.txt", timeline=timeline)
+        if with_async:  # k = 1 again, planned ahead
+            policy.set_policy("fixed", min(1, max_k))
+            llm.engine.async_scheduling = True
+            profile_steps(llm, prompts, Path(profile_dir) / f"profile_b{batch}_k1_async.txt", timeline=timeline)
+            llm.engine.async_scheduling = False
     llm.shutdown()
     del llm, policy, verify, alternate  # the verify graphs and their buffers too: the next batch size builds two engines
     gc.collect()

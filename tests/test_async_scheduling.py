@@ -23,8 +23,10 @@ PROMPTS = [[5, 17, 300], [9] * 11, list(range(40, 61)), [3, 1, 4, 1, 5, 9, 2, 6]
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None, **kwargs):
-    """(token ids, finish reason, logprobs) per request, and how many pending tokens each launched plan had."""
+def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None, counters: dict | None = None,
+         **kwargs):
+    """(token ids, finish reason, logprobs) per request, and how many pending tokens each launched plan
+    had; `counters` gets the engine's count of steps launched with one still in flight."""
     pending = []
     with LLM(str(path), device="cpu", dtype="float32", show_progress=False, async_scheduling=overlap, **kwargs) as llm:
         engine = llm.engine
@@ -46,6 +48,8 @@ def _run(path, requests, *, overlap: bool, steps_before_abort: int | None = None
             if steps == steps_before_abort:
                 engine.abort_request(ids[0])
         assert not engine.has_unfinished_requests() and engine._inflight is None
+        if counters is not None:
+            counters["overlapped_steps"] = engine.num_overlapped_steps
     results = []
     for request_id in ids:
         out = finals.get(request_id)
@@ -115,11 +119,13 @@ def test_overlap_waits_for_host_tokens_where_needed(qwen3_5_moe_dir):
     penalty = SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3)
     plain = SamplingParams(temperature=0.0, max_tokens=6)
     sync, _ = _run(qwen3_5_moe_dir, [(PROMPTS[1], penalty)], overlap=False)
-    overlapped, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], penalty)], overlap=True)
+    counters = {}
+    overlapped, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], penalty)], overlap=True, counters=counters)
     _assert_same(sync, overlapped)
-    assert max(pending) == 0
-    _, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], plain)], overlap=True)
+    assert max(pending) == 0 and counters["overlapped_steps"] == 0
+    _, pending = _run(qwen3_5_moe_dir, [(PROMPTS[1], plain)], overlap=True, counters=counters)
     assert pending == [0] + [1] * 5  # the prefill, then every decode step planned ahead
+    assert counters["overlapped_steps"] == 5  # each launched while the step before it was in flight
 
 
 def test_overlap_with_preemption_and_abort(qwen3_5_moe_dir):

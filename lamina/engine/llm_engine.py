@@ -114,6 +114,9 @@ class LLMEngine:
         self._inflight = None  # asynchronous scheduling: (plans, launched step, start time) of the step in flight
         # asynchronous scheduling: (plan, its requests by id) of the last launched step not yet followed by another
         self._last_launched = None
+        # steps launched while the one before them was still in flight (asynchronous scheduling's
+        # overlap actually taken; a step that had to wait for its predecessor's report is not counted)
+        self.num_overlapped_steps = 0
         self._last_report = 0.0  # when the last step's results were processed (perf_counter)
 
         self.load_report = None
@@ -540,6 +543,7 @@ class LLMEngine:
         launched = None
         if plans is not None:
             handle = self.executor.launch(plans[0])
+            self.num_overlapped_steps += self._inflight is not None
             # computed as planned, drafts as if all accepted (`_process` takes back the rejected ones);
             # sampled tokens pending
             self.scheduler.on_step_done(plans[0], assume_accepted=True)
