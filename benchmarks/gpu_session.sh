@@ -597,13 +597,13 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
     mtpasync22)  # session 22: session 21's measurement again with 3 rounds and the count of steps that really overlapped
       # (overlapped_steps: launched while the step before was in flight), then batch 1 on the device's timeline: MTP k = 0,
       # k = 1, and k = 1 planned ahead (bench_mtp --timeline --with-async): device busy / idle per step
-      timeout 330 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 --max-k 3 --rounds 3 \
+      timeout 330 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches ${MTP_BATCHES:-1,8} --max-k 3 --rounds 3 \
         --with-async --out $OUT/mtp_async22.json > /tmp/mtp_async22.log 2>&1 || tail -25 /tmp/mtp_async22.log | cut -c1-300
       python3 -c "
 import json; d=json.load(open('$OUT/mtp_async22.json'))
 for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), [round(x, 3) for x in r.get('round_medians_ms', [])],
                           r.get('round_overlapped_steps'), r.get('steps_timed'), round(r.get('added_ms_vs_k0') or 0, 3))"
-      timeout 200 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 32 --batches 1 --max-k 1 --with-async \
+      [ "${TIMELINE:-1}" = 1 ] && timeout 200 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 32 --batches 1 --max-k 1 --with-async \
         --profile-dir $OUT/tl22 --timeline --out /tmp/tl22_rows.json > /tmp/tl22.log 2>&1
       grep -v '^{"mode' /tmp/tl22.log | grep -v "^USDT\|^after releasing" | tail -60 | cut -c1-330
       rm -f $OUT/tl22/*.trace.json ;;
