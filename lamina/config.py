@@ -35,7 +35,7 @@ class EngineArgs:
     show_progress: bool = True
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)
     # vLLM's name: plan and launch step N+1 while step N runs (lamina.engine.async_scheduling).
-    # None: on for a single-rank CUDA engine without speculative decoding (with it: True to opt in).
+    # None: on for a single-rank CUDA engine, with or without speculative decoding (MTP).
     async_scheduling: bool | None = None
     # parallelism (vLLM names)
     tensor_parallel_size: int = 1

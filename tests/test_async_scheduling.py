@@ -78,13 +78,11 @@ def _assert_same(sync, overlapped):
 
 
 def test_resolution_rules():
-    common = dict(single_rank=True, speculative=False, token_history_len=0)
+    common = dict(single_rank=True, token_history_len=0)
     assert resolve_async_scheduling(None, device_type="cuda", **common)
     assert not resolve_async_scheduling(None, device_type="cpu", **common)
     assert resolve_async_scheduling(True, device_type="cpu", **common)
     assert not resolve_async_scheduling(False, device_type="cuda", **common)
-    assert not resolve_async_scheduling(None, device_type="cuda", **{**common, "speculative": True})
-    assert resolve_async_scheduling(True, device_type="cuda", **{**common, "speculative": True})
     for bad in ({"single_rank": False}, {"token_history_len": 4}):
         with pytest.raises(ValueError, match="async_scheduling = True is not supported"):
             resolve_async_scheduling(True, device_type="cuda", **{**common, **bad})

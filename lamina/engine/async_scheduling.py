@@ -20,8 +20,8 @@ requests whose sampling reads their generated tokens (penalties, bad words), str
 is planned. Several ranks and token-history models (Qwen4-Exp's N-gram PLE reads earlier token
 ids on the host) are not supported yet: `auto` leaves it off there.
 
-Speculative decoding (MTP) overlaps when asked for (`async_scheduling=True`; `auto` leaves it off
-until it is measured on a GPU): step N+1 is planned as if every draft of step N were accepted,
+Speculative decoding (MTP) overlaps too (on in `auto` since it was measured on an H200: 0.2-0.5 ms
+a step faster at batch 1 and 0.4-1.0 ms at batch 8 for every K, docs/PERFORMANCE.md sessions 22-23): step N+1 is planned as if every draft of step N were accepted,
 its chunks `[N's target token, N's drafts]` all pending; the verification graphs fill them in on
 the device and move the positions back by N's rejected count, the runner commits N's recurrent
 states from N's accepted counts on the device (`StepPlan.device_commits`), and the engine takes
@@ -37,18 +37,17 @@ from lamina.step_plan import StepPlan
 
 
 def resolve_async_scheduling(
-    requested: bool | None, *, device_type: str, single_rank: bool, speculative: bool, token_history_len: int,
+    requested: bool | None, *, device_type: str, single_rank: bool, token_history_len: int,
 ) -> bool:
-    """`requested` None (auto): on for a single-rank CUDA engine where supported, and not yet
-    under speculative decoding (supported, not yet measured on a GPU). True where it is not
-    supported raises, naming why."""
+    """`requested` None (auto): on for a single-rank CUDA engine where supported, with or without
+    speculative decoding. True where it is not supported raises, naming why."""
     unsupported = []
     if not single_rank:
         unsupported.append("more than one rank (tensor / pipeline / data / expert parallel)")
     if token_history_len > 0:
         unsupported.append(f"a model whose layers read earlier token ids (token_history_len = {token_history_len})")
     if requested is None:
-        return device_type == "cuda" and not unsupported and not speculative
+        return device_type == "cuda" and not unsupported
     if requested and unsupported:
         raise ValueError(
             "async_scheduling = True is not supported with " + "; ".join(unsupported)

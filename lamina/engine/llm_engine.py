@@ -108,7 +108,6 @@ class LLMEngine:
         model_options = setup.model_options()
         self.async_scheduling = resolve_async_scheduling(
             args.async_scheduling, device_type=self.device.type, single_rank=self.parallel_config.is_single_rank,
-            speculative=self.spec_config is not None,
             token_history_len=model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0,
         )
         self._inflight = None  # asynchronous scheduling: (plans, launched step, start time) of the step in flight

@@ -35,8 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch the next step while the current one runs on the GPU "
-                        "(default: on for one GPU without speculative decoding; with MTP, opt in: "
-                        "verification steps replayed from CUDA graphs are then planned ahead)")
+                        "(default: on for one GPU; with MTP, verification steps replayed from CUDA "
+                        "graphs are planned ahead as if every draft were accepted)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
