@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -594,6 +594,27 @@ for k, v in out.items():
 import json; d=json.load(open('$OUT/mtp_async.json'))
 for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), r.get('identical_to_plain'), r.get('added_ms_vs_k0'))"
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mtp_async.py tests/test_triton_state_rows.py 2>&1 | tail -3 ;;
+    fill23)  # session 23: a planned-ahead MTP step filled in by one Triton launch (this tree) against the ~15 torch
+      # launches of .baseline2 (carried: git archive fdb64a3 lamina), bench_mtp K <= 1 at batch 1 and 8 with and
+      # without asynchronous scheduling, trees alternating; then this tree's batch-1 timeline (k = 1 planned ahead)
+      for i in $(seq ${ROUNDS:-1}); do
+        for tree in base new; do
+          root=$PWD; [ $tree = base ] && root=$PWD/.baseline2
+          PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 \
+            --max-k 1 --rounds 2 --with-async --out $OUT/fill23_${tree}_$i.json > /tmp/fill23_${tree}_$i.log 2>&1 \
+            || tail -5 /tmp/fill23_${tree}_$i.log | cut -c1-300
+        done
+      done
+      python3 -c "
+import json, glob
+for f in sorted(glob.glob('$OUT/fill23_*.json')):
+    for r in json.load(open(f))['rows']:
+        if r['mode'].startswith(('plain', 'mtp')): print(f.split('/')[-1][:-5], r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3),
+                                                           [round(x, 3) for x in r.get('round_medians_ms', [])], r.get('round_overlapped_steps'))"
+      [ "${TIMELINE:-1}" = 1 ] && timeout 150 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 32 --batches 1 --max-k 1 --with-async \
+        --profile-dir $OUT/tl23 --timeline --out /tmp/tl23_rows.json > /tmp/tl23.log 2>&1
+      grep -v '^{"mode' /tmp/tl23.log | grep -v "^USDT\|^after releasing" | tail -40 | cut -c1-330
+      rm -f $OUT/tl23/*.trace.json ;;
     mtpasync22)  # session 22: session 21's measurement again with 3 rounds and the count of steps that really overlapped
       # (overlapped_steps: launched while the step before was in flight), then batch 1 on the device's timeline: MTP k = 0,
       # k = 1, and k = 1 planned ahead (bench_mtp --timeline --with-async): device busy / idle per step

@@ -11,8 +11,9 @@ and for Q > 1 the states after tokens 0..Q-2 of every request for the rollback
 (`CaptureBuffers`, one per state pool; row b*(Q-1) + i, the layout StateCapture commits from).
 
 Inputs live in one persistent int64 device buffer (per token: ids, positions, KV slots; per
-request: context length, state slot, whether the state carries over; block tables), filled from a
-pinned host copy with one upload per step. Padding rows B..Bc-1: no KV write (slot -1), context
+request: context length, state slot, whether the state carries over, and for a step planned ahead
+its row in the previous step's results; block tables), filled from a pinned host copy with one
+upload per step. Padding rows B..Bc-1: no KV write (slot -1), context
 length Q, and no state: for Q = 1 the one-token kernels write a spare state slot that no request
 owns (as the plain decode graphs do), for Q > 1 the Q-token kernels skip rows with state slot -1,
 so padding writes no state and no capture row.
@@ -30,7 +31,7 @@ import os
 import numpy as np
 import torch
 
-from lamina.host_to_device import to_device
+from lamina.kernels.pending_fill import fill_pending_reference
 from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.layers.spec_state import CaptureBuffers
 from lamina.worker.cuda_graphs import capture_sizes
@@ -39,7 +40,7 @@ from lamina.worker.pending_step import PreviousVerify
 logger = logging.getLogger(__name__)
 
 _TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
-_REQUEST_FIELDS = ("seq_lens", "state_slots", "keep")
+_REQUEST_FIELDS = ("seq_lens", "state_slots", "keep", "source_rows")
 DEFAULT_MAX_VERIFY_BATCH = 64
 
 
@@ -63,7 +64,7 @@ class VerifyGraphs:
         self, model, *, device: torch.device, max_batch: int, num_speculative_tokens: int, block_size: int,
         max_blocks_per_seq: int, spare_state_slot: int,
     ):
-        from lamina.kernels.selection import MAX_DECODE_QUERY_LEN
+        from lamina.kernels.selection import MAX_DECODE_QUERY_LEN, kernel_set
 
         self.model = model
         self.device = device
@@ -78,6 +79,12 @@ class VerifyGraphs:
                 "steps run eagerly", self.max_queries, self.verify_batch, max_batch,
             )
         self.max_blocks = max_blocks_per_seq
+        # A step planned ahead is filled in on the device: one launch on the Triton kernel set
+        if kernel_set(device) == "triton":
+            from lamina.kernels.triton_pending_fill import fill_pending_triton as fill
+        else:
+            fill = fill_pending_reference
+        self._fill = fill
         self.spare_state_slot = spare_state_slot
         self.max_tokens = max(max_batch, self.verify_batch * self.max_queries)
         # Flat layout: per-token fields (max_tokens each), per-request fields (max_batch each), tables.
@@ -268,13 +275,15 @@ class VerifyGraphs:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self.stage(chunks, queries, size)
+        source_rows = previous.source_rows(chunks) if previous is not None else None
+        if source_rows is not None:  # travels with the step's inputs
+            self._request_field(self.host_np, "source_rows", num_reqs)[:] = source_rows
         self.inputs.copy_(self.host, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
-        source_rows = previous.source_rows(chunks) if previous is not None else None
         shift = None
         if source_rows is not None:
-            shift = self._fill_pending(num_reqs, queries, to_device(source_rows, self.device), previous)
+            shift = self._fill_pending(num_reqs, queries, previous)
         graph = self.graphs[(queries, size)]
         if graph is None:
             self._forward(queries, size)
@@ -287,23 +296,19 @@ class VerifyGraphs:
         rows = num_reqs * queries
         return self.hidden_out[:rows], self.logits_out[:rows], token_ids, meta, shift
 
-    def _fill_pending(self, num_reqs: int, queries: int, source_rows: torch.Tensor, previous: PreviousVerify):
-        """On the device, after the upload: the tokens of pending chunks (`source_rows` [B], the
-        chunk's row in `previous`, -1 where nothing is pending) become the previous step's
-        target token and drafts, and their positions, context lengths and KV slots move back by
-        the drafts it rejected (the plan assumed every draft accepted; its block tables cover
-        that). Returns the shift [B] (0 where nothing is pending)."""
-        buf, tokens, bs = self.inputs, num_reqs * queries, self.block_size
-        pending = source_rows >= 0  # [B]
-        rows = source_rows.clamp(min=0)  # [B]
-        shift = torch.where(pending, previous.rejected.index_select(0, rows), 0)  # [B]
-        filled = torch.cat([previous.bonus.index_select(0, rows)[:, None],
-                            previous.drafts.index_select(0, rows)[:, : queries - 1]], dim=1)  # [B, Q]
-        token_ids = self._token_field(buf, "token_ids", tokens).view(num_reqs, queries)  # [B, Q]
-        token_ids.copy_(torch.where(pending[:, None], filled, token_ids))
-        positions = self._token_field(buf, "positions", tokens).view(num_reqs, queries)  # [B, Q]
-        positions.sub_(shift[:, None])
-        self._request_field(buf, "seq_lens", num_reqs).sub_(shift)
-        blocks = self._tables(buf, num_reqs).gather(1, positions // bs)  # [B, Q]
-        self._token_field(buf, "slot_mapping", tokens).view(num_reqs, queries).copy_(blocks * bs + positions % bs)
-        return shift
+    def _fill_pending(self, num_reqs: int, queries: int, previous: PreviousVerify):
+        """On the device, after the upload: the tokens of pending chunks (the staged `source_rows`
+        field: the chunk's row in `previous`, -1 where nothing is pending) become the previous
+        step's target token and drafts, and their positions, context lengths and KV slots move
+        back by the drafts it rejected (the plan assumed every draft accepted; its block tables
+        cover that). Returns the shift [B] (0 where nothing is pending)."""
+        buf, tokens = self.inputs, num_reqs * queries
+        return self._fill(
+            self._token_field(buf, "token_ids", tokens).view(num_reqs, queries),  # [B, Q]
+            self._token_field(buf, "positions", tokens).view(num_reqs, queries),  # [B, Q]
+            self._request_field(buf, "seq_lens", num_reqs),  # [B]
+            self._token_field(buf, "slot_mapping", tokens).view(num_reqs, queries),  # [B, Q]
+            self._tables(buf, num_reqs),  # [B, M]
+            self._request_field(buf, "source_rows", num_reqs),  # [B]
+            previous.bonus, previous.drafts, previous.rejected, self.block_size,
+        )
