@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -594,14 +594,20 @@ for k, v in out.items():
 import json; d=json.load(open('$OUT/mtp_async.json'))
 for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3), r.get('identical_to_plain'), r.get('added_ms_vs_k0'))"
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mtp_async.py tests/test_triton_state_rows.py 2>&1 | tail -3 ;;
+    tests23)  # session 23 in one call: the tests of what sessions 20-23 changed on the GPU (every test of the MTP
+      # planned-ahead files, compiled rather than interpreted; the GPU-marked engine, demo-model and MTP tests)
+      timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -p no:cacheprovider tests/test_triton_pending_fill.py tests/test_mtp_async.py \
+        tests/test_triton_state_rows.py tests/test_async_scheduling.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
+      timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
+        tests/test_demo_model.py tests/test_batch_invariance.py tests/test_mtp_triton.py 2>&1 | grep -v "^$" | tail -14 | cut -c1-220 ;;
     fill23)  # session 23: a planned-ahead MTP step filled in by one Triton launch (this tree) against the ~15 torch
       # launches of .baseline2 (carried: git archive fdb64a3 lamina), bench_mtp K <= 1 at batch 1 and 8 with and
       # without asynchronous scheduling, trees alternating; then this tree's batch-1 timeline (k = 1 planned ahead)
       for i in $(seq ${ROUNDS:-1}); do
         for tree in base new; do
           root=$PWD; [ $tree = base ] && root=$PWD/.baseline2
-          PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1,8 \
-            --max-k 1 --rounds 2 --with-async --out $OUT/fill23_${tree}_$i.json > /tmp/fill23_${tree}_$i.log 2>&1 \
+          PYTHONPATH=/tmp/site:$root timeout ${FILL_TIMEOUT:-170} python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 \
+            --batches ${FILL_BATCHES:-1,8} --max-k 1 --rounds 2 --with-async --out $OUT/fill23_${tree}_$i.json > /tmp/fill23_${tree}_$i.log 2>&1 \
             || tail -5 /tmp/fill23_${tree}_$i.log | cut -c1-300
         done
       done
