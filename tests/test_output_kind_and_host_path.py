@@ -84,17 +84,27 @@ def test_output_kind_from_vllm_int_values():
     assert SamplingParams().clone().output_kind is RequestOutputKind.CUMULATIVE
 
 
+def _assert_freeze_restored(before: int) -> None:
+    if before:
+        assert 0 < gc.get_freeze_count() <= before  # someone else's freeze: left in place
+    else:
+        assert gc.get_freeze_count() == 0  # ours: undone
+
+
 def test_frozen_heap_unfreezes_and_leaves_a_callers_freeze_alone():
+    # A frozen object that is freed leaves the permanent generation, so while a freeze is held
+    # (by the test or by another engine loop's thread) the count can only fall: compare with
+    # bounds, never equality.
     before = gc.get_freeze_count()  # 0 unless another engine loop of this process holds a freeze
     with frozen_heap():
-        assert gc.get_freeze_count() >= before and (before or gc.get_freeze_count() > 0)
-    assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() > 0
+    _assert_freeze_restored(before)
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen  # the caller's freeze was not undone
+        assert 0 < gc.get_freeze_count() <= frozen  # the caller's freeze was not undone
     finally:
         if not before:
             gc.unfreeze()
@@ -128,7 +138,7 @@ def test_frozen_heap_collects_first_only_when_asked():
 def test_generate_leaves_nothing_frozen_even_when_it_fails(llm):
     before = gc.get_freeze_count()
     llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert gc.get_freeze_count() == before
+    _assert_freeze_restored(before)
 
     def fail(plans):
         raise RuntimeError("injected")
@@ -141,7 +151,7 @@ def test_generate_leaves_nothing_frozen_even_when_it_fails(llm):
             llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         executor.execute_replicas = original
-    assert gc.get_freeze_count() == before
+    _assert_freeze_restored(before)
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].finished  # still serving
 
 
