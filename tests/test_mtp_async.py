@@ -57,7 +57,8 @@ def _plant_drafts(runner, sequences: dict[str, list[int]]) -> None:
 
 
 def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None, max_num_seqs: int = 4,
-         preemptions: list | None = None, max_queries: int | None = None, logprobs: list | None = None, **options):
+         preemptions: list | None = None, max_queries: int | None = None, logprobs: list | None = None,
+         fill_kernels: str | None = None, **options):
     """Tokens and finish reason per request, and how many launched plans verified pending drafts
     (`shifts` collects the position shifts the verification graphs applied to pending chunks)."""
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
@@ -78,6 +79,8 @@ def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None,
         if k and DEVICE == "cpu":
             assert runner.capture_decode_graphs(engine.max_num_seqs, engine.max_model_len, num_speculative_tokens=k,
                                                 static_off_cuda=True)
+        if fill_kernels is not None:
+            assert runner.verify_graphs.fill_kernels == fill_kernels
         if max_queries is not None:  # graphs for fewer tokens a request than K + 1 (as when K + 1 > 8)
             runner.verify_graphs.max_queries = max_queries
         launch = engine.executor.launch
@@ -114,12 +117,16 @@ def plain_greedy(mtp_short_dir):
     return [tokens for tokens, _ in results]
 
 
-@pytest.mark.parametrize("k", [3])
-def test_planned_ahead_greedy_equals_synchronous_and_plain(mtp_short_dir, monkeypatch, plain_greedy, k):
+@pytest.mark.parametrize("k, fill", [(3, "triton"), (2, "torch")])
+def test_planned_ahead_greedy_equals_synchronous_and_plain(mtp_short_dir, monkeypatch, plain_greedy, k, fill):
+    """`fill`: the planned-ahead step filled in by the Triton kernel (the default) or its torch form
+    (LAMINA_PENDING_FILL=torch)."""
+    monkeypatch.setenv("LAMINA_PENDING_FILL", fill)
     requests = [(p, GREEDY) for p in PROMPTS]
     sync, ahead_sync = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=k, references=plain_greedy)
     SHIFTS.clear()
-    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=k, references=plain_greedy)
+    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=k, references=plain_greedy,
+                             fill_kernels=fill)
     assert ahead_sync == 0 and ahead > 0
     assert any(SHIFTS) and 0 in SHIFTS  # planned ahead of partly and of wholly accepted verifications
     assert overlapped == sync

@@ -90,3 +90,14 @@ def test_triton_fill_equals_reference_on_the_gpu(queries):
     assert torch.equal(fill_pending_triton(*actual, *previous, BLOCK_SIZE),
                        fill_pending_reference(*expected, *previous, BLOCK_SIZE))
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+def test_pending_fill_switch(monkeypatch):
+    from lamina.kernels.selection import pending_fill_kernels
+
+    assert pending_fill_kernels("triton") == "triton" and pending_fill_kernels("reference") == "torch"
+    monkeypatch.setenv("LAMINA_PENDING_FILL", "torch")
+    assert pending_fill_kernels("triton") == "torch"
+    monkeypatch.setenv("LAMINA_PENDING_FILL", "cuda")
+    with pytest.raises(ValueError, match="LAMINA_PENDING_FILL = 'cuda' must be 'triton' or 'torch'"):
+        pending_fill_kernels("triton")

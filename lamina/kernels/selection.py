@@ -181,6 +181,18 @@ def moe_align_blocked() -> bool:
     return wanted == "triton"
 
 
+def pending_fill_kernels(kernels: str) -> str:
+    """How a planned-ahead MTP step is filled in on the device: 'triton' (one launch,
+    `lamina.kernels.triton_pending_fill`) on the Triton kernel set, or 'torch' (~15 launches,
+    `lamina.kernels.pending_fill`, the reference). `LAMINA_PENDING_FILL=triton` (the default) or
+    `torch`, which keeps the torch form on a GPU (for A/B runs, or should the kernel misbehave on a
+    Triton version); read at engine build time."""
+    wanted = os.environ.get("LAMINA_PENDING_FILL", "triton")
+    if wanted not in ("triton", "torch"):
+        raise ValueError(f"LAMINA_PENDING_FILL = {wanted!r} must be 'triton' or 'torch'")
+    return "triton" if kernels == "triton" and wanted == "triton" else "torch"
+
+
 @functools.cache
 def gemv_fma() -> bool:
     """Whether the decode GEMV (`lamina.kernels.triton_gemv`) takes its kernel without `tl.dot`

@@ -64,7 +64,7 @@ class VerifyGraphs:
         self, model, *, device: torch.device, max_batch: int, num_speculative_tokens: int, block_size: int,
         max_blocks_per_seq: int, spare_state_slot: int,
     ):
-        from lamina.kernels.selection import MAX_DECODE_QUERY_LEN, kernel_set
+        from lamina.kernels.selection import MAX_DECODE_QUERY_LEN, kernel_set, pending_fill_kernels
 
         self.model = model
         self.device = device
@@ -80,7 +80,9 @@ class VerifyGraphs:
             )
         self.max_blocks = max_blocks_per_seq
         # A step planned ahead is filled in on the device: one launch on the Triton kernel set
-        if kernel_set(device) == "triton":
+        # (LAMINA_PENDING_FILL=torch keeps the torch form)
+        self.fill_kernels = pending_fill_kernels(kernel_set(device))
+        if self.fill_kernels == "triton":
             from lamina.kernels.triton_pending_fill import fill_pending_triton as fill
         else:
             fill = fill_pending_reference
