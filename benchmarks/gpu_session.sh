@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -600,6 +600,26 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
         tests/test_triton_state_rows.py tests/test_async_scheduling.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
         tests/test_demo_model.py tests/test_batch_invariance.py tests/test_mtp_triton.py 2>&1 | grep -v "^$" | tail -14 | cut -c1-220 ;;
+    s24)  # session 24, for a short device budget: the planned-ahead fill compiled on the GPU (its tests, the engine's
+      # planned-ahead tests), then bench_mtp K <= 1 at batch 1 with LAMINA_PENDING_FILL=torch against triton (the default),
+      # alternating ROUNDS times in this tree, then the GPU-marked engine and MTP tests
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_triton_pending_fill.py tests/test_mtp_async.py \
+        2>&1 | grep -v "^$" | tail -6 | cut -c1-220
+      for i in $(seq ${ROUNDS:-1}); do
+        for fill in torch triton; do
+          LAMINA_PENDING_FILL=$fill timeout ${FILL_TIMEOUT:-90} python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 \
+            --batches ${FILL_BATCHES:-1} --max-k 1 --rounds 2 --with-async --out $OUT/s24_${fill}_$i.json > /tmp/s24_${fill}_$i.log 2>&1 \
+            || tail -5 /tmp/s24_${fill}_$i.log | cut -c1-300
+        done
+      done
+      python3 -c "
+import json, glob
+for f in sorted(glob.glob('$OUT/s24_*.json')):
+    for r in json.load(open(f))['rows']:
+        if r['mode'].startswith(('plain', 'mtp')): print(f.split('/')[-1][:-5], r['batch'], r['mode'], r['k'], round(r['median_step_ms'], 3),
+                                                           [round(x, 3) for x in r.get('round_medians_ms', [])], r.get('round_overlapped_steps'))"
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
+        tests/test_mtp_triton.py tests/test_batch_invariance.py tests/test_demo_model.py 2>&1 | grep -v "^$" | tail -12 | cut -c1-220 ;;
     fill23)  # session 23: a planned-ahead MTP step filled in by one Triton launch (this tree) against the ~15 torch
       # launches of .baseline2 (carried: git archive fdb64a3 lamina), bench_mtp K <= 1 at batch 1 and 8 with and
       # without asynchronous scheduling, trees alternating; then this tree's batch-1 timeline (k = 1 planned ahead)
