@@ -119,8 +119,9 @@ def test_planted_drafts_partial_acceptance(mtp_models, family):
 
 
 def test_preemption_and_recompute(mtp_models):
-    """A cache too small for every request: preempted requests drop their drafts, recompute from
-    scratch (drafter KV included) and still give the plain tokens."""
+    """A cache too small for every request: preempted requests keep their drafts, recompute from
+    scratch (drafter KV included, the kept drafts verified at the end) and still give the plain
+    tokens."""
     path = mtp_models["qwen3_next"]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     small = dict(block_size=4, max_model_len=96, num_gpu_blocks_override=40, max_num_batched_tokens=64)
@@ -134,6 +135,35 @@ def test_preemption_and_recompute(mtp_models):
     assert engine.cache.usage() == 0.0
     assert tokens == expected
     assert engine.spec_decode_metrics.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen4_exp"])
+def test_seeded_sampling_does_not_depend_on_preemption(mtp_models, family, monkeypatch):
+    """Seeded random requests draw random numbers for every row they verify. A request preempted
+    in mid-decode keeps its drafts (and the drafter's probabilities of them), and its
+    recomputation verifies them as its next step would have: the draws, and so the text, are
+    those of a run where no request was preempted (other requests cause the preemption, so
+    anything else would make a request's text depend on its batch)."""
+    from lamina.engine.scheduler import Scheduler
+
+    preempted_with_drafts = []
+    preempt = Scheduler._preempt
+
+    def spy(self, request, plan):
+        preempted_with_drafts.append(len(request.output_token_ids) > 0 and len(request.spec_token_ids) == 2)
+        return preempt(self, request, plan)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    path = mtp_models[family]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=16, ignore_eos=True) for i in range(5)]
+    roomy = dict(block_size=4, max_model_len=40)
+    ps = prompts(5, lens=(3, 6, 9, 5, 7))
+    expected = generate(path, 2, params=params, ps=ps, **roomy)[0]
+    assert not preempted_with_drafts
+    tokens = generate(path, 2, params=params, ps=ps, num_gpu_blocks_override=14, **roomy)[0]
+    assert any(preempted_with_drafts), "the cache was meant to be too small"
+    assert tokens == expected
+    assert len({tuple(t) for t in tokens}) == len(tokens)
 
 
 def test_drafts_match_an_independent_reference(mtp_models):

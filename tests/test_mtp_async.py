@@ -176,6 +176,23 @@ def test_planned_ahead_with_preemptions(mtp_short_dir, monkeypatch, plain_greedy
     assert [tokens for tokens, _ in overlapped] == [ref[:9] for ref in plain_greedy]
 
 
+def test_planned_ahead_seeded_sampling_under_preemptions(mtp_short_dir, monkeypatch, plain_greedy):
+    """Seeded random requests and a cache too small for all of them: planning ahead reserves KV
+    blocks as if every draft were accepted, so requests are preempted at other steps than in the
+    synchronous run. A preempted request keeps its drafts and its recomputation verifies them,
+    so its random draws, and its tokens, do not depend on when it was preempted."""
+    requests = [(p, SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=9, ignore_eos=True))
+                for i, p in enumerate(PROMPTS)]
+    options = dict(num_gpu_blocks_override=12, block_size=4, max_model_len=32)
+    sync_counts, counts = [], []
+    sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=plain_greedy,
+                   preemptions=sync_counts, **options)
+    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=2, references=plain_greedy,
+                             preemptions=counts, **options)
+    assert ahead > 0 and sync_counts[0] > 0 and counts[0] > 0
+    assert overlapped == sync
+
+
 def test_no_planning_ahead_past_the_verification_graphs(mtp_short_dir, monkeypatch, plain_greedy):
     """Verification graphs for at most 2 tokens a request, K = 3: steps of 4 tokens run eagerly
     and are never planned ahead (the runner could not fill their pending tokens in); steps the

@@ -738,13 +738,12 @@ class LLMEngine:
                 verifications.append((chunk.num_draft_tokens, accepted))
         if request.status.finished:
             return
-        if request.status == RequestStatus.WAITING:  # preempted while this step ran: it starts over without drafts
-            request.spec_token_ids = []
-            return
         drafts = list(result.draft_token_ids)
         if self.draft_override is not None:
             drafts = list(self.draft_override(request, drafts))
-        request.spec_token_ids = drafts
+        request.spec_token_ids = drafts  # also when preempted while this step ran: its recomputation verifies them
+        if request.status == RequestStatus.WAITING:
+            return
         if chunk.num_draft_tokens and not self.async_scheduling:  # asynchronous: the runner commits (device_commits)
             self._pending_commits[replica][request.request_id] = accepted
 

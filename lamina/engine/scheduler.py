@@ -136,7 +136,8 @@ class Scheduler:
         self.num_preemption_recompute_tokens += request.num_computed_tokens
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        # Its drafts stay: recomputation verifies them as the next step would have, so a seeded
+        # sampling request draws the same random numbers whether or not it was preempted
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -285,13 +286,17 @@ class Scheduler:
                 if request.num_pending_tokens:
                     break  # preempted while its token was in flight: recompute once that token is known
                 num_new = min(self._target(request) - request.num_computed_tokens, budget)
-                if not self.cache.allocate(request.request_id, self._tokens_to_allocate(request, num_new, lookahead)):
+                drafts = self._drafts(request, num_new, budget - num_new)  # a preempted request's, kept
+                if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
+                    break  # as for a running request: its drafts are not cut to the leftover budget
+                wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
+                if not self.cache.allocate(request.request_id, wanted):
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                plan.chunks.append(self._chunk(request, num_new))
-                budget -= num_new
+                plan.chunks.append(self._chunk(request, num_new, drafts))
+                budget -= num_new + len(drafts)
         # A sibling preempted in its own fork step starts over by itself: no copies for it.
         preempted = set(plan.preempted_request_ids)
         for request, block_copies, state_copy in forks:

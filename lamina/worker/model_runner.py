@@ -219,8 +219,8 @@ class ModelRunner:
     def forget_finished(self, plan: StepPlan) -> None:
         self.generators.forget(plan.finished_request_ids)
         if self.spec is not None:
+            # a preempted request keeps its draft probabilities: its recomputation verifies those drafts
             self.spec.forget(plan.finished_request_ids)
-            self.spec.forget(plan.preempted_request_ids)
 
     @torch.inference_mode()
     def commit_spec_states(self, plan: StepPlan) -> None:
