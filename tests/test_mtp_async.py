@@ -193,6 +193,31 @@ def test_planned_ahead_seeded_sampling_under_preemptions(mtp_short_dir, monkeypa
     assert overlapped == sync
 
 
+def test_fill_is_warmed_at_capture_and_writes_nothing(mtp_short_dir, monkeypatch):
+    """Graph capture runs the fill once per Q with nothing pending (so the first step planned
+    ahead finds its Triton kernel compiled); that run leaves the staged inputs as they were."""
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    with LLM(str(mtp_short_dir), device=DEVICE, dtype="float32", show_progress=False, max_num_seqs=4,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        engine = llm.engine
+        runner = engine.executor.runner
+        if DEVICE == "cpu":
+            assert runner.capture_decode_graphs(engine.max_num_seqs, engine.max_model_len, num_speculative_tokens=2,
+                                                static_off_cuda=True)
+        graphs = runner.verify_graphs
+        assert graphs.fill_kernels == "triton"
+        calls = []
+        fill = graphs._fill
+        graphs._fill = lambda *args: calls.append(args[0].shape) or fill(*args)
+        inputs = graphs.inputs.clone()
+        graphs._warm_fill()
+        assert calls == [(1, 1), (1, 2), (1, 3)]
+        source = graphs._request_field(graphs.inputs, "source_rows", 1)
+        assert source.tolist() == [-1]
+        source.copy_(graphs._request_field(inputs, "source_rows", 1))
+        assert torch.equal(graphs.inputs, inputs)
+
+
 def test_no_planning_ahead_past_the_verification_graphs(mtp_short_dir, monkeypatch, plain_greedy):
     """Verification graphs for at most 2 tokens a request, K = 3: steps of 4 tokens run eagerly
     and are never planned ahead (the runner could not fill their pending tokens in); steps the

@@ -180,6 +180,7 @@ class VerifyGraphs:
             self.inputs.copy_(self.host)
             self._forward(*keys[0])  # allocates the output buffers
             self.graphs = {key: None for key in keys}
+            self._warm_fill()
             return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -195,6 +196,7 @@ class VerifyGraphs:
                 self.pool = graph.pool()
                 self.graphs[(queries, size)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._warm_fill()
         torch.cuda.synchronize(self.device)
         logger.info(
             "MTP graphs: %d captured (Q = 1..%d; verify graphs up to batch %d), state capture buffers %.2f GiB, "
@@ -297,6 +299,20 @@ class VerifyGraphs:
         token_ids, meta = self._meta(queries, num_reqs, capture, max_seq_len)
         rows = num_reqs * queries
         return self.hidden_out[:rows], self.logits_out[:rows], token_ids, meta, shift
+
+    def _warm_fill(self) -> None:
+        """Run the fill once per Q with nothing pending (source row -1: it writes nothing but a
+        zero shift), on the real input buffers and a previous step of K drafts, so that the first
+        step planned ahead finds its kernel compiled (Triton specialises on Q and the strides)."""
+        if self.max_queries < 2:
+            return
+        drafts = self.max_queries - 1
+        previous = PreviousVerify({}, torch.zeros(1, dtype=torch.long, device=self.device),
+                                  torch.zeros((1, drafts), dtype=torch.long, device=self.device),
+                                  torch.zeros(1, dtype=torch.long, device=self.device))
+        for queries in range(1, self.max_queries + 1):
+            self._request_field(self.inputs, "source_rows", 1).fill_(-1)
+            self._fill_pending(1, queries, previous)
 
     def _fill_pending(self, num_reqs: int, queries: int, previous: PreviousVerify):
         """On the device, after the upload: the tokens of pending chunks (the staged `source_rows`
