@@ -74,6 +74,18 @@ def test_triton_fill_equals_reference(num_reqs, queries, num_prev, num_drafts, p
         assert int(actual[2][b]) == int(staged[2][b] - rejected[row])
 
 
+def test_rows_with_nothing_pending_may_hold_any_position():
+    """Padding rows (nothing pending) may hold positions past their block tables: both forms leave
+    them as they are and read no block for them."""
+    staged, previous = _step(3, 4, 2, 4, 1, 2)
+    staged[1][1] = 10_000  # request 1 is not pending
+    expected, actual = [t.clone() for t in staged], [t.clone() for t in staged]
+    assert torch.equal(fill_pending_triton(*actual, *previous, BLOCK_SIZE),
+                       fill_pending_reference(*expected, *previous, BLOCK_SIZE))
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert int(actual[1][1, 0]) == 10_000 and torch.equal(actual[3][1], staged[3][1])
+
+
 def test_too_few_drafts_refused():
     staged, previous = _step(0, 2, 3, 2, 1, 2)
     with pytest.raises(ValueError, match="need 2 drafts"):

@@ -30,6 +30,7 @@ def fill_pending_reference(
     token_ids.copy_(torch.where(pending[:, None], filled, token_ids))
     positions.sub_(shift[:, None])
     seq_lens.sub_(shift)
-    blocks = block_tables.gather(1, positions // block_size)  # [B, Q]
+    # rows with nothing pending keep their slots: gather block 0 there, whatever their positions
+    blocks = block_tables.gather(1, torch.where(pending[:, None], positions // block_size, 0))  # [B, Q]
     slot_mapping.copy_(torch.where(pending[:, None], blocks * block_size + positions % block_size, slot_mapping))
     return shift
