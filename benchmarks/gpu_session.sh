@@ -603,7 +603,8 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
     s24)  # session 24, for a short device budget: the planned-ahead fill compiled on the GPU (its tests, the engine's
       # planned-ahead tests), then bench_mtp K <= 1 at batch 1 with LAMINA_PENDING_FILL=torch against triton (the default),
       # alternating ROUNDS times in this tree, then the GPU-marked engine and MTP tests
-      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_triton_pending_fill.py tests/test_mtp_async.py \
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_pending_fill.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_mtp_async.py \
         2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       for i in $(seq ${ROUNDS:-1}); do
         for fill in torch triton; do
