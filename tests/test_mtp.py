@@ -166,6 +166,31 @@ def test_seeded_sampling_does_not_depend_on_preemption(mtp_models, family, monke
     assert len({tuple(t) for t in tokens}) == len(tokens)
 
 
+def test_preempted_seeded_request_recomputes_under_a_small_budget(mtp_models):
+    """A small token budget: a seeded request preempted with its K drafts cannot recompute its last
+    chunk and verify all of them in one step. Its chunk stops one token short, the last token goes
+    with all the drafts in the next step, and every request finishes with the text it has without
+    preemption (it used to wait for room that never came, and the engine spun)."""
+    path = mtp_models["qwen3_next"]
+    rng = random.Random(3)
+    ps = [{"prompt_token_ids": [rng.randrange(0, 990) for _ in range(n)]} for n in (5, 11, 10)]
+    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=m, ignore_eos=True)
+              for i, m in enumerate((8, 11, 15))]
+    small = dict(block_size=4, max_model_len=32, max_num_batched_tokens=7)
+    expected = generate(path, 2, params=params, ps=ps, **small)[0]
+    with LLM(str(path), **ENGINE, **spec(2), num_gpu_blocks_override=9, **small) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
+        finals = {}
+        for _ in range(200):
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), f"unfinished after 200 steps: {sorted(set(ids) - set(finals))}"
+        assert engine.scheduler.num_preemptions > 0, "the cache was meant to be too small"
+    assert [list(finals[i].outputs[0].token_ids) for i in ids] == expected
+
+
 def test_drafts_match_an_independent_reference(mtp_models):
     """The drafter's proposals against transformers' own decoder layer run over the whole
     sequence (no cache): the first pass reads (target hidden at p, token p+1) at every position,

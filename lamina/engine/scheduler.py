@@ -225,6 +225,21 @@ class Scheduler:
         )
         return request.spec_token_ids[: max(0, room)]
 
+    def _chunk_and_drafts(self, request: Request, num_new: int, budget_left: int) -> tuple[int, list[int]] | None:
+        """The chunk of at most `num_new` tokens the request computes this step and the drafts it
+        verifies, within `budget_left`; None when it sits this step out. A seeded sampling request
+        draws random numbers for every draft it verifies, so its drafts are never cut to the
+        budget (its text would depend on the batch): where the chunk to its end and all its drafts
+        do not fit, the chunk stops one token short of the end (nothing sampled, nothing verified),
+        and the last token goes with all the drafts in a later step (max_num_batched_tokens >= K + 1
+        is checked at start-up). A request preempted with its drafts (they are kept) recomputes so."""
+        drafts = self._drafts(request, num_new, budget_left - num_new)
+        if drafts is None:
+            return None
+        if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
+            return (num_new - 1, []) if num_new > 1 else None
+        return num_new, drafts
+
     def _pending_at_limit(self, request: Request) -> bool:
         """The request's pending tokens end it (max_tokens / max_model_len): it only waits for them."""
         return request.num_pending_tokens > 0 and (
@@ -256,16 +271,11 @@ class Scheduler:
             if num_new <= 0 or self._pending_at_limit(request):
                 index += 1
                 continue
-            drafts = self._drafts(request, num_new, budget - num_new)
-            if drafts is None:
+            chunk = self._chunk_and_drafts(request, num_new, budget)
+            if chunk is None:
                 index += 1
                 continue
-            if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
-                # A seeded sampling request draws random numbers for every draft it verifies: cutting
-                # its drafts to another request's leftover budget would make its text depend on the
-                # batch. It waits for a step with room for all of them.
-                index += 1
-                continue
+            num_new, drafts = chunk
             scheduled = True
             wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
             while not self.cache.allocate(request.request_id, wanted):
@@ -286,9 +296,10 @@ class Scheduler:
                 if request.num_pending_tokens:
                     break  # preempted while its token was in flight: recompute once that token is known
                 num_new = min(self._target(request) - request.num_computed_tokens, budget)
-                drafts = self._drafts(request, num_new, budget - num_new)  # a preempted request's, kept
-                if self._draws_per_draft(request) and len(drafts) < len(self._drafts(request, num_new, budget_left=1 << 30)):
-                    break  # as for a running request: its drafts are not cut to the leftover budget
+                chunk = self._chunk_and_drafts(request, num_new, budget)  # drafts: a preempted request's, kept
+                if chunk is None:
+                    break
+                num_new, drafts = chunk
                 wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
                 if not self.cache.allocate(request.request_id, wanted):
                     break
