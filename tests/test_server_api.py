@@ -169,6 +169,20 @@ def test_completion_logprobs(client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
 
 
+def test_completions_echo_logprobs_streamed_as_whole(client):
+    """Streamed echo with logprobs: the prompt's entries come first and the generated tokens'
+    text offsets count on from the prompt's end, as in the whole answer."""
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    pieces = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(p.text for p in pieces) == whole.text
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for p in pieces if p.logprobs for x in getattr(p.logprobs, field)] == getattr(whole.logprobs, field)
+    offsets = whole.logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
 def test_chat_logprobs_streamed_and_not(client):
     kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
                   extra_body={"ignore_eos": True})

@@ -229,13 +229,15 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
                     if choice.done or (choice.echo_logprobs and not choice.echoed and output.prompt_logprobs is None):
                         continue  # (the prompt's logprobs come with the first child's first token)
                     finished = completion.finish_reason is not None
-                    text, logprobs = choice.update(completion, finished)
+                    echo_text, echo_logprobs = "", None
                     if not choice.echoed:  # echo with logprobs: the prompt's logprobs are known now
                         choice.echoed = True
-                        echo_logprobs = choice.prompt_logprobs(output)
-                        text = choice.echo_text + text
-                        if echo_logprobs is not None:
-                            logprobs = _merge_logprobs(echo_logprobs, logprobs) if logprobs else echo_logprobs
+                        # first: the generated tokens' text offsets count from the prompt's end
+                        echo_text, echo_logprobs = choice.echo_text, choice.prompt_logprobs(output)
+                    text, logprobs = choice.update(completion, finished)
+                    text = echo_text + text
+                    if echo_logprobs is not None:
+                        logprobs = _merge_logprobs(echo_logprobs, logprobs) if logprobs else echo_logprobs
                     ids = choice.token_id_fields(completion, final=False)
                     news = text or (logprobs and logprobs["tokens"]) or ids.get("token_ids") or "prompt_token_ids" in ids
                     if not news and not finished:
