@@ -93,7 +93,7 @@ def client(hermes_ckpt):
 
 def _create(client, **kw):
     return client.chat.completions.create(model=MODEL_NAME, messages=kw.pop("messages", MESSAGES), temperature=0,
-                                          max_tokens=60, **kw)
+                                          max_tokens=kw.pop("max_tokens", 60), **kw)
 
 
 def _streamed(client, **kw):
@@ -142,6 +142,22 @@ def test_auto_tool_call_streamed_and_not(client):
     assert order[0] == "reasoning"
 
 
+def test_tool_call_cut_off_by_max_tokens_streamed_and_not(client):
+    """max_tokens ends the answer inside the call's arguments. The whole answer has no tool call:
+    its content is the raw text and its finish reason "length". The stream has sent the call's
+    header and part of its arguments by then: it does not send that text again as content, and
+    its finish reason is "length" too, never "tool_calls" for a call whose arguments are cut."""
+    header_at = next(i for i, piece in enumerate(HERMES_PIECES) if "<tool_call>" in piece)
+    max_tokens = header_at + 4  # inside the arguments
+    out = _create(client, tools=TOOLS, max_tokens=max_tokens).choices[0]
+    assert out.finish_reason == "length" and not out.message.tool_calls
+    assert "<tool_call>" in out.message.content
+    reasoning, content, calls, finish, order = _streamed(client, tools=TOOLS, max_tokens=max_tokens)
+    assert reasoning == THOUGHT and finish == "length"
+    assert "header" in order and [c["name"] for c in calls] == ["get_weather"]
+    assert "<tool_call>" not in content and content.strip() == out.message.content.split("<tool_call>")[0].strip()
+
+
 def test_tool_result_follow_up_goes_through_the_template(client, hermes_ckpt):
     first = _create(client, tools=TOOLS).choices[0].message
     call = first.tool_calls[0]
@@ -171,19 +187,20 @@ def test_tool_choice_none_required_and_named(client):
     # (docs/SERVING.md); with the think block closed by the template, the script's call fits the grammar
     no_think = {"chat_template_kwargs": {"enable_thinking": False}}
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        want = "tool_calls" if choice == "required" else "stop"  # a named function: "stop", as OpenAI and vLLM answer
         out = _create(client, tools=TOOLS, tool_choice=choice, extra_body=no_think).choices[0]
-        assert out.finish_reason == "tool_calls" and out.message.content is None
+        assert out.finish_reason == want and out.message.content is None
         assert out.message.model_extra["reasoning_content"] is None  # the parser is on; there is no reasoning
         [call] = out.message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
         reasoning, content, calls, finish, _ = _streamed(client, tools=TOOLS, tool_choice=choice, extra_body=no_think)
-        assert finish == "tool_calls" and (reasoning, content) == ("", "")
+        assert finish == want and (reasoning, content) == ("", "")
         assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
     # a named choice makes the model call that function even though it wanted another one (search takes
     # no parameters, so its arguments are {})
     named = {"type": "function", "function": {"name": "search"}}
     out = _create(client, tools=TOOLS, tool_choice=named, extra_body=no_think).choices[0]
-    assert out.finish_reason == "tool_calls" and out.message.content is None
+    assert out.finish_reason == "stop" and out.message.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [("search", {})]
     # the same when the model wanted to think first: the grammar keeps <think> out
     out = _create(client, tools=TOOLS, tool_choice=named).choices[0]

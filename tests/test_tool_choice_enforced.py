@@ -169,7 +169,9 @@ def _ask(url, eos_bias, requests):
 
 def _check(answers, named=None, padded=False):
     for finish, calls, content in answers:
-        assert finish == "tool_calls" and content is None and len(calls) == 1, (finish, calls, content)
+        # a named function answers "stop", as OpenAI and vLLM do; `required` answers "tool_calls"
+        assert finish == ("tool_calls" if named is None else "stop") and content is None and len(calls) == 1, \
+            (finish, calls, content)
         name, arguments = calls[0]
         assert named is None or name == named
         validate(name, json.loads(arguments), padded)

@@ -2,8 +2,14 @@
 `content` and `tool_calls` (tool parser), for a whole answer and as streamed deltas.
 
 Both parsers are pure functions of the text so far, so the stream sends the growth of each field and
-its concatenated deltas equal the non-streaming message (one exception: a tool call whose name was
-already streamed and whose text then turns out malformed; its remaining text is sent as content).
+its concatenated deltas equal the non-streaming message. One exception: a tool call whose name was
+already streamed and whose text then turns out malformed or cut off (max_tokens). The client has
+its header and part of its arguments; the text up to there is not sent again as content, text
+after it is, and the finish reason is the engine's ("length", "stop"), never "tool_calls" (the
+whole answer has no tool calls then: its content is the raw text, its finish reason the engine's).
+
+`finish_reason`: "tool_calls" when the answer's calls parsed whole, as OpenAI and vLLM answer, except
+for a named tool_choice, where both answer "stop".
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ChatOutputParser:
         self._sent_content = 0
         self._calls: list[_SentCall] = []
         self._plain = False  # a malformed call was seen: the rest is plain content
+        self._calls_whole = False  # the final text parsed with the calls sent
 
     @property
     def active(self) -> bool:
@@ -82,10 +89,16 @@ class ChatOutputParser:
         return ChatMessageFields(content=content if content or split.reasoning is None else None,
                                  reasoning_content=split.reasoning)
 
+    def finish_reason(self, engine_reason: str | None, tool_calls: bool) -> str | None:
+        """The answer's finish reason: `tool_calls` when it has whole tool calls (unless they
+        answer a named tool_choice), else the engine's."""
+        return "tool_calls" if tool_calls and self.only_function is None else engine_reason
+
     # ---- streaming --------------------------------------------------------------------------
     @property
     def called_tools(self) -> bool:
-        return bool(self._calls)
+        """Whether the stream's tool calls parsed whole in its final text."""
+        return self._calls_whole
 
     def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The deltas (OpenAI `delta` objects) that bring the client from what was sent to `text`."""
@@ -101,10 +114,13 @@ class ChatOutputParser:
             parsed = self.tools.parse(content, final)
             if not parsed.valid:
                 self._plain = True
+                if self._calls:  # the text so far belongs to calls the client has: not sent again
+                    self._sent_content = max(self._sent_content, len(content))
             else:
                 self._content_delta(out, parsed.content)
                 for index, call in enumerate(self._wanted(parsed.calls)):
                     self._call_deltas(out, index, call)
+                self._calls_whole = final and bool(self._calls)
                 if not final or self._calls:
                     return out
         self._content_delta(out, content)

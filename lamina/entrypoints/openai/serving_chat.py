@@ -150,8 +150,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             message.update(content=fields.content, tool_calls=fields.tool_calls)
             if options.reasoning_parser is not None:  # null when an enforced tool choice leaves no reasoning
                 message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
-            if fields.tool_calls:
-                finish_reason = "tool_calls"
+            finish_reason = parser.finish_reason(finish_reason, bool(fields.tool_calls))
         choices.append({
             "index": completion.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": completion.stop_reason,
@@ -215,7 +214,7 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                                               "logprobs": logprobs, "finish_reason": None}
                     if finished:
                         done[j] = True
-                        choice["finish_reason"] = "tool_calls" if chooser.called_tools else completion.finish_reason
+                        choice["finish_reason"] = chooser.finish_reason(completion.finish_reason, chooser.called_tools)
                         choice["stop_reason"] = completion.stop_reason
                     yield chunk([choice])
         if include_usage and final is not None:
