@@ -118,6 +118,33 @@ def test_chat_matches_offline_and_streaming(client, ref):
     assert usage.model_dump() == out.usage.model_dump()
 
 
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, max_completion_tokens=3,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3  # as in vLLM: OpenAI's current name wins
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats(client, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the
+    usage so far (prompt tokens fixed, completion tokens growing to the final count), then the
+    usage chunk with no choices closes the stream as without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL_NAME, max_tokens=6, temperature=0, n=2, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **kwargs))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **kwargs))
+    *with_choices, last = chunks
+    assert not last.choices and last.usage.completion_tokens == 12
+    assert all(c.choices and c.usage is not None for c in with_choices)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_chat_template_kwargs_reach_the_template(client, ref):
     tok = ref.get_tokenizer()
     plain = len(tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)["input_ids"])

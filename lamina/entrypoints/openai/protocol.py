@@ -52,6 +52,7 @@ class _Request(BaseModel):
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class _SamplingFields(_Request):

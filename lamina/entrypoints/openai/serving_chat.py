@@ -109,9 +109,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
     prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
     parser = output_parser(options, req.tools, choice, function, prompt_tail)
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
-        raise APIError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_completion_tokens")
+    # both given: max_completion_tokens (OpenAI's current name) wins, as in vLLM
     requested, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                        else (req.max_tokens, "max_tokens"))
     max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
@@ -126,8 +124,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
         return StreamingResponse(
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
+                    continuous_usage, len(token_ids),
                     [output_parser(options, req.tools, choice, function, prompt_tail) for _ in range(params.n)]),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
@@ -165,17 +165,20 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
-                  num_logprobs: int | None, include_usage: bool, arrival: float, parsers: list[ChatOutputParser]):
-    """`parsers`: one output parser per choice (streamed parsing keeps state)."""
+                  num_logprobs: int | None, include_usage: bool, arrival: float, continuous_usage: bool,
+                  prompt_tokens: int, parsers: list[ChatOutputParser]):
+    """`parsers`: one output parser per choice (streamed parsing keeps state). `continuous_usage`
+    (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
     holdback = serving.holdback(params)
     n = params.n
     sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+    generated = 0  # tokens of all choices so far
 
     def chunk(choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": choices, "system_fingerprint": None}
         if include_usage:
-            body["usage"] = usage
+            body["usage"] = usage if usage is not None or not continuous_usage else serving.usage(prompt_tokens, generated)
         return sse(body)
 
     outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
@@ -188,6 +191,7 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
             async for _, output in updates:
                 if output.finished:
                     final = output
+                generated = sum(len(c.token_ids) for c in output.outputs)
                 for completion in output.outputs:
                     j = completion.index
                     if done[j]:

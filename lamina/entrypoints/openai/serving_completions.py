@@ -164,8 +164,10 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
         return StreamingResponse(
-            _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only),
+            _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only,
+                    continuous_usage, sum(len(ids) for _, ids in prepared)),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -204,13 +206,19 @@ def _echo_text(serving: OpenAIServing, text: str | None, token_ids: list[int]) -
 
 
 async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]], raw: Request, request_id: str,
-                  created: int, model: str, include_usage: bool, arrival: float, echo_only: bool):
+                  created: int, model: str, include_usage: bool, arrival: float, echo_only: bool,
+                  continuous_usage: bool, prompt_tokens: int):
+    """`continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries the
+    usage so far (`prompt_tokens`: all the prompts')."""
     finals: list[RequestOutput | None] = [None] * len(streams)
+    generated = [0] * len(streams)  # tokens so far of each prompt's choices
 
     def chunk(body_choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": body_choices, "system_fingerprint": None}
         if include_usage:
+            if usage is None and continuous_usage:
+                usage = serving.usage(prompt_tokens, 0 if echo_only else sum(generated))
             body["usage"] = usage
         return sse(body)
 
@@ -224,6 +232,7 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
                                   "finish_reason": None}])
         async with aclosing(serving.merged(streams, raw)) as updates:
             async for i, output in updates:
+                generated[i] = sum(len(c.token_ids) for c in output.outputs)
                 for completion in output.outputs:
                     choice = choices[i][completion.index]
                     if choice.done or (choice.echo_logprobs and not choice.echoed and output.prompt_logprobs is None):
