@@ -99,3 +99,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per position
     # {token id: logprob} with the prompt's token and the top-k (filled as prefill chunks run).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With prompt_logprobs: each prompt token's rank in its position's distribution (1 = the most
+    # likely token; None for the first), as vLLM's Logprob.rank.
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -111,6 +111,7 @@ class SampledToken:
     # (`token_id` is None for a chunk that scored prompt tokens without sampling).
     prompt_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs_start: int = 0
+    prompt_logprob_ranks: list[int] | None = None  # each scored prompt token's rank (1 = most likely)
 
     @property
     def token_ids(self) -> list[int]:

@@ -22,6 +22,10 @@ def check(out, expected_lp: torch.Tensor, k: int, prompt=PROMPT, atol=2e-5):
         assert set(top) <= set(entry) and len(entry) in (k, k + 1)
         for t in top:
             assert entry[t] == pytest.approx(row[t].item(), abs=atol)
+        # the prompt token's rank: 1 + the tokens likelier than it (a tie within atol may go either way)
+        target = row[prompt[i]]
+        assert int((row > target + atol).sum()) + 1 <= out.prompt_logprob_ranks[i] <= int((row > target - atol).sum()) + 1
+    assert out.prompt_logprob_ranks[0] is None
 
 
 @pytest.fixture(scope="module")

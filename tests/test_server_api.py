@@ -118,6 +118,32 @@ def test_chat_matches_offline_and_streaming(client, ref):
     assert usage.model_dump() == out.usage.model_dump()
 
 
+def test_prompt_logprobs_field_as_vllm_answers(client, ref):
+    """vLLM's `prompt_logprobs`: per prompt token None (the first), then {token id: {logprob, rank,
+    decoded_token}} with the prompt's token (its true rank, from the engine) and the k likeliest;
+    on each completions choice, at the top of a chat answer. Values equal the offline API's."""
+    expected = ref.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        field = choice.model_extra["prompt_logprobs"]
+        assert len(field) == len(expected.prompt_token_ids) and field[0] is None
+        for token, entry, want, rank in zip(expected.prompt_token_ids[1:], field[1:], expected.prompt_logprobs[1:],
+                                            expected.prompt_logprob_ranks[1:]):
+            assert list(entry)[0] == str(token) and entry[str(token)]["rank"] == rank
+            assert {int(t) for t in entry} == set(want) and len(entry) in (2, 3)
+            for t, item in entry.items():
+                assert item["logprob"] == pytest.approx(want[int(t)], abs=1e-5) and item["decoded_token"]
+            ranked = sorted(entry.values(), key=lambda item: -item["logprob"])
+            assert ranked[0]["rank"] == 1 and [i["rank"] for i in ranked] == sorted(i["rank"] for i in ranked)
+    assert any(r > 2 for r in expected.prompt_logprob_ranks[1:])  # some prompt token lies outside the top 2
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    field = chat.model_extra["prompt_logprobs"]
+    assert len(field) == chat.usage.prompt_tokens and field[0] is None
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in field[1:])
+
+
 def test_max_completion_tokens_wins_over_max_tokens(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, max_completion_tokens=3,
                                          temperature=0, extra_body={"ignore_eos": True})

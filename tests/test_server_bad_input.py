@@ -105,7 +105,7 @@ CASES = [
     ("allowed-token-ids-out-of-vocab", _cmpl(allowed_token_ids=[100000]), 400, "allowed_token_ids"),
     ("bad-words-empty-string", _cmpl(bad_words=[""]), 400, "bad_words"),
     ("bad-words-not-a-list", _cmpl(bad_words="x"), 400, "bad_words"),
-    ("prompt-logprobs-field", _cmpl(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("prompt-logprobs-streamed", _cmpl(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     ("prompt-logprobs-too-many", _cmpl(prompt_logprobs=21), 400, "prompt_logprobs"),
     ("echo-logprobs-too-many", _cmpl(echo=True, logprobs=21, max_tokens=0), 400, "logprobs"),
     ("seed-string", _cmpl(seed="x"), 400, "seed"),

@@ -78,8 +78,10 @@ class _RequestState:
         self.logprobs: list[dict[int, float]] | None = [] if request.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
         if request.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(request.prompt_token_ids)
+            self.prompt_logprob_ranks = [None] * len(request.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.spec = SpecDecodeMetrics()
         self.waiting_since: float | None = self.metrics.arrival_time  # None while in the running batch
@@ -669,6 +671,8 @@ class LLMEngine:
             if result.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 start = result.prompt_logprobs_start
                 state.prompt_logprobs[start:start + len(result.prompt_logprobs)] = result.prompt_logprobs
+                if result.prompt_logprob_ranks is not None:
+                    state.prompt_logprob_ranks[start:start + len(result.prompt_logprob_ranks)] = result.prompt_logprob_ranks
             if result.token_id is None:
                 continue  # a prompt chunk that only scored prompt logprobs
             if state.metrics.first_token_time is None:
@@ -789,6 +793,7 @@ class LLMEngine:
             metrics=state.metrics,
             spec_decode=state.spec if self.spec_config is not None else None,
             prompt_logprobs=state.prompt_logprobs,  # complete before the first token is reported
+            prompt_logprob_ranks=state.prompt_logprob_ranks,
         )
 
     def shutdown(self) -> None:

@@ -254,9 +254,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
             results = self.sample(logits, chunks) if sample else {}
         if sample:
-            for request_id, (start, entries) in scored.items():
+            for request_id, (start, entries, ranks) in scored.items():
                 result = results.setdefault(request_id, SampledToken(None))
                 result.prompt_logprobs, result.prompt_logprobs_start = entries, start
+                result.prompt_logprob_ranks = ranks
         return results
 
     @torch.inference_mode()

@@ -37,9 +37,10 @@ def prompt_positions(chunk: ScheduledChunk) -> tuple[int, list[int]]:
 @torch.inference_mode()
 def score_prompt_chunks(
     model, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk], max_rows: int = PROMPT_LOGPROBS_ROWS,
-) -> dict[str, tuple[int, list[dict[int, float]]]]:
-    """{request id: (first scored prompt position + 1, [{target: logprob, top-k...}, ...])} for the
-    chunks with prompt logprobs; `hidden` is the last stage's [T, H] output of the step."""
+) -> dict[str, tuple[int, list[dict[int, float]], list[int]]]:
+    """{request id: (first scored prompt position + 1, [{target: logprob, top-k...}, ...], [the
+    target's rank in the vocabulary, 1 = most likely, ...])} for the chunks with prompt logprobs;
+    `hidden` is the last stage's [T, H] output of the step."""
     rows: list[int] = []
     targets: list[int] = []
     owners: list[tuple[str, int, int, int]] = []  # (request id, first target position, count, k)
@@ -59,17 +60,20 @@ def score_prompt_chunks(
     device = hidden.device
     row_t = to_device(rows, device)
     target_t = to_device(targets, device)
-    target_lp, top_lp, top_ids = [], [], []
+    target_lp, target_rank, top_lp, top_ids = [], [], [], []
     for begin in range(0, len(rows), max_rows):
         piece = slice(begin, begin + max_rows)
         logprobs = torch.log_softmax(model.compute_logits(hidden.index_select(0, row_t[piece])).float(), dim=-1)
-        target_lp.append(logprobs.gather(1, target_t[piece].unsqueeze(1)).squeeze(1))  # [rows]
+        target = logprobs.gather(1, target_t[piece].unsqueeze(1))  # [rows, 1]
+        target_lp.append(target.squeeze(1))  # [rows]
+        target_rank.append((logprobs > target).sum(dim=1) + 1)  # [rows]: 1 + tokens strictly likelier
         if max_k:
             values, ids = logprobs.topk(max_k, dim=-1)  # [rows, k]
             top_lp.append(values)
             top_ids.append(ids)
         del logprobs
     target_list = torch.cat(target_lp).tolist()
+    rank_list = torch.cat(target_rank).tolist()
     top_lp_list = torch.cat(top_lp).tolist() if max_k else [[] for _ in rows]
     top_ids_list = torch.cat(top_ids).tolist() if max_k else [[] for _ in rows]
     results = {}
@@ -81,6 +85,6 @@ def score_prompt_chunks(
             for tok, lp in zip(top_ids_list[j][:k], top_lp_list[j][:k]):
                 entry.setdefault(tok, lp)
             entries.append(entry)
-        results[request_id] = (start, entries)
+        results[request_id] = (start, entries, rank_list[index:index + count])
         index += count
     return results

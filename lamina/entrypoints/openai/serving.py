@@ -158,9 +158,10 @@ class OpenAIServing:
                 self.require_tokenizer(f"{name} (structured output)", name)
 
     def check_unsupported(self, req) -> None:
-        if req.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs is not returned by this server; on /v1/completions send echo = true "
-                           "with logprobs = k to get the prompt's logprobs", param="prompt_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream = true (as in vLLM); on "
+                           "/v1/completions a stream sends the prompt's logprobs with echo = true and logprobs = k",
+                           param="prompt_logprobs")
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
                            param="stop")
@@ -368,6 +369,27 @@ class OpenAIServing:
     @staticmethod
     def top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
         return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -finite(kv[1]))[:n]]
+
+    def prompt_logprobs_field(self, output, k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt position, None for the first, then `{token id:
+        {"logprob", "rank", "decoded_token"}}` holding the prompt's token and the `k` likeliest. A
+        top-k token's rank is 1 + the top tokens likelier than it; the prompt token's comes from
+        the engine (it may lie outside the top k)."""
+        entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        ranks = output.prompt_logprob_ranks or [None] * len(entries)
+        field: list[dict[str, dict[str, Any]] | None] = []
+        for token, entry, rank in zip(output.prompt_token_ids, entries, ranks):
+            if entry is None:
+                field.append(None)
+                continue
+            top = self.top(entry, k)  # the k likeliest, best first (the entry holds them and the prompt token)
+            top_values = [lp for _, lp in top]
+            item: dict[str, dict[str, Any]] = {}
+            for t, lp in [(token, finite(entry[token]))] + [(t, lp) for t, lp in top if t != token]:
+                own = rank if t == token and rank is not None else 1 + sum(v > lp for v in top_values)
+                item[str(t)] = {"logprob": lp, "rank": own, "decoded_token": self.token_text(t) if self.tokenizer is not None else None}
+            field.append(item)
+        return field
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -114,7 +114,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                        else (req.max_tokens, "max_tokens"))
     max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, best_of=getattr(req, "best_of", None))
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, best_of=getattr(req, "best_of", None),
+                                     prompt_logprobs=req.prompt_logprobs)
     if tool_constraint is not None:  # the request has no other constraint (tool_choice_structured_output)
         params.structured_outputs = tool_constraint
     serving.validate_prompt(token_ids, params, "messages")
@@ -156,12 +157,15 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             "stop_reason": completion.stop_reason,
         })
     serving.record(ENDPOINT, arrival, [output])
-    return JSONResponse({
+    body = {
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": choices,
         "usage": serving.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
         "system_fingerprint": None,
-    })
+    }
+    if req.prompt_logprobs is not None:  # vLLM's field: the templated prompt's tokens
+        body["prompt_logprobs"] = serving.prompt_logprobs_field(output, req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,

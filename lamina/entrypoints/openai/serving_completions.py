@@ -152,7 +152,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
                                                 prompt_param="prompt")
         params = serving.sampling_params(
             req, max_tokens=max_tokens, logprobs=req.logprobs, best_of=req.best_of,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs_wanted(req),
         )
         serving.validate_prompt(token_ids, params, "prompt")
         items.append((f"{request_id}-{i}", token_ids, params, text))
@@ -190,6 +190,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
                 "stop_reason": None if echo_only else completion.stop_reason,
                 **choice.token_id_fields(completion, final=True),
             })
+            if req.prompt_logprobs is not None:  # vLLM's field, on each choice of the prompt
+                body_choices[-1]["prompt_logprobs"] = serving.prompt_logprobs_field(output, req.prompt_logprobs)
             completion_tokens += 0 if echo_only else len(completion.token_ids)
         prompt_tokens += len(output.prompt_token_ids)
     serving.record(ENDPOINT, arrival, outputs)
@@ -197,6 +199,12 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": body_choices,
         "usage": serving.usage(prompt_tokens, completion_tokens), "system_fingerprint": None,
     })
+
+
+def _prompt_logprobs_wanted(req: CompletionRequest) -> int | None:
+    """The engine's prompt_logprobs: vLLM's field, and echo's prompt entries (echo with logprobs)."""
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def _echo_text(serving: OpenAIServing, text: str | None, token_ids: list[int]) -> str:
