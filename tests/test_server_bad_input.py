@@ -106,6 +106,8 @@ CASES = [
     ("bad-words-empty-string", _cmpl(bad_words=[""]), 400, "bad_words"),
     ("bad-words-not-a-list", _cmpl(bad_words="x"), 400, "bad_words"),
     ("prompt-logprobs-streamed", _cmpl(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    ("stream-options-without-stream", _cmpl(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("chat-stream-options-without-stream", _chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("prompt-logprobs-too-many", _cmpl(prompt_logprobs=21), 400, "prompt_logprobs"),
     ("echo-logprobs-too-many", _cmpl(echo=True, logprobs=21, max_tokens=0), 400, "logprobs"),
     ("seed-string", _cmpl(seed="x"), 400, "seed"),

@@ -158,6 +158,8 @@ class OpenAIServing:
                 self.require_tokenizer(f"{name} (structured output)", name)
 
     def check_unsupported(self, req) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream = true (as in OpenAI's API and vLLM)", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs is not available with stream = true (as in vLLM); on "
                            "/v1/completions a stream sends the prompt's logprobs with echo = true and logprobs = k",
