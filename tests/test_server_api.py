@@ -144,6 +144,24 @@ def test_prompt_logprobs_field_as_vllm_answers(client, ref):
     assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in field[1:])
 
 
+def test_chat_echo_starts_with_the_final_assistant_message(client):
+    """vLLM's chat `echo`: with a final assistant message (continued here), the answer's content
+    starts with that message's content, streamed (its own delta after the role) and not."""
+    messages = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**kwargs, extra_body={**extra, "echo": False}).choices[0].message.content
+    echoed = client.chat.completions.create(**kwargs, extra_body=extra).choices[0].message.content
+    assert echoed == "The answer is" + plain
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    # the last message is the user's: nothing to echo
+    user_last = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                               extra_body={"echo": True, "ignore_eos": True}).choices[0].message.content
+    assert user_last == client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                       extra_body={"ignore_eos": True}).choices[0].message.content
+
+
 def test_max_completion_tokens_wins_over_max_tokens(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, max_completion_tokens=3,
                                          temperature=0, extra_body={"ignore_eos": True})

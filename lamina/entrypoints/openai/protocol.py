@@ -162,6 +162,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: a final assistant message's content starts the answer's content
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -105,6 +105,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         tool_constraint = await serving.run_blocking(tool_choice_structured_output, options, req, choice, function,
                                                      serving.engine, param="tools")
     messages = _messages(req)
+    # vLLM's echo: the answer's content starts with the last message's when that is the assistant's
+    echo = messages[-1]["content"] if req.echo and messages[-1].get("role") == "assistant" else ""
     prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
     prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
@@ -128,7 +130,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
         return StreamingResponse(
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
-                    continuous_usage, len(token_ids),
+                    continuous_usage, len(token_ids), echo,
                     [output_parser(options, req.tools, choice, function, prompt_tail) for _ in range(params.n)]),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
@@ -152,6 +154,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             if options.reasoning_parser is not None:  # null when an enforced tool choice leaves no reasoning
                 message.update(dict.fromkeys(REASONING_FIELDS, fields.reasoning_content))
             finish_reason = parser.finish_reason(finish_reason, bool(fields.tool_calls))
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         choices.append({
             "index": completion.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": completion.stop_reason,
@@ -170,7 +174,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
                   num_logprobs: int | None, include_usage: bool, arrival: float, continuous_usage: bool,
-                  prompt_tokens: int, parsers: list[ChatOutputParser]):
+                  prompt_tokens: int, echo: str, parsers: list[ChatOutputParser]):
     """`parsers`: one output parser per choice (streamed parsing keeps state). `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
     holdback = serving.holdback(params)
@@ -190,6 +194,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
         for index in range(n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+            if echo:  # vLLM's echo: the final assistant message's content first
+                yield chunk([{"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
         final = None
         async with aclosing(serving.merged([stream], raw)) as updates:
             async for _, output in updates:
