@@ -563,8 +563,8 @@ json.dump(out, open('$OUT/timeline19.json', 'w'), indent=1)" ;;
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=6 tests/test_gpu_engine.py \
         tests/test_batch_invariance.py tests/test_pdl.py tests/test_qwen4_graphs.py tests/test_triton_gdn_decode.py \
         tests/test_triton_router.py 2>&1 | grep -v "^$" | tail -12 | cut -c1-200 ;;
-    gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU)
-      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/ 2>&1 \
+    gpuall19)  # every GPU-marked test file (test_multirank_graphs skips on one GPU; the server modules need openai, absent there)
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors --durations=8 tests/ 2>&1 \
         | grep -v "^$" | tail -25 | cut -c1-220 ;;
     host20)  # (written in session 20, not yet run) session 20's host-path changes on the GPU: .baseline (carried: git
       # archive of e4548f2's lamina/) against this tree, alternating: MTP K = 0 / 1 at batch 1 and 8 (bench_mtp), and
