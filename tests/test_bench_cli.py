@@ -49,6 +49,51 @@ def test_bench_latency_compared_with_transformers(qwen3_next_dir, tmp_path):
     assert abs(record["speedup_vs_baseline"] - record["output_tok_per_s"] / record["baseline"]["output_tok_per_s"]) < 1e-9
 
 
+def test_transformers_baseline_loads_after_lamina_is_gone(qwen3_next_dir, tmp_path, monkeypatch):
+    """Both engines hold the whole model: the baseline loads only after lamina's engine (weights,
+    caches, graphs) is freed, or the 35B preset would not fit one 80 GB GPU twice."""
+    import gc
+
+    import torch
+
+    from lamina.entrypoints import bench
+
+    alive_at_baseline = []
+
+    def baseline(model_path, batch, input_len, output_len, device, dtype):
+        alive_at_baseline.extend(type(o).__name__ for o in gc.get_objects()
+                                 if isinstance(o, torch.nn.Module) and type(o).__module__.startswith("lamina."))
+        return {"engine": "stub", "output_tok_per_s": 1.0, "tpot_ms": 1000.0}
+
+    monkeypatch.setattr(bench, "transformers_decode", baseline)
+    assert main(["bench", "latency", "--model", str(qwen3_next_dir), *COMMON, "--batch-size", "1",
+                 "--compare", "transformers", "--output-json", str(tmp_path / "c.json")]) == 0
+    assert alive_at_baseline == []
+
+
+def test_transformers_baseline_of_a_config_only_checkpoint_is_built_in_the_dtype(qwen3_next_dir, tmp_path):
+    """A dummy preset is a config without weights: transformers' random init is built in the
+    requested dtype, never first in float32 (twice the bytes)."""
+    import shutil
+
+    import torch
+
+    from lamina.entrypoints.bench import transformers_model
+
+    config_only = tmp_path / "cfg"
+    config_only.mkdir()
+    shutil.copy(qwen3_next_dir / "config.json", config_only / "config.json")
+    built = []
+    real_init = torch.nn.Linear.reset_parameters
+    torch.nn.Linear.reset_parameters = lambda self: (built.append(self.weight.dtype), real_init(self))[1]
+    try:
+        model = transformers_model(str(config_only), torch.device("cpu"), torch.bfloat16)
+    finally:
+        torch.nn.Linear.reset_parameters = real_init
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert built and set(built) == {torch.bfloat16}
+
+
 def test_distinct_experts_are_counted_in_real_decode_steps(qwen3_next_dir):
     """The roofline's expert bytes: per MoE layer, the distinct experts of the batch's own decode
     steps (prefill calls not counted), in an untimed rerun that leaves the engine idle."""

@@ -19,6 +19,7 @@ Every record carries the keys of SHARED_KEYS (None where a kind has no such figu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import shlex
@@ -256,23 +257,32 @@ def run_latency(args, model_path: str) -> list[dict]:
     return records
 
 
-def transformers_decode(model_path: str, batch: int, input_len: int, output_len: int, device: torch.device,
-                        dtype: torch.dtype) -> dict:
-    """transformers' `generate` on the checkpoint (its weights, or its own random init for a
-    config-only directory). TPOT comes from one timed `generate`: a stopping criterion (called once
-    per generated token) syncs the device and stamps the time, and TPOT is the mean gap between the
-    stamps after the first token (subtracting two separately timed runs went negative under load)."""
+def transformers_model(model_path: str, device: torch.device, dtype: torch.dtype):
+    """transformers' model of the checkpoint in `dtype` on `device`: its weights, or its own random
+    init for a config-only directory (the dummy presets), built in `dtype` from the start: plain
+    `cls(config)` would first build float32 weights, twice the bytes (the 35B preset's then does not
+    fit an 80 GB GPU)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_path)
-    has_weights = any(Path(model_path).glob("*.safetensors"))
     cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(0)
-    if has_weights:
-        model = cls.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    else:
-        with torch.device(device):
-            model = cls(config).to(dtype).eval()
+    if any(Path(model_path).glob("*.safetensors")):
+        return cls.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        return cls._from_config(config, dtype=dtype).eval()
+
+
+def transformers_decode(model_path: str, batch: int, input_len: int, output_len: int, device: torch.device,
+                        dtype: torch.dtype) -> dict:
+    """transformers' `generate` on the checkpoint (`transformers_model`). TPOT comes from one timed
+    `generate`: a stopping criterion (called once per generated token) syncs the device and stamps
+    the time, and TPOT is the mean gap between the stamps after the first token (subtracting two
+    separately timed runs went negative under load)."""
+    import transformers
+
+    model = transformers_model(model_path, device, dtype)
+    config = model.config
     vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     ids = torch.randint(0, min(vocab, 200_000), (batch, input_len), device=device)
 
@@ -392,6 +402,10 @@ def run_bench(args) -> int:
     records = run_latency(args, model_path) if args.kind == "latency" else run_throughput(args, model_path)
     if args.compare == "transformers" and args.kind == "latency":
         from lamina.config import resolve_device, resolve_dtype
+
+        gc.collect()  # lamina's engine is shut down: its weights and caches go before transformers' load
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device, None)
