@@ -93,8 +93,10 @@ class SamplingParams:
         min_p: Drop tokens whose probability is below ``min_p`` times the
             probability of the most likely token; in ``[0, 1]``, ``0``
             disables it.
-        seed: Optional integer seed for a per-request random generator, making
-            the request's sampling reproducible independently of the batch.
+        seed: Optional integer seed: the request's random draws become a
+            function of the seed and the output index, so its text is
+            reproducible independently of the batch, of preemption and of
+            speculative decoding (lamina.worker.seeded_noise).
         max_tokens: Maximum number of generated tokens (``> 0``), or ``None``
             for "until ``max_model_len``" (resolved by the engine).
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this

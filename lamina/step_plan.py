@@ -62,7 +62,7 @@ class StepPlan:
     step_id: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests that ended (finished, aborted or preempted) since the last plan: workers drop
-    # per-request state they keep (sampling generators on finish; nothing on preemption).
+    # per-request state they keep (the drafter's draft probabilities on finish; nothing on preemption).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Token counts of all data-parallel replicas in this step (set by the engine when DP > 1).

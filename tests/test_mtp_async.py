@@ -41,7 +41,7 @@ def _plant_drafts(runner, sequences: dict[str, list[int]]) -> None:
     made wrong at every third position: acceptance is then partial and varies from step to step."""
 
     def propose(plan, meta, index, last_pos, max_pos, capacity, capacity_on_device, h_logits, h_next, batch,
-                is_sampler):
+                is_sampler, first_output_index=None):
         chunks = [c for c in plan.chunks if c.sample]
         if not chunks or not plan.num_draft_tokens:
             return [], []

@@ -118,3 +118,39 @@ def test_token_budget_must_hold_a_verification_step(qwen3_next_dir, tmp_path):
         assert "max_num_batched_tokens = 3" in str(e) and "at least 4" in str(e)
     else:
         raise AssertionError("a token budget smaller than K+1 was accepted")
+
+
+def test_seeded_text_does_not_depend_on_speculation(qwen3_next_dir, tmp_path):
+    """A seeded request's noise is keyed by its output index and verification couples drafts to
+    it: the text is the plain seeded text whatever K is, fixed or auto (whose k follows the batch
+    size), so it does not depend on the batch through the number of drafts either."""
+    import random
+
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "mtp"))
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(0, 990) for _ in range(n)]} for n in (5, 9)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=14, ignore_eos=True, seed=s) for s in (7, 8)]
+    with LLM(str(path), **ENGINE) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    specs = [{"num_speculative_tokens": k} for k in (1, 3)]
+    specs.append({"num_speculative_tokens": 2, "policy": "auto", "auto_cost": "model", "auto_draft_cost": 0.0})
+    for spec in specs:
+        with LLM(str(path), speculative_config={"method": "mtp", **spec}, **ENGINE) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+            assert got == plain, spec
+            assert llm.generate(prompts[1], seeded[1], use_tqdm=False)[0].outputs[0].token_ids == plain[1], spec
+    # drafts that are the plain text are all accepted, wrong ones never; the text stays the same
+    for right in (True, False):
+        def override(request, proposed):
+            ref = plain[[p["prompt_token_ids"] for p in prompts].index(list(request.prompt_token_ids))]
+            n = len(request.output_token_ids)
+            drafts = list(ref[n : n + len(proposed)])
+            return drafts if right else [(t + 1) % 990 for t in drafts]
+
+        with LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE) as llm:
+            llm.engine.draft_override = override
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+            metrics = llm.engine.spec_decode_metrics
+        assert got == plain, right
+        assert metrics.num_draft_tokens > 10
+        assert metrics.num_accepted_tokens == (metrics.num_draft_tokens if right else 0), (right, metrics)

@@ -10,7 +10,6 @@ from lamina.worker.sampler import (
     SamplingBatch,
     apply_min_p,
     apply_top_k_top_p,
-    create_generator,
 )
 from lamina.sampling_params import SamplingParams
 
@@ -18,9 +17,9 @@ V = 64
 EOS = [1, 2]
 
 
-def build(params, output_lens=None, generators=None, vocab=V):
+def build(params, output_lens=None, vocab=V):
     output_lens = output_lens if output_lens is not None else [0] * len(params)
-    return SamplingBatch.build(params, output_lens, EOS, generators, "cpu", vocab)
+    return SamplingBatch.build(params, output_lens, EOS, "cpu", vocab)
 
 
 def test_greedy_is_argmax():
@@ -43,21 +42,21 @@ def test_mixed_greedy_and_random_rows():
 
 
 def _run_seeded(seed, logits_rows, batch_rows, target_row, steps=6):
-    """Sample `steps` times with the seeded request at `target_row` of a batch."""
-    gen = create_generator(seed)
+    """Sample `steps` times with the seeded request at `target_row` of a batch (output index =
+    step; the other rows, some seeded too, at other indices)."""
     tokens = []
     for step in range(steps):
-        params, gens = [], []
+        params, lens = [], []
         for r in range(batch_rows):
             if r == target_row:
                 params.append(SamplingParams(temperature=1.0, seed=seed))
-                gens.append(gen)
+                lens.append(step)
             else:
-                params.append(SamplingParams(temperature=0.9, top_p=0.95))
-                gens.append(None)
+                params.append(SamplingParams(temperature=0.9, top_p=0.95, seed=r if r % 2 else None))
+                lens.append(3 * r + step)
         logits = torch.randn(batch_rows, V)  # other rows: arbitrary
         logits[target_row] = logits_rows[step]
-        out = Sampler()(logits, build(params, generators=gens))
+        out = Sampler()(logits, build(params, output_lens=lens))
         tokens.append(int(out.token_ids[target_row]))
     return tokens
 
@@ -77,11 +76,24 @@ def test_seeded_reproducible_and_batch_independent():
 
 def test_two_seeded_rows_are_independent_of_each_other():
     logits = torch.zeros(2, V)
-    g1, g2 = create_generator(5), create_generator(5)
     p = SamplingParams(seed=5)
-    out = Sampler()(logits, build([p, p], generators=[g1, g2]))
-    # Same seed, same logits -> same token in both rows.
+    out = Sampler()(logits, build([p, p]))
+    # Same seed, same output index, same logits -> same token in both rows.
     assert out.token_ids[0] == out.token_ids[1]
+
+
+def test_a_seeded_draw_is_a_function_of_the_output_index():
+    """The token at output index i does not depend on the draws before it (there is no
+    generator state): sampling index 5 directly gives what index 5 gives after indices 0-4, and
+    the noise positions can be overridden on the device (`with_noise_positions`)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, V) * 0.3  # flat-ish
+    p = SamplingParams(temperature=1.0, seed=11)
+    in_order = [int(Sampler()(logits[i : i + 1], build([p], output_lens=[i])).token_ids[0]) for i in range(8)]
+    assert int(Sampler()(logits[5:6], build([p], output_lens=[5])).token_ids[0]) == in_order[5]
+    batch = build([p] * 8, output_lens=[0] * 8).with_noise_positions(torch.arange(8))
+    assert Sampler()(logits, batch).token_ids.tolist() == in_order
+    assert len(set(in_order)) > 3  # the indices draw different noise
 
 
 def test_top_k_keeps_exactly_k():
@@ -216,12 +228,11 @@ def test_temperature_sampling_frequency():
     assert ((counts - expected).abs() <= 5 * sigma).all(), (counts, expected)
 
 
-def test_all_greedy_with_seed_does_not_need_generator_draws():
+def test_greedy_rows_with_a_seed_are_not_seeded_rows():
     logits = torch.randn(2, V)
-    gen = create_generator(3)
-    state = gen.get_state().clone()
-    Sampler()(logits, build([SamplingParams(temperature=0.0, seed=3)] * 2, generators=[gen, None]))
-    assert torch.equal(gen.get_state(), state)
+    batch = build([SamplingParams(temperature=0.0, seed=3)] * 2)
+    assert batch.seeded_rows == [] and batch.seeded is None
+    assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(-1))
 
 
 def test_build_flags():

@@ -5,17 +5,17 @@ import pytest
 import torch
 
 from lamina.worker.logits_processors import bad_word_bans
-from lamina.worker.sampler import Sampler, SamplingBatch, create_generator
+from lamina.worker.sampler import Sampler, SamplingBatch
 from lamina.sampling_params import SamplingParams
 
 V = 32
 EOS = [1]
 
 
-def build(params, outputs=None, prompts=None, generators=None):
+def build(params, outputs=None, prompts=None):
     outputs = outputs if outputs is not None else [[] for _ in params]
     prompts = prompts if prompts is not None else [[] for _ in params]
-    return SamplingBatch.build(params, [len(o) for o in outputs], EOS, generators, "cpu", V,
+    return SamplingBatch.build(params, [len(o) for o in outputs], EOS, "cpu", V,
                                output_token_ids=outputs, prompt_token_ids=prompts)
 
 
@@ -96,19 +96,16 @@ def test_seeded_penalised_row_is_batch_independent():
                             logit_bias={3: 2.0})
 
     def run(batch_rows, row):
-        gen = create_generator(7)
         out_tokens = []
         for step in range(6):
             logits = torch.randn(batch_rows, V)
             logits[row] = steps[step]
             ps = [SamplingParams(temperature=0.7, frequency_penalty=0.5)] * batch_rows
             ps[row] = params
-            gens = [None] * batch_rows
-            gens[row] = gen
             outs = [[1, 2]] * batch_rows
             outs[row] = list(out_tokens)
             prompts = [[4]] * batch_rows
-            batch = SamplingBatch.build(ps, [len(o) for o in outs], EOS, gens, "cpu", V,
+            batch = SamplingBatch.build(ps, [len(o) for o in outs], EOS, "cpu", V,
                                         output_token_ids=outs, prompt_token_ids=prompts)
             out_tokens.append(Sampler()(logits, batch).token_ids[row].item())
         return out_tokens
@@ -120,7 +117,7 @@ def test_seeded_penalised_row_is_batch_independent():
 
 def test_missing_history_is_an_error():
     with pytest.raises(ValueError, match="penalties but no output token ids"):
-        SamplingBatch.build([SamplingParams(presence_penalty=1.0)], [0], EOS, None, "cpu", V)
+        SamplingBatch.build([SamplingParams(presence_penalty=1.0)], [0], EOS, "cpu", V)
 
 
 # ---- engine: n / best_of, bad words, refusals ------------------------------------------------

@@ -11,11 +11,11 @@ the same as JSON in `--speculative-config`). Optional keys:
 - `auto_saturation_tokens`, `auto_draft_cost`: the auto policy's cost model, used before steps
   at a given k and batch size have been timed (lamina.engine.spec_policy).
 
-Seeds: with the fixed policy a seeded request at temperature > 0 gives the same text alone or in
-any batch (the scheduler never cuts its drafts to fit another request's leftover budget). With
-"auto" the number of drafts follows the batch size, and so do the random numbers a seeded request
-draws: its text is reproducible for the same traffic, not across batch compositions (and, with
-measured costs, not across runs whose step times differ). Greedy output never depends on K.
+Seeds: a seeded request at temperature > 0 gives its plain (no speculation) seeded text whatever
+K is, fixed or auto, alone or in any batch: its noise is keyed by output index and verification
+accepts a draft exactly when it equals the token plain sampling draws there (coupling,
+lamina.worker.rejection_sampler). Greedy output never depends on K either. Unseeded random
+requests use rejection sampling (distributed as the target, a little more acceptance).
 
 Everything here is checked from config files and safetensors headers, before any weight is read.
 The step flow itself lives in the worker (lamina.worker.spec_step); this module is pure CPU.

@@ -23,7 +23,7 @@ from lamina.step_plan import PENDING_TOKEN_ID, SampledToken, ScheduledChunk, Ste
 from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.pending_step import PendingSamples, PreviousTokens, ReadyStep
 from lamina.worker.prompt_logprobs import score_prompt_chunks
-from lamina.worker.sampler import RequestGenerators, Sampler, SamplingBatch
+from lamina.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.generators = RequestGenerators(device)
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
@@ -60,7 +59,7 @@ class ModelRunner:
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
 
-            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.generators)
+            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size)
 
     # ---- caches --------------------------------------------------------------------------
     def paged_cache_modules(self) -> list:
@@ -217,7 +216,6 @@ class ModelRunner:
 
     # ---- step ----------------------------------------------------------------------------
     def forget_finished(self, plan: StepPlan) -> None:
-        self.generators.forget(plan.finished_request_ids)
         if self.spec is not None:
             # a preempted request keeps its draft probabilities: its recomputation verifies those drafts
             self.spec.forget(plan.finished_request_ids)
@@ -343,7 +341,6 @@ class ModelRunner:
             [c.sampling_params for c in chunks],
             [c.num_output_tokens for c in chunks],
             list(self.eos_token_ids),
-            [self.generators.get(c.request_id, c.sampling_params) for c in chunks],
             self.device,
             self.vocab_size,
             output_token_ids=[c.output_token_ids for c in chunks],

@@ -58,13 +58,16 @@ class MTPProposer:
     def propose(
         self, plan: StepPlan, meta: ForwardMetadata, index: torch.Tensor, last_pos: torch.Tensor,
         max_pos: list[int], capacity: list[int], capacity_on_device: torch.Tensor, h_logits: torch.Tensor,
-        h_next: torch.Tensor, batch: SamplingBatch | None, is_sampler: bool,
+        h_next: torch.Tensor, batch: SamplingBatch | None, is_sampler: bool, first_output_index: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """`plan.num_draft_tokens` drafts for each sampling request. `index` [B] (device): the
         sampling requests' rows among the step's requests; `last_pos` [B] (device): the last
         accepted position; `max_pos` / `capacity` (host, and `capacity_on_device` [B]): its upper
-        bound and the last position the request's blocks hold. Returns per draft position the
-        tokens [B] and (on the sampling rank, for random requests) the drafter's distribution [B, V]."""
+        bound and the last position the request's blocks hold; `first_output_index` [B] (device):
+        the output index draft 1 stands for (a seeded request draws draft j with the noise of
+        index first + j - 1, the noise the target's sampling uses there). Returns per draft
+        position the tokens [B] and (on the sampling rank, for random requests) the drafter's
+        distribution [B, V]."""
         num = len(capacity)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
@@ -74,7 +77,10 @@ class MTPProposer:
                 logits = self.mtp.compute_logits(h_logits)  # [B, V]
                 q = None
                 if is_sampler:
-                    token, q = sample_drafts(logits, batch)
+                    draft_batch = batch
+                    if first_output_index is not None:
+                        draft_batch = batch.with_noise_positions(first_output_index + j)
+                    token, q = sample_drafts(logits, draft_batch)
                 token = self.broadcast(token)
                 tokens.append(token)
                 probs.append(q)

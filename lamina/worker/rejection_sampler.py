@@ -7,14 +7,19 @@ positions (the request's last known token and its k_b drafts), flat `[R, V]`. Ro
 - Greedy requests: draft j+1 is accepted while it equals the target's argmax at row j (after the
   same min_tokens bans plain decoding applies); the token after the accepted prefix is the
   argmax at the first mismatching row, or at the bonus row. The output is the plain greedy one.
-- Random requests (speculative sampling): with p the target's and q the drafter's processed
-  distribution at a row, draft d is accepted with probability min(1, p(d)/q(d)) (u q(d) <= p(d),
-  u ~ U[0, 1)); at the first rejection the token is drawn from the normalised positive part of
-  p - q, after k_b acceptances from p at the bonus row. Every emitted token is then distributed
-  exactly as under p, whatever q is.
+- Random requests without a seed (speculative sampling): with p the target's and q the
+  drafter's processed distribution at a row, draft d is accepted with probability
+  min(1, p(d)/q(d)) (u q(d) <= p(d), u ~ U[0, 1)); at the first rejection the token is drawn
+  from the normalised positive part of p - q, after k_b acceptances from p at the bonus row.
+  Every emitted token is then distributed exactly as under p, whatever q is.
+- Seeded random requests (coupling): each row draws the token plain sampling would draw at its
+  output index, `argmax p / E_i` with the seed's noise `E_i` (lamina.worker.seeded_noise), and
+  a draft is accepted when it equals that token. The drafter drew it with the same `E_i`
+  (`sample_drafts`), so it matches whenever q's race and p's race agree; the text is the plain
+  seeded text whatever K is (fixed, auto, or no speculation), a little fewer acceptances than
+  rejection sampling's min(1, p/q) in exchange.
 
-`verify_drafts` runs every row of every request at once (no per-token loop); only seeded rows
-draw their random numbers from their own generators, one row at a time, as the sampler does.
+`verify_drafts` runs every row of every request at once (no per-token loop).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.worker.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race
+from lamina.worker.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race, seeded_race
 
 
 @dataclass
@@ -40,12 +45,8 @@ class VerifyOutput:
 
 
 def _uniforms(num_rows: int, batch: SamplingBatch, device) -> torch.Tensor:
-    """U[0, 1) per row; seeded rows draw from their own generator."""
-    u = torch.rand(num_rows, device=device)  # [R]
-    for row in batch.seeded_rows:
-        gen = batch.generators[row]
-        u[row] = torch.rand(1, generator=gen, device=gen.device).to(device)[0]
-    return u
+    """U[0, 1) per row, from the global RNG (rows without a seed use them)."""
+    return torch.rand(num_rows, device=device)  # [R]
 
 
 def normalised_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -71,7 +72,8 @@ def verify_drafts(
         row_draft: `[R]` long: the draft checked at the row (-1 at bonus rows);
         num_drafts: `[B]` long, k_b; batch: sampling metadata built per row (R rows, min_tokens
             counted per position);
-        draft_probs: `[R, V]` q of the draft at each draft row (needed when any row is random).
+        draft_probs: `[R, V]` q of the draft at each draft row (needed when any row is random
+            and has no seed).
     """
     num_rows = logits.shape[0]
     width = rows.shape[1]
@@ -87,17 +89,26 @@ def verify_drafts(
     if batch.all_greedy:
         accept, final = greedy_accept, greedy_tokens
     else:
-        if draft_probs is None:
-            raise ValueError("random rows need the drafter's probabilities (draft_probs)")
         p = normalised_probs(work, batch)  # [R, V]
-        q = draft_probs.float()  # [R, V]
-        p_d = p.gather(1, draft[:, None])[:, 0]  # [R]
-        q_d = q.gather(1, draft[:, None])[:, 0]  # [R]
-        u = _uniforms(num_rows, batch, logits.device)  # [R]
-        random_accept = has_draft & (q_d > 0) & (u * q_d <= p_d)  # [R]
-        residual = torch.where(has_draft[:, None], (p - q).clamp_min(0.0), p)  # [R, V]
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: never used
-        sampled = _exponential_race(residual, batch)  # [R]
+        if batch.num_greedy + len(batch.seeded_rows) < num_rows:  # random rows without a seed
+            if draft_probs is None:
+                raise ValueError("random rows without a seed need the drafter's probabilities (draft_probs)")
+            q = draft_probs.float()  # [R, V]
+            p_d = p.gather(1, draft[:, None])[:, 0]  # [R]
+            q_d = q.gather(1, draft[:, None])[:, 0]  # [R]
+            u = _uniforms(num_rows, batch, logits.device)  # [R]
+            random_accept = has_draft & (q_d > 0) & (u * q_d <= p_d)  # [R]
+            residual = torch.where(has_draft[:, None], (p - q).clamp_min(0.0), p)  # [R, V]
+            residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: never used
+            sampled = _exponential_race(residual, batch, seeded=False)  # [R]
+        else:
+            random_accept, sampled = torch.zeros_like(has_draft), greedy_tokens  # every random row is seeded
+        if batch.seeded is not None:
+            seeded_rows = batch.seeded[0]  # [S]
+            coupled = seeded_race(p.index_select(0, seeded_rows), batch.seeded[1], batch.seeded[2])  # [S]
+            sampled = sampled.index_copy(0, seeded_rows, coupled)  # [R]
+            random_accept = random_accept.index_copy(
+                0, seeded_rows, has_draft.index_select(0, seeded_rows) & (draft.index_select(0, seeded_rows) == coupled))
         accept = torch.where(batch.greedy, greedy_accept, random_accept)
         final = torch.where(batch.greedy, greedy_tokens, sampled)
 

@@ -17,15 +17,16 @@ sampling requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
    draw a token with the exponential race ``argmax(p / E)`` with
    ``E ~ Exponential(1)`` i.i.d. per token, which samples exactly from ``p``.
 
-Rows with a per-request ``torch.Generator`` draw their noise from it (one
-small loop over those rows only), so a seeded request gets the same tokens
-whatever else is in the batch; all other rows share one draw from the global
-RNG.  Nothing in the common path syncs the device with the host.
+A seeded row's noise is a function of its seed, the output index of the token
+it samples and the token id (lamina.worker.seeded_noise): the same draw alone
+or in any batch, with or without speculative decoding, before or after a
+preemption.  All other rows share one draw from the global RNG.  Nothing in the
+common path syncs the device with the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -33,52 +34,16 @@ import torch
 from lamina.host_to_device import to_device
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
+from lamina.worker.seeded_noise import seed_key, seeded_exponential
 
 __all__ = [
     "SamplingBatch",
     "Sampler",
     "SamplerOutput",
     "LogprobsTensors",
-    "create_generator",
-    "RequestGenerators",
     "apply_top_k_top_p",
     "apply_min_p",
 ]
-
-
-def create_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """Return a ``torch.Generator`` on ``device`` seeded with ``seed``.
-
-    Any Python int is accepted; it is reduced to 64 bits so negative or huge
-    seeds are valid.  The engine keeps one per seeded request and passes it to
-    :meth:`SamplingBatch.build` every step (the generator's state advances as
-    tokens are drawn).
-    """
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-    return gen
-
-
-class RequestGenerators:
-    """This rank's ``torch.Generator`` of every seeded request, created when the request first
-    samples and kept until it finishes (its state advances as tokens are drawn)."""
-
-    def __init__(self, device: torch.device | str):
-        self.device = device
-        self._by_request: dict[str, torch.Generator] = {}
-
-    def get(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        """The request's generator, None when it has no seed."""
-        if params.seed is None:
-            return None
-        gen = self._by_request.get(request_id)
-        if gen is None:
-            gen = self._by_request[request_id] = create_generator(params.seed, self.device)
-        return gen
-
-    def forget(self, request_ids) -> None:
-        for request_id in request_ids:
-            self._by_request.pop(request_id, None)
 
 
 # ---------------------------------------------------------------------- #
@@ -103,13 +68,16 @@ class SamplingBatch:
     vocab_size: int
     all_greedy: bool
     any_greedy: bool
+    num_greedy: int
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
     num_logprobs: list[int | None]  # per row, None when not requested
     max_num_logprobs: int | None  # max over rows, None when no row asked
-    generators: list[torch.Generator | None] = field(default_factory=list)
-    seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a generator
+    seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a seed (host)
+    # [3, S] int64 (S = len(seeded_rows)): each seeded row's index, seed key and the output index
+    # of the token it samples (lamina.worker.seeded_noise); None when S = 0
+    seeded: torch.Tensor | None = None
     adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
@@ -122,29 +90,35 @@ class SamplingBatch:
     def has_bans(self) -> bool:
         return self.ban_rows.numel() > 0
 
+    def with_noise_positions(self, positions: torch.Tensor) -> "SamplingBatch":
+        """This batch with its seeded rows' output indices replaced by `positions` `[B]` (device,
+        one per row; read at the seeded rows): for positions known only on the device."""
+        if self.seeded is None:
+            return self
+        rows, keys, _ = self.seeded
+        return replace(self, seeded=torch.stack([rows, keys, positions.index_select(0, rows)]))  # [3, S]
+
     @classmethod
     def build(
         cls,
         params_list: Sequence[SamplingParams],
         output_lens: Sequence[int],
         eos_token_ids: Sequence[int],
-        generators: Sequence[torch.Generator | None] | None,
         device: torch.device | str,
         vocab_size: int,
         output_token_ids: Sequence[Sequence[int] | None] | None = None,
         prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
         token_bitmasks: Sequence | None = None,
+        noise_positions: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
         Args:
             params_list: One :class:`SamplingParams` per row.
             output_lens: Number of tokens each request has generated so far
-                (used for ``min_tokens``).
+                (``min_tokens``; a seeded row's output index, unless
+                ``noise_positions`` says otherwise).
             eos_token_ids: The model's EOS token ids.
-            generators: Per-row ``torch.Generator`` (set for seeded requests)
-                or ``None``; the whole argument may be ``None`` for "no
-                generators".
             device: Device of the logits the sampler will receive.
             vocab_size: Number of valid token ids (normally the logits' last
                 dimension). Disabled top-k rows get ``top_k = vocab_size``;
@@ -155,16 +129,18 @@ class SamplingBatch:
                 repetition penalty; ``None`` elsewhere).
             token_bitmasks: Per row, the structured-output mask of allowed
                 tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
+            noise_positions: Per row, the output index of the token it samples
+                (read for seeded rows), when it is not ``output_lens``.
         """
         bsz = len(params_list)
         if vocab_size >= 1 << 24:
             raise ValueError(f"vocab_size = {vocab_size}: top-k travels as float32, exact only below 2**24")
         if len(output_lens) != bsz:
             raise ValueError(f"output_lens has {len(output_lens)} entries, expected {bsz}")
-        if generators is None:
-            generators = [None] * bsz
-        if len(generators) != bsz:
-            raise ValueError(f"generators has {len(generators)} entries, expected {bsz}")
+        if noise_positions is None:
+            noise_positions = output_lens
+        if len(noise_positions) != bsz:
+            raise ValueError(f"noise_positions has {len(noise_positions)} entries, expected {bsz}")
 
         temps: list[float] = []
         top_ks: list[int] = []
@@ -176,7 +152,7 @@ class SamplingBatch:
         num_logprobs: list[int | None] = []
         seeded_rows: list[int] = []
 
-        for row, (p, out_len, gen) in enumerate(zip(params_list, output_lens, generators)):
+        for row, (p, out_len) in enumerate(zip(params_list, output_lens)):
             is_greedy = p.greedy
             greedy.append(is_greedy)
             temps.append(1.0 if is_greedy else float(p.temperature))
@@ -184,7 +160,7 @@ class SamplingBatch:
             top_ps.append(float(p.top_p))
             min_ps.append(float(p.min_p))
             num_logprobs.append(None if p.logprobs is None else int(p.logprobs))
-            if gen is not None and not is_greedy:
+            if p.seed is not None and not is_greedy:
                 seeded_rows.append(row)
             banned = set()
             if out_len < p.min_tokens:
@@ -222,6 +198,10 @@ class SamplingBatch:
             bans = to_device([ban_rows, ban_cols], device, torch.int64)  # [2, M]
         else:
             bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
+        seeded = None
+        if seeded_rows:
+            seeded = to_device([seeded_rows, [seed_key(params_list[r].seed) for r in seeded_rows],
+                                [noise_positions[r] for r in seeded_rows]], device, torch.int64)  # [3, S]
         return cls(
             temperature=packed[0],
             top_k=packed[3].to(torch.int64),
@@ -233,13 +213,14 @@ class SamplingBatch:
             vocab_size=vocab_size,
             all_greedy=not sampling_rows,
             any_greedy=any(greedy),
+            num_greedy=sum(greedy),
             need_top_k=any(top_ks[i] < vocab_size for i in sampling_rows),
             need_top_p=any(top_ps[i] < 1.0 for i in sampling_rows),
             need_min_p=any(min_ps[i] > 0.0 for i in sampling_rows),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
-            generators=list(generators),
             seeded_rows=seeded_rows,
+            seeded=seeded,
             adjustments=None if adjustments.empty else adjustments,
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
@@ -474,22 +455,33 @@ def apply_token_bitmask(work: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
     return work
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch, seeded: bool = True) -> torch.Tensor:
     """Draw one token per row from (unnormalised) ``probs`` [B, V].
 
     ``argmax_j p_j / E_j`` with ``E_j ~ Exponential(1)`` picks ``j`` with
-    probability ``p_j / sum(p)``.  Seeded rows draw their ``E`` from their
-    own generator, everything else from the global RNG.
+    probability ``p_j / sum(p)``.  Seeded rows take their ``E`` from
+    :func:`~lamina.worker.seeded_noise.seeded_exponential` (unless ``seeded``
+    is False: their result is then not used), everything else from the
+    global RNG.
     """
     bsz, vocab = probs.shape
     noise = torch.empty_like(probs)  # [B, V]
-    if len(batch.seeded_rows) < bsz:
+    if len(batch.seeded_rows) < bsz or not seeded:
         noise.exponential_()
-    for row in batch.seeded_rows:
-        gen = batch.generators[row]
-        row_noise = torch.empty(vocab, dtype=probs.dtype, device=gen.device)  # [V]
-        row_noise.exponential_(generator=gen)
-        noise[row].copy_(row_noise, non_blocking=True)
+    if seeded and batch.seeded is not None:
+        rows, keys, positions = batch.seeded  # [S] each
+        noise.index_copy_(0, rows, seeded_exponential(keys, positions, vocab, probs.dtype))
+    return _race(probs, noise)
+
+
+def seeded_race(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The exponential race of S seeded rows `probs` [S, V] (not modified) with their own noise:
+    `keys` / `positions` [S], the rows' seed keys and output indices. Returns [S] token ids."""
+    return _race(probs.clone(), seeded_exponential(keys, positions, probs.shape[1], probs.dtype))
+
+
+def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / noise) per row, both [N, V] (modified in place)."""
     # An exact zero would turn 0/0 into NaN (which argmax would pick).
     noise.clamp_(min=torch.finfo(probs.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)  # [B]
+    return probs.div_(noise).argmax(dim=-1)  # [N]

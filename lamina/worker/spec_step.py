@@ -40,7 +40,7 @@ from lamina.step_plan import StepPlan
 from lamina.worker.pending_step import PendingVerify, PreviousVerify, ReadyStep
 from lamina.worker.proposer import MTPProposer
 from lamina.worker.rejection_sampler import verify_drafts
-from lamina.worker.sampler import RequestGenerators, SamplerOutput, SamplingBatch
+from lamina.worker.sampler import SamplerOutput, SamplingBatch
 
 NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are drawn without bans
 
@@ -52,7 +52,6 @@ class _VerifyInputs:
 
     params: list
     out_lens: list[int]
-    gens: list
     width: int
     int_lists: tuple[list[int], ...]
 
@@ -60,14 +59,12 @@ class _VerifyInputs:
 class SpecDecodeStep:
     def __init__(
         self, model, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
-        generators: RequestGenerators,
     ):
         self.model = model
         self.mtp = getattr(model, "mtp", None)  # None on stages other than the last
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self.generators = generators  # the runner's: a seeded request draws from one generator
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
         self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
@@ -167,6 +164,7 @@ class SpecDecodeStep:
         drafts_k = [c.num_draft_tokens for c in sampled]
         base_rows = [ends[i + 1] - 1 - k for i, k in zip(sample_index, drafts_k)]  # last accepted row
         base_pos = [c.end_position - 1 - c.num_draft_tokens for c in sampled]
+        base_out = [c.num_output_tokens for c in sampled]  # output index of each request's first row
 
         capacity = [len(c.block_table) * block_size - 1 for c in sampled]
         max_pos = [p + k for p, k in zip(base_pos, drafts_k)]  # with a position shift: upper bounds
@@ -176,12 +174,13 @@ class SpecDecodeStep:
         # This step's host ints in one upload (each copy costs host time, and a gap on the device
         # whenever the step was not queued ahead).
         uploads = to_device_many(
-            self.device, base_rows, base_pos, sample_index, capacity, drafts_k, rows if select else [],
+            self.device, base_rows, base_pos, sample_index, capacity, drafts_k, rows if select else [], base_out,
             *(verify_host.int_lists if verify_host is not None else ()),
         )
-        base_rows_t, base_pos_t, index_t, capacity_t, drafts_k_t, rows_t = uploads[:6]
-        if position_shift is not None:
-            base_pos_t = base_pos_t - position_shift.index_select(0, index_t)  # [B]
+        base_rows_t, base_pos_t, index_t, capacity_t, drafts_k_t, rows_t, base_out_t = uploads[:7]
+        if position_shift is not None:  # output indices move back with the positions
+            shift = position_shift.index_select(0, index_t)  # [B]
+            base_pos_t, base_out_t = base_pos_t - shift, base_out_t - shift  # [B] each
 
         verified = None
         num_accepted = torch.zeros(num, dtype=torch.long, device=self.device)  # [B]
@@ -192,7 +191,7 @@ class SpecDecodeStep:
             elif select:
                 logits = logits.index_select(0, rows_t)  # [T, V] -> [R, V]
             if is_sampler:
-                verified = self._verify(logits, sampled, drafts_k, verify_host, uploads[6:], token_ids)
+                verified = self._verify(logits, sampled, drafts_k, verify_host, uploads[7:], token_ids, base_out_t)
                 num_accepted = verified.num_accepted
                 bonus = verified.tokens.gather(1, num_accepted[:, None])[:, 0]
             packed = self.broadcast(torch.stack([num_accepted, bonus]))  # [2, B]
@@ -204,12 +203,12 @@ class SpecDecodeStep:
         draft_batch = None
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
-                [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids,
-                [self._generator(c) for c in sampled], self.device, self.vocab_size,
+                [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids, self.device, self.vocab_size,
             )
         drafts, probs = self.proposer.propose(
             plan, meta, index_t, base_pos_t + num_accepted, max_pos, capacity, capacity_t,
             h_logits.index_select(0, bonus_rows), h_next.index_select(0, bonus_rows), draft_batch, is_sampler,
+            base_out_t + num_accepted + 1,
         )
         next_drafts = torch.stack(drafts, dim=1) if drafts else bonus.new_zeros((num, 0))  # [B, D]
         self.previous = PreviousVerify({c.request_id: b for b, c in enumerate(sampled)}, bonus, next_drafts,
@@ -222,21 +221,16 @@ class SpecDecodeStep:
         row_out = SamplerOutput(verified.row_tokens, verified.logprobs, verified.num_logprobs)
         return PendingVerify([c.request_id for c in sampled], drafts_k, packed, verified.tokens.shape[1], row_out)
 
-    def _generator(self, chunk) -> torch.Generator | None:
-        return self.generators.get(chunk.request_id, chunk.sampling_params)
-
     def _verify_inputs(self, sampled, drafts_k, base_rows) -> "_VerifyInputs":
         """Host side of verification: each row's sampling options, and the int lists the device
         part reads (uploaded with the step's other ints). The drafts themselves are read from the
         step's token ids on the device (`row_draft_at`: the token row of the draft a row checks,
         -1 at bonus rows): a step queued ahead has them only there."""
-        params, out_lens, gens, row_req, row_pos, row_draft_at = [], [], [], [], [], []
+        params, out_lens, row_req, row_pos, row_draft_at = [], [], [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
-            gen = self._generator(c)
             for j in range(k + 1):
                 params.append(c.sampling_params)
                 out_lens.append(c.num_output_tokens + j)
-                gens.append(gen)
                 row_req.append(b)
                 row_pos.append(j)
                 row_draft_at.append(base_rows[b] + 1 + j if j < k else -1)
@@ -245,15 +239,18 @@ class SpecDecodeStep:
         for k in drafts_k:
             starts.append(starts[-1] + k + 1)
         grid = [starts[b] + min(j, k) for b, k in enumerate(drafts_k) for j in range(width)]  # [B*W]
-        return _VerifyInputs(params, out_lens, gens, width, (grid, row_req, row_pos, row_draft_at, drafts_k))
+        return _VerifyInputs(params, out_lens, width, (grid, row_req, row_pos, row_draft_at, drafts_k))
 
     def _verify(self, logits, sampled, drafts_k, host: "_VerifyInputs", device_ints: list[torch.Tensor],
-                token_ids: torch.Tensor):
+                token_ids: torch.Tensor, base_out: torch.Tensor):
+        """`base_out` [B] (device): each request's output index at its first row (real, after any
+        position shift): a seeded row samples the token at output index base_out + j."""
         grid, row_req, row_pos, row_draft_at, num_drafts = device_ints
         row_draft = torch.where(row_draft_at >= 0, token_ids.index_select(0, row_draft_at.clamp(min=0)), -1)  # [R]
-        batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, host.gens, self.device,
-                                    self.vocab_size)
-        draft_probs = None if batch.all_greedy else self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1])
+        batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, self.device, self.vocab_size)
+        batch = batch.with_noise_positions(base_out.index_select(0, row_req) + row_pos)
+        needs_q = batch.num_greedy + len(batch.seeded_rows) < len(host.params)  # random rows without a seed
+        draft_probs = self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1]) if needs_q else None
         rows = grid.view(len(sampled), host.width)  # [B, W]
         return verify_drafts(logits, rows, row_req, row_pos, row_draft, num_drafts, batch, draft_probs)
 

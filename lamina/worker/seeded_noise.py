@@ -1,0 +1,82 @@
+"""Exponential noise of a seeded request, a pure function of (seed, output index, token id).
+
+A seeded request samples its i-th generated token (i counted from 0) with the exponential race
+`argmax_v p(v) / E_i(v)` (lamina.worker.sampler), where `E_i(v) = -log U(seed, i, v)` and U is a
+counter-based hash in (0, 1): no generator state advances, so the token a request draws at output
+index i depends only on its seed, i and its own probabilities there. Not on how many random
+numbers it drew before, hence not on:
+- the batch (rows share nothing);
+- speculative decoding: a verification row at output index i draws the same `E_i` a plain decode
+  step would, and the drafter draws its draft for index i with that `E_i` too, so a draft is
+  accepted exactly when it equals the token plain sampling would have drawn there (the coupling
+  of lamina.worker.rejection_sampler) — the text is the same for every K, fixed or auto;
+- preemption, or a step planned before the previous one's accepted count reached the host: the
+  output index can be computed on the device (`positions` is a tensor).
+
+The hash: 32-bit words in int64 tensors (no overflow: products are formed from 16-bit halves);
+the seed (any int, reduced to 64 bits) and the index become three round keys, and each token id
+goes through three rounds of Wellons' `lowbias32` permutation with a key mixed in before each
+(a keyed bijection of the token ids: no two ids of a row share a uniform). The uniform is
+`(h + 0.5) / 2**32`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["seed_key", "seeded_exponential"]
+
+MASK32 = 0xFFFF_FFFF
+_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+_GOLDEN = 0x9E3779B9
+_ROUND_SALTS = (0x243F6A88, 0x85A308D3, 0x13198A2E)
+
+
+def _lowbias32_int(x: int) -> int:
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _M1) & MASK32
+    x ^= x >> 15
+    x = (x * _M2) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a request's seed (host side): both halves of the seed's 64 bits mixed in."""
+    s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return _lowbias32_int(_lowbias32_int((s & MASK32) ^ _GOLDEN) ^ (s >> 32))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) (int64), from 16-bit halves: no intermediate over 2**48."""
+    low = (x & 0xFFFF) * c
+    high = ((x >> 16) * c) & 0xFFFF
+    return (low + (high << 16)) & MASK32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(keys: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exponential(1) noise `[S, vocab_size]` of S seeded rows.
+
+    keys: `[S]` int64, each row's `seed_key`; positions: `[S]` int64, the output index of the token
+    the row samples (on the device; may have been computed there)."""
+    keys = keys.to(torch.int64) & MASK32  # [S]
+    index = positions.to(torch.int64) & MASK32  # [S]
+    round_keys = []
+    k = _lowbias32(keys ^ index)  # [S]
+    for salt in _ROUND_SALTS:
+        k = _lowbias32(k ^ salt)  # [S]
+        round_keys.append(k[:, None])  # [S, 1]
+    h = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]
+    for rk in round_keys:
+        h = _lowbias32((h ^ rk) & MASK32)  # [S, V]
+    uniform = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # [S, V] in (0, 1)
+    return (-torch.log(uniform)).to(dtype)  # [S, V]
