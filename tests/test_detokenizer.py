@@ -120,8 +120,12 @@ def test_find_stop_string_basic():
     assert find_stop_string("hello world", 5, ["xyz"], False) is None
     # Match entirely in old text is not reported (would have been caught earlier).
     assert find_stop_string("stop and more", 4, ["stop"], False) is None
-    # Earliest match wins.
-    assert find_stop_string("abcde", 5, ["d", "bc"], False) == ("bc", 1)
+    # Several stops completed at once: the first in list order wins (vLLM), at its first match.
+    assert find_stop_string("abcde", 5, ["d", "bc"], False) == ("d", 3)
+    assert find_stop_string("xab", 3, ["b", "ab"], False) == ("b", 2)
+    # Nothing before search_from (the text of the first min_tokens tokens) is searched.
+    assert find_stop_string("Lee stud", 8, ["e"], False, search_from=3) is None
+    assert find_stop_string("Lee student", 8, ["e"], False, search_from=3) == ("e", 8)
     assert find_stop_string("", 0, ["a"], False) is None
 
 

@@ -78,6 +78,46 @@ def test_stop_string_truncates_text(default_llm):
     assert kept.text == base.text[: cut + len(stop)]
 
 
+SORT = [{"role": "user", "content": "Sort ascending: 12 46 74 7 64 27 4"}]
+
+
+def test_a_stopping_tokens_text_is_left_out_unless_asked(default_llm):
+    """vLLM: the token that ends a request (a stop_token_ids hit, or EOS) stays in token_ids but
+    its text is left out of the output text unless include_stop_str_in_output."""
+    tok = default_llm.get_tokenizer()
+    chat = lambda **kw: default_llm.chat(SORT, SamplingParams(temperature=0.0, max_tokens=32, **kw), use_tqdm=False)[0].outputs[0]
+    base = chat(skip_special_tokens=False)  # the trained demo model: "4 7 12 27 46 64 74" then EOS
+    assert base.finish_reason == "stop" and base.token_ids[-1] in default_llm.engine.eos_token_ids
+    assert len(base.token_ids) > 4 and "<|im_end|>" not in base.text
+    assert base.text == tok.decode(base.token_ids[:-1], skip_special_tokens=False)
+    kept = chat(skip_special_tokens=False, include_stop_str_in_output=True)
+    assert kept.text == tok.decode(base.token_ids, skip_special_tokens=False) and kept.text.endswith("<|im_end|>")
+    stop_at = base.token_ids[3]
+    first = base.token_ids.index(stop_at)
+    for include in (False, True):
+        out = chat(stop_token_ids=[stop_at], include_stop_str_in_output=include)
+        assert out.token_ids == base.token_ids[: first + 1] and out.stop_reason == stop_at
+        assert out.text == tok.decode(base.token_ids[: first + 1 if include else first]), include
+
+
+def test_stop_strings_skip_the_text_of_the_first_min_tokens_tokens(default_llm):
+    """vLLM: with min_tokens = m, a stop string is found only in the text after the first m
+    tokens' text (so it never stops the request before m + 1 tokens)."""
+    tok = default_llm.get_tokenizer()
+    chat = lambda **kw: default_llm.chat(SORT, SamplingParams(temperature=0.0, max_tokens=32, **kw), use_tqdm=False)[0].outputs[0]
+    base = chat()
+    assert base.text.count(" ") >= 3
+    prefix = tok.decode(base.token_ids[:2])
+    later = base.text.find(" ", len(prefix))
+    assert " " in prefix or later >= 0
+    plain = chat(stop=[" "])
+    assert plain.text == base.text[: base.text.index(" ")] and plain.stop_reason == " "
+    out = chat(stop=[" "], min_tokens=2)
+    assert out.text == base.text[:later] and out.finish_reason == "stop"
+    out = chat(stop=[" "], min_tokens=len(base.token_ids) - 1)
+    assert out.text == base.text and out.finish_reason == "stop" and out.stop_reason is None  # EOS, no match
+
+
 def test_text_is_incremental_detokenization(default_llm):
     tok = default_llm.get_tokenizer()
     out = default_llm.generate(["Hello there", "Once upon"], GREEDY, use_tqdm=False)

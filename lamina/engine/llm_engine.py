@@ -85,6 +85,7 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.spec = SpecDecodeMetrics()
         self.waiting_since: float | None = self.metrics.arrival_time  # None while in the running batch
+        self.stop_search_from = 0  # stop strings match only from here: after the first min_tokens tokens' text
 
 
 class LLMEngine:
@@ -695,7 +696,10 @@ class LLMEngine:
                 if state.logprobs is not None and logprobs is not None:
                     state.logprobs.append(logprobs)
                     state.cumulative_logprob += logprobs.get(token, 0.0)
-                new_text = state.detokenizer.push([token]) if state.detokenizer else ""
+                new_text = ""
+                if state.detokenizer is not None and (
+                        not self._stops_on_token(request, token) or request.sampling_params.include_stop_str_in_output):
+                    new_text = state.detokenizer.push([token])  # a stopping token's text only when asked (vLLM)
                 state.text += new_text
                 self._check_stop(state, len(new_text), scheduler)
                 if request.status.finished:
@@ -751,19 +755,32 @@ class LLMEngine:
         if chunk.num_draft_tokens and not self.async_scheduling:  # asynchronous: the runner commits (device_commits)
             self._pending_commits[replica][request.request_id] = accepted
 
+    @staticmethod
+    def _stops_on_token(request, token: int) -> bool:
+        """Whether `token`, just appended, ends the request as EOS or one of its stop_token_ids."""
+        params = request.sampling_params
+        if len(request.output_token_ids) < params.min_tokens:
+            return False
+        return (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids
+
     def _check_stop(self, state: _RequestState, new_text_len: int, scheduler: Scheduler) -> None:
+        """EOS and stop_token_ids end a request from min_tokens on; stop strings are searched only
+        in the text after the first min_tokens tokens' (vLLM)."""
         request = state.request
         params = request.sampling_params
         token = request.output_token_ids[-1]
         num_out = len(request.output_token_ids)
         status = None
+        if num_out == params.min_tokens:
+            state.stop_search_from = len(state.text)
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif params.stop:
-                hit = find_stop_string(state.text, new_text_len, params.stop, params.include_stop_str_in_output)
+            elif params.stop and num_out > params.min_tokens:
+                hit = find_stop_string(state.text, new_text_len, params.stop, params.include_stop_str_in_output,
+                                       search_from=state.stop_search_from)
                 if hit is not None:
                     stop, cut = hit
                     state.text = state.text[:cut]
