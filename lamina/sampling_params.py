@@ -92,7 +92,7 @@ class SamplingParams:
             disable it.
         min_p: Drop tokens whose probability is below ``min_p`` times the
             probability of the most likely token; in ``[0, 1]``, ``0``
-            disables it.
+            disables it. Applied before top-k / top-p, as vLLM does.
         seed: Optional integer seed: the request's random draws become a
             function of the seed and the output index, so its text is
             reproducible independently of the batch, of preemption and of

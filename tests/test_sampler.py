@@ -161,6 +161,18 @@ def test_min_p_in_sampler():
     assert set(out.token_ids.tolist()) <= {0, 1}
 
 
+def test_min_p_applies_before_top_p():
+    """vLLM's order: min-p first, then top-p over what min-p left (renormalised). A at 0.4, B at
+    0.3 and 100 tokens at 0.003: min-p 0.1 keeps {A, B}; top-p 0.5 of that keeps only A (top-p
+    first would keep A and B)."""
+    probs = torch.tensor([0.4, 0.3] + [0.003] * 100)
+    batch = build([SamplingParams(top_p=0.5, min_p=0.1)], vocab=102)
+    p = Sampler.probs(probs.log()[None].clone(), batch)
+    assert p[0, 0] == 1.0 and (p[0, 1:] == 0).all()
+    alone = Sampler.probs(probs.log()[None].clone(), build([SamplingParams(min_p=0.1)], vocab=102))
+    assert torch.allclose(alone[0, :2], torch.tensor([4 / 7, 3 / 7])) and (alone[0, 2:] == 0).all()
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     logits = torch.zeros(1, V)
     logits[0, 1] = 50.0  # EOS

@@ -395,20 +395,21 @@ class Sampler:
 
     @staticmethod
     def probs(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The distribution a random row samples from: temperature, top-k, top-p, softmax, min-p
-        over the (banned) float32 logits `work` [B, V], which it modifies. Returns [B, V]
-        (min-p rows are not renormalised). Speculative sampling verifies drafts against it."""
+        """The distribution a random row samples from: temperature, min-p, then top-k / top-p
+        (vLLM's order: top-p keeps its share of what min-p left), softmax, over the (banned)
+        float32 logits `work` [B, V], which it modifies. Returns [B, V]. Speculative sampling
+        verifies drafts against it."""
         work.div_(batch.temperature.unsqueeze(1))  # [B, V]
+        if batch.need_min_p:
+            below = apply_min_p(work.softmax(dim=-1), batch.min_p) == 0  # [B, V]
+            work = work.masked_fill_(below, float("-inf"))
         if batch.need_top_k or batch.need_top_p:
             work = apply_top_k_top_p(
                 work,
                 batch.top_k if batch.need_top_k else None,
                 batch.top_p if batch.need_top_p else None,
             )
-        probs = work.softmax(dim=-1)  # [B, V]
-        if batch.need_min_p:
-            probs = apply_min_p(probs, batch.min_p)
-        return probs
+        return work.softmax(dim=-1)  # [B, V]
 
     @staticmethod
     def _gather_logprobs(
