@@ -53,6 +53,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict | str | None = None
+    # lamina's: the grammar applies only once this token has been generated (the server sets the
+    # reasoning end `</think>` when its reasoning parser is on and the prompt opened a think block,
+    # as vLLM enforces structured output only after the reasoning); None: from the first token
+    enforce_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _KINDS if getattr(self, name)]
@@ -82,6 +86,10 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs regex must be a string, got {self.regex!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError(f"structured_outputs grammar must be a string, got {self.grammar!r}")
+        if self.enforce_after_token_id is not None and (
+                isinstance(self.enforce_after_token_id, bool) or not isinstance(self.enforce_after_token_id, int)
+                or self.enforce_after_token_id < 0):
+            raise ValueError(f"structured_outputs enforce_after_token_id must be a token id, got {self.enforce_after_token_id!r}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs choice must be a list of non-empty strings, got {self.choice!r}")
@@ -94,7 +102,7 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(_KINDS))
+            unknown = sorted(set(value) - set(_KINDS) - {"enforce_after_token_id"})
             if unknown:
                 raise ValueError(f"structured_outputs has unknown keys {unknown}; valid: {', '.join(_KINDS)}")
             return cls(**value)
@@ -140,7 +148,7 @@ class StructuredOutputManager:
         # guards the compiler's creation and the cache (compiling itself runs outside it)
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._matchers: dict[str, tuple[Any, np.ndarray | None]] = {}  # request id -> (matcher, extra mask)
+        self._matchers: dict[str, list] = {}  # request id -> [matcher, extra mask, token it waits for or None]
         self._json_safe: np.ndarray | None = None  # [W] int32: tokens without control bytes
         self._json_lines_safe: np.ndarray | None = None  # [W] int32: ... other than \n and \r
 
@@ -222,18 +230,19 @@ class StructuredOutputManager:
             extra = self._json_safe
         elif spec.structural_tag is not None and _holds_json(spec.structural_tag):
             extra = self._json_lines_safe
-        self._matchers[request_id] = (xgr.GrammarMatcher(compiled), extra)
+        self._matchers[request_id] = [xgr.GrammarMatcher(compiled), extra, spec.enforce_after_token_id]
 
     def has(self, request_id: str) -> bool:
         return request_id in self._matchers
 
     def bitmask(self, request_id: str) -> np.ndarray | None:
-        """[ceil(V/32)] int32: bit t set when token t may come next; None when the grammar has ended."""
+        """[ceil(V/32)] int32: bit t set when token t may come next; None when the grammar has ended
+        or has not started (it waits for its `enforce_after_token_id`)."""
         import torch
         import xgrammar as xgr
 
-        matcher, extra = self._matchers[request_id]
-        if matcher.is_terminated():
+        matcher, extra, waiting_for = self._matchers[request_id]
+        if waiting_for is not None or matcher.is_terminated():
             return None
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32 (torch, CPU)
         matcher.fill_next_token_bitmask(mask, 0)
@@ -244,8 +253,15 @@ class StructuredOutputManager:
         return words
 
     def accept(self, request_id: str, token_id: int) -> bool:
-        matcher = self._matchers.get(request_id, (None, None))[0]
-        if matcher is None or matcher.is_terminated():
+        entry = self._matchers.get(request_id)
+        if entry is None:
+            return True
+        matcher, _, waiting_for = entry
+        if waiting_for is not None:  # not started: the grammar starts after this token
+            if int(token_id) == waiting_for:
+                entry[2] = None
+            return True
+        if matcher.is_terminated():
             return True
         return bool(matcher.accept_token(int(token_id)))
 

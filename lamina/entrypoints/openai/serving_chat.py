@@ -13,6 +13,7 @@ from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputPa
 from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser, prepare_tool_history,
                                                   resolve_tool_choice, tool_choice_structured_output)
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
+from lamina.entrypoints.openai.reasoning_parser import THINK_END
 from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, OpenAIServing, finite, sse
 from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
 
@@ -92,6 +93,17 @@ def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, sta
     return content
 
 
+def _enforce_after_reasoning(serving: OpenAIServing, structured) -> None:
+    """The prompt opened a think block and the reasoning parser is on: the request's own constraint
+    (response_format, structured_outputs, guided_*) applies after the reasoning, from the token after
+    `</think>` (vLLM's rule), so the model thinks freely and the constrained answer is the content.
+    Without a single `</think>` token in the vocabulary the constraint applies from the start."""
+    end_id = serving.tokenizer.convert_tokens_to_ids(THINK_END)
+    if isinstance(end_id, int) and end_id != serving.tokenizer.unk_token_id and \
+            serving.tokenizer.convert_ids_to_tokens(end_id) == THINK_END:
+        structured.enforce_after_token_id = end_id
+
+
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     model = serving.resolve_model(req.model)
@@ -120,6 +132,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                                      prompt_logprobs=req.prompt_logprobs)
     if tool_constraint is not None:  # the request has no other constraint (tool_choice_structured_output)
         params.structured_outputs = tool_constraint
+    elif params.structured_outputs is not None and parser.reasoning is not None and parser.reasoning.opened_in_prompt:
+        _enforce_after_reasoning(serving, params.structured_outputs)
     serving.validate_prompt(token_ids, params, "messages")
     request_id = serving.new_id("chatcmpl")
     [stream] = serving.submit([(request_id, token_ids, params, None)])
