@@ -155,6 +155,48 @@ def test_chat_applies_template(default_llm):
         default_llm.chat([[]], GREEDY)
 
 
+ARGS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<call {{ call.function.name }}>"
+    "{% for k, v in call.function.arguments|items %}{{ k }}={{ v }};{% endfor %}</call>{% endfor %}"
+    "{% if not loop.last or not continue_final_message %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_takes_openai_format_messages(default_llm):
+    """As vLLM's LLM.chat: text content parts joined, tool-call arguments sent as a JSON string read as
+    an object by the template, continue_final_message, and the rendered prompt on the output."""
+    tok = default_llm.get_tokenizer()
+    plain = [{"role": "user", "content": "Sort ascending: 3 1 2"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort ascending:"}, {"type": "text", "text": "3 1 2"}]}]
+    out = default_llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    expected = tok.apply_chat_template([{"role": "user", "content": "Sort ascending:\n3 1 2"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert out.prompt == expected and tok.decode(out.prompt_token_ids) == expected
+    assert default_llm.chat(plain, GREEDY, use_tqdm=False)[0].prompt == tok.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    out = default_llm.chat(history, GREEDY, chat_template=ARGS_TEMPLATE, use_tqdm=False)[0]
+    assert "<call get>city=Paris;</call>" in out.prompt and history[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    partial = plain + [{"role": "assistant", "content": "1 2"}]
+    out = default_llm.chat(partial, GREEDY, chat_template=ARGS_TEMPLATE, add_generation_prompt=False,
+                           continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n1 2")
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        default_llm.chat(partial, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="final assistant message"):
+        default_llm.chat(plain, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        bad = [dict(history[1], tool_calls=[{"function": {"name": "get", "arguments": "{oops"}}])]
+        default_llm.chat(history[:1] + bad, GREEDY)
+    with pytest.raises(ValueError, match="part type 'image_url'"):
+        default_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+
+
 @pytest.mark.parametrize(
     "prompt, params, match",
     [

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from lamina.config import EngineArgs
 from lamina.engine.gc_heap import frozen_heap
 from lamina.engine.llm_engine import LLMEngine
+from lamina.entrypoints.chat_messages import normalize_messages
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import RequestOutputKind, SamplingParams
 
@@ -83,18 +84,25 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
-        `tools` (OpenAI's function definitions) are passed to the template, as vLLM's LLM.chat does."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate,
+        as vLLM's LLM.chat: OpenAI-format messages (text content parts, tool calls with JSON-string
+        arguments; lamina.entrypoints.chat_messages), `tools` (OpenAI's function definitions) passed
+        to the template, `continue_final_message` to continue a final assistant message instead of
+        starting a new one (then `add_generation_prompt` must be False). Each output's `prompt` is
+        the rendered prompt text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self.chat_token_ids(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs, tools=tools,
-            )}
-            for conversation in conversations
-        ]
+        options = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                       chat_template_kwargs=chat_template_kwargs, tools=tools,
+                       continue_final_message=continue_final_message)
+        prompts = [{"prompt": self.chat_prompt(c, **options), "prompt_token_ids": self.chat_token_ids(c, **options)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], **options) -> str:
+        """The prompt text `chat` renders for one conversation (same options as `chat_token_ids`)."""
+        return self._render(conversation, tokenize=False, **options)
 
     def chat_token_ids(
         self,
@@ -104,20 +112,36 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The prompt token ids `chat` sends for one conversation (the tokenizer's chat template applied)."""
+        ids = self._render(conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                           continue_final_message=continue_final_message)
+        if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _render(self, conversation: list[dict], *, tokenize: bool, add_generation_prompt: bool,
+                chat_template: str | None, chat_template_kwargs: dict | None, tools: list[dict] | None,
+                continue_final_message: bool):
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         if not conversation:
             raise ValueError("a conversation must have at least one message")
-        ids = tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, **(chat_template_kwargs or {}),
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False (it continues the "
+                             "final message instead of starting a new one)")
+        messages = normalize_messages(conversation)
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError(f"continue_final_message needs a final assistant message; the last one's role is "
+                             f"{messages[-1].get('role')!r}")
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            **(chat_template_kwargs or {}),
         )
-        if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
