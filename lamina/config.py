@@ -55,6 +55,9 @@ class EngineArgs:
     # MTP speculative decoding (vLLM's name): {"method": "mtp", "num_speculative_tokens": K,
     # "policy": "fixed" | "auto"}; see lamina.engine.spec_decode
     speculative_config: dict | None = None
+    # vLLM's name: where default sampling parameters come from: "auto" (the model's
+    # generation_config.json), "vllm" (none) or a folder (lamina.engine.generation_defaults)
+    generation_config: str = "auto"
 
     def parallel_config(self):
         from lamina.parallel.config import ParallelConfig

@@ -95,6 +95,7 @@ class LLMEngine:
         self.args, self.model_path, self.device, self.dtype = setup.args, setup.model_path, setup.device, setup.dtype
         self.model_config, self.parallel_config, self.plan = setup.model_config, setup.parallel_config, setup.plan
         self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
+        self.default_sampling = dict(setup.default_sampling)  # from the generation config (generation_defaults)
         self.tokenizer, self.eos_token_ids = setup.tokenizer, setup.eos_token_ids
         if args.seed is not None:
             torch.manual_seed(args.seed)
@@ -413,13 +414,17 @@ class LLMEngine:
                 sequences.append(list(spaced))
         return sequences
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the generation config's defaults (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.default_sampling)
+
     def add_request(
         self,
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, token_ids = self.prepare_prompt(prompt)
         max_tokens = self.validate_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lamina.config import EngineArgs, resolve_device, resolve_dtype
+from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
@@ -44,6 +45,7 @@ class EngineSetup:
     eos_token_ids: tuple[int, ...]
     spec_config: SpeculativeConfig | None
     mtp_prefix: str | None  # where the checkpoint keeps its MTP tensors (speculative decoding)
+    default_sampling: dict  # SamplingParams defaults from the generation config (generation_defaults)
 
     def model_options(self) -> dict:
         """Options every rank's model is built with."""
@@ -87,10 +89,12 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     mtp_prefix = None
     if spec_config is not None:
         mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
+    default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
         device=device, dtype=dtype, parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
+        default_sampling=default_sampling,
     )
 
 

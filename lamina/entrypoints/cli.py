@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="plan and launch the next step while the current one runs on the GPU "
                         "(default: on for one GPU; with MTP, verification steps replayed from CUDA "
                         "graphs are planned ahead as if every draft were accepted)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling parameters of requests that set none: 'auto' reads the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), 'vllm' ignores it, or a folder holding one")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
@@ -77,6 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         load_format=args.load_format, enforce_eager=args.enforce_eager,
+        generation_config=getattr(args, "generation_config", "auto"),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )

@@ -62,8 +62,8 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            params_list = [SamplingParams() for _ in prompts]
+        if sampling_params is None:  # the generation config's defaults, as vLLM
+            params_list = [self.get_default_sampling_params() for _ in prompts]
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -73,6 +73,12 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts: give one, or one per prompt"
                 )
         return self._run(prompts, params_list, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters a request without any gets: the model's generation config's
+        temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens), unless
+        the engine was built with generation_config="vllm" (vLLM's method of the same name)."""
+        return self.engine.default_sampling_params()
 
     def chat(
         self,

@@ -180,6 +180,9 @@ class OpenAIServing:
             raise APIError(400, f"{max_tokens_param} = {requested} is too large: this model's maximum context "
                            f"length is {limit} tokens and the prompt has {prompt_len}, so at most {room} tokens "
                            f"can be generated", param=max_tokens_param, code="context_length_exceeded")
+        default = self.engine.default_sampling.get("max_tokens")  # the generation config's max_new_tokens
+        if default is not None:  # a cap, also of what the request asks (vLLM's get_max_tokens)
+            return min(default, room if requested is None else requested)
         return requested
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
@@ -196,18 +199,23 @@ class OpenAIServing:
             raise APIError(400, f"best_of = {best_of} with n = {req.n or 1} cannot be streamed: the best "
                            "candidates are known only at the end (use best_of = n, or stream = false)", param="best_of")
         structured = self.structured_outputs(req)
+        default = self.engine.default_sampling  # the generation config's, for fields the request leaves out
+
+        def pick(value, name: str, fallback):
+            return value if value is not None else default.get(name, fallback)
+
         try:
             return SamplingParams(
                 structured_outputs=structured,
                 n=req.n or 1, best_of=best_of,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 prompt_logprobs=prompt_logprobs,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                temperature=pick(req.temperature, "temperature", 1.0),
+                top_p=pick(req.top_p, "top_p", 1.0),
+                top_k=pick(req.top_k, "top_k", 0),
+                min_p=pick(req.min_p, "min_p", 0.0),
                 seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,

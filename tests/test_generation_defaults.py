@@ -1,0 +1,68 @@
+"""Default sampling parameters from the model's generation_config.json (vLLM's --generation-config):
+requests that set none get its temperature / top_p / top_k / min_p / repetition_penalty /
+max_new_tokens, offline and served; "vllm" ignores it; a bad value fails before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.engine.generation_defaults import default_sampling
+from tests.server_harness import MODEL_NAME, RunningServer
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False)
+PROMPT = {"prompt_token_ids": [5, 17, 230, 44, 9, 301]}
+
+
+@pytest.fixture(scope="module")
+def greedy_by_default(qwen3_next_dir, tmp_path_factory):
+    """The tiny checkpoint with a generation config that asks for top_k = 1 (greedy) and 5 new tokens."""
+    path = shutil.copytree(qwen3_next_dir, tmp_path_factory.mktemp("gen") / "ckpt")
+    config = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+    config.update(temperature=0.7, top_k=1, top_p=0.9, repetition_penalty=1.0, max_new_tokens=5, do_sample=True)
+    (path / "generation_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_defaults_are_read_from_the_generation_config(greedy_by_default, tmp_path):
+    assert default_sampling("auto", greedy_by_default) == dict(temperature=0.7, top_p=0.9, top_k=1,
+                                                                repetition_penalty=1.0, max_tokens=5)
+    assert default_sampling("vllm", greedy_by_default) == {}
+    assert default_sampling(str(greedy_by_default), tmp_path)["top_k"] == 1  # a folder
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        default_sampling(str(tmp_path), greedy_by_default)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match="top_p"):
+        LLM(str(greedy_by_default), generation_config=str(tmp_path), **ENGINE)
+
+
+def test_offline_requests_without_params_take_them(greedy_by_default):
+    with LLM(str(greedy_by_default), **ENGINE) as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.7, 1, 0.9, 5)
+        outs = [llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+        greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0].token_ids
+        assert outs == [greedy] * 3  # top_k = 1: the greedy tokens, 5 of them
+    with LLM(str(greedy_by_default), generation_config="vllm", **ENGINE) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_served_requests_take_them_for_fields_they_leave_out(greedy_by_default):
+    with LLM(str(greedy_by_default), **ENGINE) as llm:
+        greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(greedy_by_default), **ENGINE) as llm, RunningServer(llm.engine) as srv, \
+            openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60) as client:
+        create = lambda **kw: client.completions.create(model=MODEL_NAME, prompt=PROMPT["prompt_token_ids"],
+                                                        extra_body={"return_token_ids": True, **kw.pop("extra", {})}, **kw)
+        out = create().choices[0]
+        assert out.model_extra["token_ids"] == greedy[:5] and out.finish_reason == "length"  # top_k 1, max_new_tokens 5
+        out = create(max_tokens=8).choices[0]
+        assert out.model_extra["token_ids"] == greedy[:5]  # max_new_tokens caps the request's too (vLLM)
+        out = create(max_tokens=3).choices[0]
+        assert out.model_extra["token_ids"] == greedy[:3]
+        ids = {tuple(create(extra={"top_k": 0}, seed=s).choices[0].model_extra["token_ids"]) for s in range(4)}
+        assert len(ids) > 1  # the request's top_k wins: sampled at 0.7 again
