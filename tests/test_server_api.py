@@ -170,9 +170,9 @@ def test_max_completion_tokens_wins_over_max_tokens(client):
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_continuous_usage_stats(client, endpoint):
-    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the
-    usage so far (prompt tokens fixed, completion tokens growing to the final count), then the
-    usage chunk with no choices closes the stream as without it."""
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its own
+    choice's usage so far (with n = 2: the prompt's tokens and that choice's tokens, not the sum over
+    the choices), then the usage chunk with no choices closes the stream with the totals."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     kwargs = dict(model=MODEL_NAME, max_tokens=6, temperature=0, n=2, stream=True, stream_options=options,
                   extra_body={"ignore_eos": True})
@@ -182,11 +182,28 @@ def test_continuous_usage_stats(client, endpoint):
         chunks = list(client.completions.create(prompt=PROMPT, **kwargs))
     *with_choices, last = chunks
     assert not last.choices and last.usage.completion_tokens == 12
-    assert all(c.choices and c.usage is not None for c in with_choices)
-    counts = [c.usage.completion_tokens for c in with_choices]
-    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert all(len(c.choices) == 1 and c.usage is not None for c in with_choices)
+    for index in (0, 1):
+        counts = [c.usage.completion_tokens for c in with_choices if c.choices[0].index == index]
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6, (index, counts)
     assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+def test_continuous_usage_stats_per_prompt(client):
+    """Several prompts: a chunk's prompt_tokens are its own prompt's (vLLM's), the last chunk's the sum."""
+    prompts = [[5, 17, 230, 44], [9, 8]]
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=3, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    *with_choices, last = chunks
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (6, 12)
+    for chunk in with_choices:
+        [choice] = chunk.choices
+        assert chunk.usage.prompt_tokens == len(prompts[choice.index // 2]), chunk
+        assert 1 <= chunk.usage.completion_tokens <= 3
+    finals = {c.choices[0].index: c.usage.completion_tokens for c in with_choices}
+    assert finals == {0: 3, 1: 3, 2: 3, 3: 3}
 
 
 def test_chat_template_kwargs_reach_the_template(client, ref):
@@ -238,6 +255,30 @@ def test_completion_logprobs(client):
         assert 1 <= len(top) <= 3 and token_lp <= 0
         assert token_lp == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """OpenAI's legacy completions and vLLM: each position's top_logprobs holds its own token (first)
+    and the `logprobs` likeliest, so up to logprobs + 1 entries; `logprobs: 0` gives the token alone.
+    Sampled at temperature 1 (a random model), the token is often not the likeliest; echoed prompt
+    positions hold the prompt's token the same way."""
+    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                       echo=True, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert greedy.top_logprobs[0] is None  # the first prompt token has none
+    for token, token_lp, top in zip(greedy.tokens[1:], greedy.token_logprobs[1:], greedy.top_logprobs[1:]):
+        assert top == {token: pytest.approx(token_lp)}
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    outside = 0
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and next(iter(top)) == token and top[token] == pytest.approx(token_lp)
+        assert max(top.values()) >= token_lp
+        outside += len(top) == 2
+    assert outside > 0  # some sampled tokens lie outside the top 1: two entries there
+    streamed = [t for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices
+                if c.logprobs for t in c.logprobs.top_logprobs]
+    assert [list(top) for top in streamed] == [list(top) for top in lp.top_logprobs]
 
 
 def test_completions_echo_logprobs_streamed_as_whole(client):

@@ -278,6 +278,19 @@ def test_bad_input_is_a_4xx_naming_the_problem(http, request_, status, param):
         assert error["param"] == param, error
 
 
+def test_negative_token_id_message_names_the_id(http):
+    """A negative id in a token-id prompt: one message naming the id, where it is and the valid range
+    (not pydantic's union-member tags such as 'prompt.constrained-str')."""
+    for prompt, token, where in (([5, -1], -1, "prompt[1]"), ([[1, 2], [3, -4]], -4, "prompt[1][1]")):
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt"
+        message = error["message"]
+        assert f"token id {token} at {where}" in message and "[0, vocab_size)" in message, message
+        assert "constrained" not in message and "more problem" not in message, message
+
+
 def test_other_http_errors_are_openai_shaped(http):
     for method, path, status in (("GET", "/v1/nothing", 404), ("DELETE", "/v1/completions", 405),
                                  ("GET", "/v1/models/unknown", 404)):

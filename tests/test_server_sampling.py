@@ -46,8 +46,9 @@ def test_lm_eval_loglikelihood_shape(client, hf_logprobs, max_tokens):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for i in range(1, len(seq)):
         assert lp.token_logprobs[i] == pytest.approx(hf_logprobs[i - 1, seq[i]].item(), abs=1e-4)
-        [(_, top)] = lp.top_logprobs[i].items()
-        assert top == pytest.approx(hf_logprobs[i - 1].max().item(), abs=1e-4)
+        top = lp.top_logprobs[i]  # the prompt's token first, and the likeliest (one entry when they are one)
+        assert next(iter(top)) == lp.tokens[i] and 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(hf_logprobs[i - 1].max().item(), abs=1e-4)
     ctxlen = len(CONTEXT)
     end = len(seq)
     total = sum(lp.token_logprobs[ctxlen:end])

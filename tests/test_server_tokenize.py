@@ -94,6 +94,21 @@ def test_tokenizer_info_has_what_lm_eval_reads(http, tok):
     assert info["model_max_length"] == tok.model_max_length
 
 
+def test_tokenizer_info_reports_the_served_chat_template(qwen3_next_dir, tok):
+    """With --chat-template, /tokenizer_info gives that template (the one /v1/chat/completions and
+    /tokenize apply), not the tokenizer's: lm-eval's remote tokenizer renders chats with it."""
+    from lamina.entrypoints.openai.chat_tools import ChatOptions
+
+    override = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    assert override != tok.chat_template
+    with _llm(qwen3_next_dir) as llm, RunningServer(llm.engine, chat=ChatOptions(chat_template=override)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/tokenizer_info").json()["chat_template"] == override
+        ids = c.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        assert tok.decode(ids) == "[system]Be brief.[user]Tell me about the river.[assistant]"
+
+
 def test_lm_eval_remote_tokenizer_handshake_and_generate_until(server, http, llm):
     """What lm-eval 0.4.13's local-completions does with its default tokenizer backend ("auto"): GET
     /tokenizer_info (must hold `eos_token`), POST /tokenize {"prompt": "test", "add_special_tokens": false}

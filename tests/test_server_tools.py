@@ -256,6 +256,59 @@ def test_qwen3_coder_calls(qwen3_next_dir, tmp_path_factory):
         assert order.count("arguments") >= 2
 
 
+# (a bigram chain: each piece one distinct token, so the second call is written as one piece)
+TWO_CALL_PIECES = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>",
+                   '\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>']
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(qwen3_next_dir, tmp_path_factory):
+    """`parallel_tool_calls: false` with tool_choice auto (given or by default): the model writes two
+    calls, the answer holds the first only, streamed and not (vLLM since PR #26233, and OpenAI);
+    without it, or with true, both."""
+    path = _ckpt(qwen3_next_dir, tmp_path_factory, TWO_CALL_PIECES, "scripted_two_calls")
+    llm, srv = _serve(path, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    with llm, srv, openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60) as c:
+        for extra, names in (({"tool_choice": "auto", "parallel_tool_calls": False}, ["get_weather"]),
+                             ({"parallel_tool_calls": False}, ["get_weather"]),
+                             ({"parallel_tool_calls": True}, ["get_weather", "search"]),
+                             ({}, ["get_weather", "search"])):
+            out = _create(c, tools=TOOLS, **extra).choices[0]
+            assert out.finish_reason == "tool_calls" and not out.message.content, (extra, out)
+            assert [call.function.name for call in out.message.tool_calls] == names, extra
+            assert json.loads(out.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+            _, content, calls, finish, _ = _streamed(c, tools=TOOLS, **extra)
+            assert finish == "tool_calls" and content == "", extra
+            assert [(x["name"], x["arguments"]) for x in calls] == \
+                [(call.function.name, call.function.arguments) for call in out.message.tool_calls], extra
+
+
+@pytest.mark.parametrize("parser, second", [
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": {oops}\n</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=search>\nnot a parameter\n</function>\n</tool_call>"),
+])
+def test_parallel_tool_calls_false_ignores_what_follows_the_first_call(parser, second):
+    """With one call allowed, the text after the first whole call is not parsed: a malformed second
+    call leaves the first one standing (else the whole answer would be plain content)."""
+    from lamina.entrypoints.openai.chat_output import ChatOutputParser
+    from lamina.entrypoints.openai.tool_parsers import make_tool_parser
+
+    first = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' if parser == "hermes"
+             else "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                  "</tool_call>")
+    text = f"Let me check.\n{first}\n{second}"
+    fields = ChatOutputParser(None, make_tool_parser(parser, TOOLS), max_calls=1).parse(text)
+    assert fields.content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in fields.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert not ChatOutputParser(None, make_tool_parser(parser, TOOLS)).parse(text).tool_calls  # all calls: invalid
+    stream = ChatOutputParser(None, make_tool_parser(parser, TOOLS), max_calls=1)
+    deltas = [d for end in range(1, len(text) + 1) for d in stream.deltas(text[:end], end == len(text))]
+    assert stream.called_tools
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    headers = [tc for d in deltas for tc in d.get("tool_calls", []) if "id" in tc]
+    assert [(h["index"], h["function"]["name"]) for h in headers] == [(0, "get_weather")]
+
+
 def test_bad_tool_requests_are_400_and_the_server_stays_healthy(client):
     for kwargs, match in (
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),

@@ -46,13 +46,16 @@ class _SentCall:
 
 class ChatOutputParser:
     """Parses one request's answer. `tools` is None when tool calls are not parsed (no parser, or
-    tool_choice none); `only_function` keeps only calls of that function (a named tool_choice)."""
+    tool_choice none); `only_function` keeps only calls of that function (a named tool_choice);
+    `max_calls` (1 for the request's `parallel_tool_calls: false`) keeps the first calls only, streamed
+    and not: vLLM and OpenAI answer one call then, whatever the tool_choice."""
 
     def __init__(self, reasoning: Qwen3ReasoningParser | None = None, tools: ToolParser | None = None,
-                 only_function: str | None = None):
+                 only_function: str | None = None, max_calls: int | None = None):
         self.reasoning = reasoning
         self.tools = tools
         self.only_function = only_function
+        self.max_calls = max_calls
         # stream state
         self._sent_reasoning = 0
         self._sent_content = 0
@@ -70,16 +73,16 @@ class ChatOutputParser:
         return self.reasoning.split(text, final=final)
 
     def _wanted(self, calls: list[ParsedCall]) -> list[ParsedCall]:
-        if self.only_function is None:
-            return calls
-        return [c for c in calls if c.name == self.only_function]
+        if self.only_function is not None:
+            calls = [c for c in calls if c.name == self.only_function]
+        return calls if self.max_calls is None else calls[:self.max_calls]
 
     # ---- the whole answer ----------------------------------------------------------------
     def parse(self, text: str) -> ChatMessageFields:
         split = self._split(text, final=True)
         content = split.content
         if self.tools is not None:
-            parsed = self.tools.parse(content, final=True)
+            parsed = self.tools.parse(content, final=True, max_calls=self.max_calls)
             calls = self._wanted(parsed.calls) if parsed.valid else []
             if calls:
                 return ChatMessageFields(
@@ -111,7 +114,7 @@ class ChatOutputParser:
             self._sent_reasoning = len(reasoning)
         content = split.content
         if self.tools is not None and not self._plain:
-            parsed = self.tools.parse(content, final)
+            parsed = self.tools.parse(content, final, max_calls=self.max_calls)
             if not parsed.valid:
                 self._plain = True
                 if self._calls:  # the text so far belongs to calls the client has: not sent again

@@ -174,13 +174,16 @@ def prepare_tool_history(messages: list[dict[str, Any]]) -> None:
 
 
 def output_parser(options: ChatOptions, tools: list[dict] | None, choice: str, function: str | None,
-                  prompt_tail: str) -> ChatOutputParser:
+                  prompt_tail: str, parallel_tool_calls: bool | None = None) -> ChatOutputParser:
+    """`parallel_tool_calls` False: the answer keeps its first tool call only (for `auto` too, where
+    nothing constrains the model's output), as vLLM and OpenAI answer."""
     tool_parser = None
     if choice != "none" and options.tool_call_parser is not None:
         tool_parser = make_tool_parser(options.tool_call_parser, tools)
     # an enforced tool choice leaves no room for reasoning: all of the answer is the call(s)
     reasoning = None if choice in ENFORCED_CHOICES else make_reasoning_parser(options.reasoning_parser, prompt_tail)
-    return ChatOutputParser(reasoning, tool_parser, function if choice == "named" else None)
+    return ChatOutputParser(reasoning, tool_parser, function if choice == "named" else None,
+                            max_calls=1 if parallel_tool_calls is False else None)
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
@@ -126,6 +127,15 @@ class CompletionRequest(_SamplingFields):
 
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("prompt is empty: give at least one token")
+        for where, ids in ([("prompt", value)] if is_ids(value) else
+                           [(f"prompt[{i}]", p) for i, p in enumerate(value) if is_ids(p)]
+                           if isinstance(value, list) else []):
+            bad = [(k, t) for k, t in enumerate(ids) if t < 0]
+            if bad:  # one message naming the id (not one per union member)
+                k, t = bad[0]
+                raise PydanticCustomError(
+                    "token_id", "token id {token} at {where}[{position}] is negative: token ids are in [0, "
+                    "vocab_size) (vocab_size: see GET /v1/models)", {"token": int(t) if float(t).is_integer() else t, "where": where, "position": k})
         if isinstance(value, str) or is_ids(value):
             return value
         if isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
@@ -158,7 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # false: tool_choice 'required' allows exactly one call
+    parallel_tool_calls: bool | None = None  # false: one tool call at most (the first; 'required': exactly one)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -122,7 +122,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
     prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
-    parser = output_parser(options, req.tools, choice, function, prompt_tail)
+    parser = output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
     # both given: max_completion_tokens (OpenAI's current name) wins, as in vLLM
     requested, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                        else (req.max_tokens, "max_tokens"))
@@ -145,7 +145,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         return StreamingResponse(
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
                     continuous_usage, len(token_ids), echo,
-                    [output_parser(options, req.tools, choice, function, prompt_tail) for _ in range(params.n)]),
+                    [output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
+                     for _ in range(params.n)]),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -190,17 +191,21 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                   num_logprobs: int | None, include_usage: bool, arrival: float, continuous_usage: bool,
                   prompt_tokens: int, echo: str, parsers: list[ChatOutputParser]):
     """`parsers`: one output parser per choice (streamed parsing keeps state). `continuous_usage`
-    (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
+    (vLLM's stream_options.continuous_usage_stats): every chunk carries its choice's usage so far (the
+    prompt's tokens and that choice's tokens, as vLLM counts them with n > 1); the last chunk, the
+    totals over all choices."""
     holdback = serving.holdback(params)
     n = params.n
     sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
-    generated = 0  # tokens of all choices so far
+    generated = [0] * n  # tokens of each choice so far
 
     def chunk(choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": choices, "system_fingerprint": None}
         if include_usage:
-            body["usage"] = usage if usage is not None or not continuous_usage else serving.usage(prompt_tokens, generated)
+            if usage is None and continuous_usage:  # one choice per chunk: its own numbers
+                usage = serving.usage(prompt_tokens, sum(generated[c["index"]] for c in choices))
+            body["usage"] = usage
         return sse(body)
 
     outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
@@ -215,7 +220,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
             async for _, output in updates:
                 if output.finished:
                     final = output
-                generated = sum(len(c.token_ids) for c in output.outputs)
+                for completion in output.outputs:
+                    generated[completion.index] = len(completion.token_ids)
                 for completion in output.outputs:
                     j = completion.index
                     if done[j]:

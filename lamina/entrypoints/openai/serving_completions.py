@@ -37,7 +37,13 @@ def _prompts(prompt) -> list[str | list[int]]:
 class _LogprobsBuilder:
     """OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs, text_offset), built
     incrementally so a stream can send each token's entry once. An entry of None (the first prompt
-    token under echo) gives a null logprob and null top_logprobs, as vLLM answers."""
+    token under echo) gives a null logprob and null top_logprobs, as vLLM answers.
+
+    `top_logprobs` holds the position's own token (sampled, or the prompt's under echo) and the `num`
+    likeliest: `num + 1` entries when that token is not among them, `num` when it is (`logprobs: 0`
+    gives the token alone), as OpenAI's legacy completions and vLLM answer; the token first, then the
+    others likeliest first (vLLM's order). The engine's entry holds the token's logprob even when it
+    lies outside the top `num`."""
 
     def __init__(self, serving: OpenAIServing, num: int, offset: int = 0):
         self.serving = serving
@@ -56,10 +62,12 @@ class _LogprobsBuilder:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
             else:
-                out["token_logprobs"].append(finite(entry.get(token_id)))
-                top: dict[str, float] = {}
+                own = finite(entry.get(token_id))
+                out["token_logprobs"].append(own)
+                top: dict[str, float] = {text: own} if token_id in entry else {}
                 for t, lp in self.serving.top(entry, self.num):
-                    top.setdefault(self.serving.token_text(t), lp)  # distinct ids may share a text: keep the likelier
+                    if t != token_id:  # distinct ids may share a text: keep the first (the token's own, or likelier)
+                        top.setdefault(self.serving.token_text(t), lp)
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
@@ -87,6 +95,7 @@ class _Choice:
         # token ids in the answer: asked for, or the only output there is without a tokenizer
         self.with_ids = bool(req.return_token_ids) or serving.tokenizer is None
         self.sent_chars = 0
+        self.generated = 0  # tokens generated so far (continuous usage stats)
         self.sent_ids = 0
         self.sent_prompt_ids = False
         self.echoed = False
@@ -167,7 +176,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
         return StreamingResponse(
             _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only,
-                    continuous_usage, sum(len(ids) for _, ids in prepared)),
+                    continuous_usage),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -215,18 +224,22 @@ def _echo_text(serving: OpenAIServing, text: str | None, token_ids: list[int]) -
 
 async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]], raw: Request, request_id: str,
                   created: int, model: str, include_usage: bool, arrival: float, echo_only: bool,
-                  continuous_usage: bool, prompt_tokens: int):
-    """`continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries the
-    usage so far (`prompt_tokens`: all the prompts')."""
+                  continuous_usage: bool):
+    """`continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries its
+    choice's usage so far, as vLLM counts it: `prompt_tokens` of that choice's prompt, and
+    `completion_tokens` of that choice alone (with several prompts or n > 1 too); the last chunk
+    (no choices) carries the totals over all prompts and choices."""
     finals: list[RequestOutput | None] = [None] * len(streams)
-    generated = [0] * len(streams)  # tokens so far of each prompt's choices
+    by_index = {choice.index: choice for row in choices for choice in row}
 
     def chunk(body_choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": body_choices, "system_fingerprint": None}
         if include_usage:
-            if usage is None and continuous_usage:
-                usage = serving.usage(prompt_tokens, 0 if echo_only else sum(generated))
+            if usage is None and continuous_usage:  # one choice per chunk: its own numbers
+                mine = [by_index[c["index"]] for c in body_choices]
+                usage = serving.usage(sum(len(c.prompt_ids) for c in mine),
+                                      0 if echo_only else sum(c.generated for c in mine))
             body["usage"] = usage
         return sse(body)
 
@@ -240,9 +253,9 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
                                   "finish_reason": None}])
         async with aclosing(serving.merged(streams, raw)) as updates:
             async for i, output in updates:
-                generated[i] = sum(len(c.token_ids) for c in output.outputs)
                 for completion in output.outputs:
                     choice = choices[i][completion.index]
+                    choice.generated = len(completion.token_ids)
                     if choice.done or (choice.echo_logprobs and not choice.echoed and output.prompt_logprobs is None):
                         continue  # (the prompt's logprobs come with the first child's first token)
                     finished = completion.finish_reason is not None

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId, _Request
 from lamina.entrypoints.openai.serving import APIError, OpenAIServing
-from lamina.entrypoints.openai.serving_chat import _RESERVED_TEMPLATE_KWARGS, _apply_template, _messages
+from lamina.entrypoints.openai.serving_chat import _RESERVED_TEMPLATE_KWARGS, _apply_template, _messages, chat_options
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -133,12 +133,13 @@ def _jsonable(value: Any, depth: int = 0) -> Any:
 def tokenizer_info(serving: OpenAIServing) -> dict:
     """The tokenizer's configuration (its tokenizer_config.json as loaded), the special tokens and the
     chat template: what lm-evaluation-harness's remote tokenizer reads (`eos_token`, `bos_token`,
-    `pad_token`, `chat_template`)."""
+    `pad_token`, `chat_template`). `chat_template` is the one /v1/chat/completions and /tokenize
+    apply: `--chat-template` when the server has one, else the tokenizer's."""
     tokenizer = _tokenizer(serving, "/tokenizer_info")
     info = {str(k): _jsonable(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = _jsonable(getattr(tokenizer, name, None))
-    template = getattr(serving, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    template = chat_options(serving).chat_template or getattr(tokenizer, "chat_template", None)
     info["chat_template"] = _jsonable(template)
     info["tokenizer_class"] = type(tokenizer).__name__
     return info

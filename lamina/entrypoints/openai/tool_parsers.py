@@ -18,6 +18,9 @@ stream sends the growth of each part and ends with what the non-streaming answer
   schema's `enum` with the whitespace around it dropped; without a schema, a value that parses as
   JSON is taken as such).
 
+`parse(..., max_calls=1)` (the request's `parallel_tool_calls: false`) stops after the first whole
+call: what follows it is dropped, as vLLM and OpenAI answer one call then.
+
 A call that cannot be parsed makes `ToolParse.valid` false; the server then answers the whole text as
 plain content (never an error).
 """
@@ -70,7 +73,9 @@ class ToolParser:
         found = [(i, *m) for m in self.markers if (i := text.find(m[0], pos)) >= 0]
         return min(found) if found else (-1, "", "", False)
 
-    def parse(self, text: str, final: bool = True) -> ToolParse:
+    def parse(self, text: str, final: bool = True, max_calls: int | None = None) -> ToolParse:
+        """`max_calls` (1 under `parallel_tool_calls: false`): the text after that many whole calls is
+        not looked at, so a later call, whole or malformed, changes nothing."""
         pos, start, end_tag, inclusive = self._find_start(text, 0)
         if pos < 0:
             if final:
@@ -93,7 +98,7 @@ class ToolParser:
                 return result
             if call is not None:
                 result.calls.append(call)
-            if not closed:
+            if not closed or (max_calls is not None and len(result.calls) >= max_calls):
                 break
             pos, start, end_tag, inclusive = self._find_start(text, end + len(end_tag))
         return result
