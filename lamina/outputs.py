@@ -35,6 +35,30 @@ class RequestMetrics:
     inter_token_latencies: array = field(default_factory=lambda: array("d"))
 
 
+class Logprob(float):
+    """A token's logprob, as vLLM's `Logprob`: `.logprob`, `.rank` (1 = the most likely token) and
+    `.decoded_token` (its text; None without a tokenizer). It is also the float itself, so code that
+    reads logprob dict values as numbers keeps working."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):  # pickles across rank processes with its rank and text
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class SpecDecodeMetrics:
     """Speculative decoding counters (per request on `RequestOutput.spec_decode`, and per engine).

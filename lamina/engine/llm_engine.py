@@ -20,7 +20,7 @@ from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.engine.setup import resolve_setup
 from lamina.engine.spec_policy import SpecDecodePolicy
-from lamina.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
+from lamina.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import RequestOutputKind, SamplingParams
 from lamina.models.hybrid_config import num_mtp_layers
@@ -676,7 +676,8 @@ class LLMEngine:
             request = state.request
             if result.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 start = result.prompt_logprobs_start
-                state.prompt_logprobs[start:start + len(result.prompt_logprobs)] = result.prompt_logprobs
+                state.prompt_logprobs[start:start + len(result.prompt_logprobs)] = [
+                    self._with_token_text(entry) for entry in result.prompt_logprobs]
                 if result.prompt_logprob_ranks is not None:
                     state.prompt_logprob_ranks[start:start + len(result.prompt_logprob_ranks)] = result.prompt_logprob_ranks
             if result.token_id is None:
@@ -699,7 +700,7 @@ class LLMEngine:
                 if not self.structured.accept(request.request_id, token):
                     logger.warning("request %s: token %d is outside its grammar", request.request_id, token)
                 if state.logprobs is not None and logprobs is not None:
-                    state.logprobs.append(logprobs)
+                    state.logprobs.append(self._with_token_text(logprobs))
                     state.cumulative_logprob += logprobs.get(token, 0.0)
                 new_text = ""
                 if state.detokenizer is not None and (
@@ -759,6 +760,15 @@ class LLMEngine:
             return
         if chunk.num_draft_tokens and not self.async_scheduling:  # asynchronous: the runner commits (device_commits)
             self._pending_commits[replica][request.request_id] = accepted
+
+    def _with_token_text(self, entry: dict | None) -> dict | None:
+        """A logprobs entry whose `Logprob` values carry their token's text (vLLM's decoded_token)."""
+        if entry is None or self.tokenizer is None:
+            return entry
+        for token_id, value in entry.items():
+            if isinstance(value, Logprob) and value.decoded_token is None:
+                value.decoded_token = self.tokenizer.decode([token_id])
+        return entry
 
     @staticmethod
     def _stops_on_token(request, token: int) -> bool:

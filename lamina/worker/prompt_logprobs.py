@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from lamina.host_to_device import to_device
+from lamina.outputs import Logprob
 from lamina.step_plan import ScheduledChunk
 
 __all__ = ["PROMPT_LOGPROBS_ROWS", "prompt_positions", "score_prompt_chunks"]
@@ -81,9 +82,9 @@ def score_prompt_chunks(
     for request_id, start, count, k in owners:
         entries = []
         for j in range(index, index + count):
-            entry = {targets[j]: target_list[j]}
-            for tok, lp in zip(top_ids_list[j][:k], top_lp_list[j][:k]):
-                entry.setdefault(tok, lp)
+            entry = {targets[j]: Logprob(target_list[j], rank_list[j])}
+            for rank, (tok, lp) in enumerate(zip(top_ids_list[j][:k], top_lp_list[j][:k]), start=1):
+                entry.setdefault(tok, Logprob(lp, rank))
             entries.append(entry)
         results[request_id] = (start, entries, rank_list[index:index + count])
         index += count

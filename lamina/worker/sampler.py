@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from lamina.host_to_device import to_device
+from lamina.outputs import Logprob
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.worker.seeded_noise import seed_key, seeded_exponential
@@ -271,6 +272,7 @@ class SamplerOutput:
         lp = self.logprobs
         sampled = self.token_ids.tolist()
         sampled_lp = lp.sampled_logprobs.tolist()
+        sampled_rank = lp.sampled_ranks.tolist()
         top_ids = lp.top_token_ids.tolist()
         top_lps = lp.top_logprobs.tolist()
         result: list[dict[int, float] | None] = []
@@ -278,9 +280,9 @@ class SamplerOutput:
             if n is None:
                 result.append(None)
                 continue
-            entry = {sampled[row]: sampled_lp[row]}
-            for tok, val in zip(top_ids[row][:n], top_lps[row][:n]):
-                entry.setdefault(tok, val)
+            entry = {sampled[row]: Logprob(sampled_lp[row], sampled_rank[row])}
+            for rank, (tok, val) in enumerate(zip(top_ids[row][:n], top_lps[row][:n]), start=1):
+                entry.setdefault(tok, Logprob(val, rank))
             result.append(entry)
         return result
 
