@@ -87,6 +87,17 @@ def test_dp2_tp2_ep_sp_world4_second_seed_case(qwen3_next_dir):
     assert any(0 in step and sum(step) > 0 for step in counts), counts  # an idle replica steps too (lockstep)
 
 
+def test_dp_replicas_draw_their_own_unseeded_noise(qwen3_next_dir):
+    """Unseeded sampling draws from each rank's global RNG: each data-parallel replica has its own
+    stream, so the same prompt on two replicas does not get the same "random" text (one replica
+    draws what a single-rank engine does)."""
+    prompt = {"prompt_token_ids": [5, 77, 300, 12, 9, 41, 600]}
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(qwen3_next_dir), data_parallel_size=2, **ENGINE) as llm:
+        first, second = (o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params, use_tqdm=False))
+    assert first != second
+
+
 def test_sp_with_mixed_dense_and_moe_layers(qwen3_next_mixed_dir):
     outs, _ = run_layout(qwen3_next_mixed_dir, tensor_parallel_size=2, sequence_parallel_moe="on")
     assert_matches_single_rank(qwen3_next_mixed_dir, outs)

@@ -130,6 +130,11 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             spec.model_path, hf_config, groups.ctx, dtype=spec.dtype, device=device, progress=False,
             layer_range=me.layer_range, model_options=spec.model_options, load_format=spec.load_format, seed=spec.seed,
         )
+        # The global RNG draws the noise of unseeded requests: one stream per data-parallel replica (the
+        # same seed on every replica gave the same "random" text to the same prompt on each of them);
+        # replica 0 keeps the engine's seed, so one replica draws what a single-rank engine does.
+        replica = groups.ctx.dp.rank
+        torch.manual_seed(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF)
         runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         info = pdist.gather_objects({"rank": rank, "free_bytes": free}, groups)
