@@ -12,7 +12,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: the sampled token and the top k
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
@@ -121,8 +121,8 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     spec_decode: SpecDecodeMetrics | None = None  # set when speculative decoding is on
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per position
-    # {token id: logprob} with the prompt's token and the top-k (filled as prefill chunks run).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # {token id: Logprob} with the prompt's token and the top-k (filled as prefill chunks run).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # With prompt_logprobs: each prompt token's rank in its position's distribution (1 = the most
     # likely token; None for the first), as vLLM's Logprob.rank.
     prompt_logprob_ranks: list[int | None] | None = None

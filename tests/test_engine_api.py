@@ -146,6 +146,28 @@ def test_logprobs(llm):
     assert completion.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
 
 
+def test_logprobs_are_vllm_logprob_objects(default_llm):
+    """Each value is a vLLM-style Logprob (.logprob, .rank, .decoded_token) and still the float; the
+    sampled token's rank counts the likelier tokens, also when it is outside the top k."""
+    from lamina.outputs import Logprob
+
+    tok = default_llm.get_tokenizer()
+    params = SamplingParams(temperature=5.0, seed=3, max_tokens=12, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    out = default_llm.generate("Sort ascending: 3 1 2", params, use_tqdm=False)[0]
+    ranks = []
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        value = entry[token]
+        assert isinstance(value, Logprob) and value.logprob == float(value) and value.decoded_token == tok.decode([token])
+        best_id, best = max(entry.items(), key=lambda item: float(item[1]))  # the top-1 entry
+        assert best.rank == 1 and (best_id == token) == (value.rank == 1)
+        ranks.append(value.rank)
+    assert max(ranks) > 1  # at temperature 5 some sampled tokens are not the likeliest
+    for token, entry, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:]):
+        assert entry[token].rank == rank and entry[token].decoded_token == tok.decode([token])
+        by_value = sorted(entry.values(), key=float, reverse=True)  # the top 2, and the prompt token if not among them
+        assert [v.rank for v in by_value] == ([1, 2] if len(entry) == 2 else [1, 2, rank]) and (len(entry) == 2) == (rank <= 2)
+
+
 def test_chat_applies_template(default_llm):
     messages = [{"role": "user", "content": "Hi"}]
     out = default_llm.chat(messages, GREEDY, use_tqdm=False)[0]
