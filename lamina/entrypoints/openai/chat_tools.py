@@ -144,35 +144,6 @@ def tool_choice_structured_output(options: ChatOptions, req: Any, choice: str, f
     return spec
 
 
-def prepare_tool_history(messages: list[dict[str, Any]]) -> None:
-    """Assistant `tool_calls` as the chat templates read them: `function.arguments` as an object (clients
-    send the JSON string they received), checked so that a bad one is a 400, not a template error; and a
-    message's `reasoning` (vLLM's newer name) as `reasoning_content`, the name Qwen templates read."""
-    for i, message in enumerate(messages):
-        if message.get("reasoning") is not None and message.get("reasoning_content") is None:
-            message["reasoning_content"] = message["reasoning"]  # templates read reasoning_content
-        calls = message.get("tool_calls")
-        if not calls:
-            continue
-        where = f"messages[{i}].tool_calls"
-        if message.get("role") != "assistant":
-            raise APIError(400, f"{where}: only assistant messages carry tool_calls", param=where)
-        for j, call in enumerate(calls):
-            fn = call.get("function")
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise APIError(400, f"{where}[{j}] needs function.name (a string)", param=where)
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as e:
-                    raise APIError(400, f"{where}[{j}].function.arguments is not valid JSON ({e.msg}): "
-                                   f"{args[:80]!r}", param=where) from None
-            if not isinstance(args, dict):
-                raise APIError(400, f"{where}[{j}].function.arguments must be a JSON object", param=where)
-            call["function"] = {**fn, "arguments": args}
-
-
 def output_parser(options: ChatOptions, tools: list[dict] | None, choice: str, function: str | None,
                   prompt_tail: str, parallel_tool_calls: bool | None = None) -> ChatOutputParser:
     """`parallel_tool_calls` False: the answer keeps its first tool call only (for `auto` too, where

@@ -9,8 +9,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from lamina.entrypoints.chat_messages import MessageError, normalize_messages
 from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
-from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser, prepare_tool_history,
+from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser,
                                                   resolve_tool_choice, tool_choice_structured_output)
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.reasoning_parser import THINK_END
@@ -28,23 +29,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    messages = []
-    for i, message in enumerate(req.messages):
-        m = message.model_dump(exclude_none=True)
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content: part type {part.type!r} is not supported; this "
-                                   "model takes text parts only ({'type': 'text', 'text': ...})",
-                                   param=f"messages[{i}].content")
-                texts.append(part.text)
-            m["content"] = "\n".join(texts)
-        elif content is None:
-            m["content"] = ""  # templates expect a string
-        messages.append(m)
-    return messages
+    """The request's messages as the chat templates read them (lamina.entrypoints.chat_messages);
+    a message the template cannot take is a 400 naming it."""
+    try:
+        return normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    except MessageError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
@@ -119,7 +109,6 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     messages = _messages(req)
     # vLLM's echo: the answer's content starts with the last message's when that is the assistant's
     echo = messages[-1]["content"] if req.echo and messages[-1].get("role") == "assistant" else ""
-    prepare_tool_history(messages)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
     prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
     parser = output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
