@@ -58,6 +58,10 @@ class EngineArgs:
     # vLLM's name: where default sampling parameters come from: "auto" (the model's
     # generation_config.json), "vllm" (none) or a folder (lamina.engine.generation_defaults)
     generation_config: str = "auto"
+    # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
+    # own model code; configs are read by transformers); enable_prefix_caching True is refused
+    trust_remote_code: bool = False
+    enable_prefix_caching: bool | None = None
 
     def parallel_config(self):
         from lamina.parallel.config import ParallelConfig
@@ -80,6 +84,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True: prefix caching is not supported yet (every prompt is "
+                             "computed in full); leave it unset or pass False")
         from lamina.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config

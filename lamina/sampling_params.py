@@ -96,7 +96,8 @@ class SamplingParams:
         seed: Optional integer seed: the request's random draws become a
             function of the seed and the output index, so its text is
             reproducible independently of the batch, of preemption and of
-            speculative decoding (lamina.worker.seeded_noise).
+            speculative decoding (lamina.worker.seeded_noise). ``-1`` means no
+            seed, as in vLLM.
         max_tokens: Maximum number of generated tokens (``> 0``), or ``None``
             for "until ``max_model_len``" (resolved by the engine).
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this
@@ -272,6 +273,8 @@ class SamplingParams:
 
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed == -1:  # vLLM's convention: -1 means no seed
+            self.seed = None
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(

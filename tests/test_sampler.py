@@ -189,14 +189,22 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert not torch.isin(out.token_ids, torch.tensor([1, 2, 9])).any()
 
 
-def test_min_tokens_with_ignore_eos_bans_only_stop_ids():
+def test_min_tokens_bans_eos_with_ignore_eos_too():
+    """vLLM: EOS is among the ids min_tokens holds back, also with ignore_eos (which only keeps EOS
+    from stopping the request afterwards)."""
     logits = torch.zeros(1, V)
     logits[0, 1] = 50.0
     logits[0, 9] = 30.0
+    logits[0, 20] = 20.0
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True)
     batch = build([p], output_lens=[0])
-    assert batch.ban_cols.tolist() == [9]
-    assert int(Sampler()(logits, batch).token_ids) == 1
+    assert sorted(batch.ban_cols.tolist()) == [1, 2, 9]
+    assert int(Sampler()(logits, batch).token_ids) == 20
+    assert int(Sampler()(logits, build([p], output_lens=[3])).token_ids) == 1
+
+
+def test_seed_minus_one_means_no_seed():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
 
 
 def test_logprobs_match_raw_log_softmax():

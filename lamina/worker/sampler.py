@@ -164,10 +164,9 @@ class SamplingBatch:
             if p.seed is not None and not is_greedy:
                 seeded_rows.append(row)
             banned = set()
-            if out_len < p.min_tokens:
+            if out_len < p.min_tokens:  # EOS too with ignore_eos, as vLLM bans it
                 banned.update(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned.update(int(t) for t in eos_token_ids)
+                banned.update(int(t) for t in eos_token_ids)
             if p.bad_words_token_ids:
                 outputs = output_token_ids[row] if output_token_ids is not None else None
                 if outputs is None:
