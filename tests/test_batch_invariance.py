@@ -57,7 +57,7 @@ def _generate(path, prompts, params=PARAMS, **kwargs):
 
 
 def _logprobs(completion) -> list[float]:
-    return [entry[token] for token, entry in zip(completion.token_ids, completion.logprobs)]
+    return [float(entry[token]) for token, entry in zip(completion.token_ids, completion.logprobs)]
 
 
 def _assert_same(runs: dict[str, list], prompts) -> None:

@@ -223,7 +223,7 @@ def test_engine_with_triton_prefill_conv_matches_reference(qwen3_5_moe_short_dir
         with LLM(str(qwen3_5_moe_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
                  max_num_seqs=3, max_num_batched_tokens=6, async_scheduling=kernels == "triton") as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs[kernels] = [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs])
+        runs[kernels] = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs])
                          for o in outs]
     for (ref_ids, ref_lp), (ids, lp) in zip(runs["reference"], runs["triton"]):
         assert ids == ref_ids

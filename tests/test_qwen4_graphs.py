@@ -188,7 +188,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, max_token
             check(runner)
     if graphs:
         assert 3 in replays, f"no padded decode step of all three requests ran on the graph path: {replays}"
-    return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
+    return [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
 
 
 def test_graph_static_buffers_match_reference(qwen4_short_dir, monkeypatch):

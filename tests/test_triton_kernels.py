@@ -880,7 +880,7 @@ def _greedy(path, prompts, *, graphs: bool, kernels: str, monkeypatch, **kwargs)
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True)
         assert (runner.decode_graphs is not None) == graphs
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
+    return [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
 
 
 @pytest.mark.parametrize("graphs", [True], ids=["graphs"])  # eager: tests/test_gdn_prefill.py's engine test
