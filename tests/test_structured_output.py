@@ -94,6 +94,18 @@ def test_engine_json_schema_regex_choice(llm):
     assert outs[4].outputs[0].text in ("yes", "no way")
 
 
+def test_grammar_wins_over_min_tokens_bans(llm):
+    """The grammar's one way on (`{`) is also a stop token id held back by min_tokens: the row would
+    have nothing to sample (it used to emit token 0, outside the grammar); the grammar wins."""
+    brace = llm.get_tokenizer().convert_tokens_to_ids("{")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=3, stop_token_ids=[brace],
+                            structured_outputs={"json": schema})
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == brace and 0 not in out.token_ids[:3]
+    assert out.text.startswith("{")
+
+
 def test_engine_rejects_grammar_that_does_not_compile(llm):
     with pytest.raises(ValueError, match="structured_outputs regex could not be compiled"):
         llm.generate("Hi", SamplingParams(structured_outputs={"regex": "(unclosed"}))

@@ -430,13 +430,26 @@ class Sampler:
 
 
 def apply_bans_and_adjustments(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Set banned (row, token) pairs to -inf, then apply the rows' logit adjustments (in place)."""
+    """Set banned (row, token) pairs to -inf, then apply the rows' logit adjustments (in place).
+
+    A structured-output row whose grammar allows only banned tokens (say its one way on is `{`, a
+    stop token id still held back by min_tokens) would be left with nothing to sample (argmax of
+    all -inf: token 0, outside the grammar): the grammar wins there, and the row takes its logits
+    under the grammar's mask alone (decided on the device, no host sync)."""
+    grammar_only = None
+    if batch.bitmask is not None and (batch.has_bans or batch.adjustments is not None):
+        grammar_only = apply_token_bitmask(work[batch.bitmask_rows].clone(), torch.arange(  # [R, V]
+            batch.bitmask_rows.numel(), device=work.device), batch.bitmask)
     if batch.has_bans:
         work[batch.ban_rows, batch.ban_cols] = float("-inf")
     if batch.adjustments is not None:
         batch.adjustments.apply(work)
     if batch.bitmask is not None:
         apply_token_bitmask(work, batch.bitmask_rows, batch.bitmask)
+    if grammar_only is not None:
+        rows = work[batch.bitmask_rows]  # [R, V]
+        stuck = torch.isneginf(rows).all(dim=-1, keepdim=True)  # [R, 1]: nothing left to sample
+        work[batch.bitmask_rows] = torch.where(stuck, grammar_only, rows)
     return work
 
 
