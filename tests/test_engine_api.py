@@ -48,6 +48,8 @@ def test_eos_stops_unless_ignored(llm):
             while engine.has_unfinished_requests():
                 outs += [o for o in engine.step() if o.finished]
             assert len(outs[0].outputs[0].token_ids) == expect_len
+            # an EOS id other than the tokenizer's reports its id, as vLLM (which makes it a stop token id)
+            assert outs[0].outputs[0].stop_reason == (base[2] if expect_len == 3 else None)
     finally:
         engine.eos_token_ids = llm.engine.eos_token_ids
     # min_tokens bans the stop token until reached
@@ -87,7 +89,7 @@ def test_a_stopping_tokens_text_is_left_out_unless_asked(default_llm):
     tok = default_llm.get_tokenizer()
     chat = lambda **kw: default_llm.chat(SORT, SamplingParams(temperature=0.0, max_tokens=32, **kw), use_tqdm=False)[0].outputs[0]
     base = chat(skip_special_tokens=False)  # the trained demo model: "4 7 12 27 46 64 74" then EOS
-    assert base.finish_reason == "stop" and base.token_ids[-1] in default_llm.engine.eos_token_ids
+    assert base.finish_reason == "stop" and base.token_ids[-1] == tok.eos_token_id and base.stop_reason is None
     assert len(base.token_ids) > 4 and "<|im_end|>" not in base.text
     assert base.text == tok.decode(base.token_ids[:-1], skip_special_tokens=False)
     kept = chat(skip_special_tokens=False, include_stop_str_in_output=True)

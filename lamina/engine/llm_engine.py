@@ -97,6 +97,10 @@ class LLMEngine:
         self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
         self.default_sampling = dict(setup.default_sampling)  # from the generation config (generation_defaults)
         self.tokenizer, self.eos_token_ids = setup.tokenizer, setup.eos_token_ids
+        # the EOS a stop reports no stop_reason for; the others (e.g. a generation config's second EOS)
+        # report their id, as vLLM moves them into stop_token_ids
+        tokenizer_eos = getattr(setup.tokenizer, "eos_token_id", None)
+        self.primary_eos_token_id = tokenizer_eos if tokenizer_eos is not None else next(iter(self.eos_token_ids), None)
         if args.seed is not None:
             torch.manual_seed(args.seed)
         self.structured = StructuredOutputManager(self.tokenizer, setup.model_config.vocab_size, self.eos_token_ids)
@@ -791,6 +795,8 @@ class LLMEngine:
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
+                if token != self.primary_eos_token_id:
+                    request.stop_reason = token
             elif token in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif params.stop and num_out > params.min_tokens:
