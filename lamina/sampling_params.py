@@ -84,6 +84,10 @@ class SamplingParams:
         prompt_logprobs: If not ``None``, return for every prompt token after
             the first its logprob plus the ``prompt_logprobs`` most likely
             tokens' logprobs at that position.
+        truncate_prompt_tokens: Keep only the last ``k`` prompt tokens
+            (``-1``: the last ``max_model_len``), as vLLM; ``None`` keeps all.
+        detokenize: ``False`` skips detokenization: outputs carry token ids and
+            an empty text (stop strings need it).
         temperature: Softmax temperature, ``>= 0``. Values below
             ``GREEDY_TEMPERATURE_EPS`` (in particular ``0``) select greedy
             (argmax) decoding.
@@ -141,6 +145,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine from `bad_words` and its tokenizer: the token sequences to ban.
@@ -250,6 +256,16 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_real(rp) or math.isnan(rp) or math.isinf(rp) or rp <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {rp!r}")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                                 or self.truncate_prompt_tokens == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 (max_model_len) or None, "
+                             f"got {self.truncate_prompt_tokens!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (the text is where they are found); "
+                             "use stop_token_ids instead")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be an int >= 0 or None, got {self.prompt_logprobs!r}")
 

@@ -170,6 +170,29 @@ def test_logprobs_are_vllm_logprob_objects(default_llm):
         assert [v.rank for v in by_value] == ([1, 2] if len(entry) == 2 else [1, 2, rank]) and (len(entry) == 2) == (rank <= 2)
 
 
+def test_truncate_prompt_tokens_and_detokenize(llm):
+    """vLLM's truncate_prompt_tokens (the last k prompt tokens; -1: the last max_model_len) and
+    detokenize=False (token ids, empty text)."""
+    long_prompt = {"prompt_token_ids": list(range(1, 300))}  # longer than max_model_len = 256
+    params = SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=6)
+    out = llm.generate(long_prompt, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(294, 300)) and out.prompt is None
+    tail = llm.generate({"prompt_token_ids": list(range(294, 300))}, SamplingParams(temperature=0.0, max_tokens=4),
+                        use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == tail.outputs[0].token_ids and out.num_cached_tokens == 0
+    with pytest.raises(ValueError, match="no room"):  # -1 keeps max_model_len tokens: nothing left to generate
+        llm.generate(long_prompt, SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_detokenize_false(default_llm):
+    out = default_llm.chat(SORT, SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)[0]
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) > 2
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
 def test_chat_applies_template(default_llm):
     messages = [{"role": "user", "content": "Hi"}]
     out = default_llm.chat(messages, GREEDY, use_tqdm=False)[0]

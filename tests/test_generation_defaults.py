@@ -76,3 +76,19 @@ def test_vllm_engine_arguments_scripts_pass(qwen3_next_dir):
         LLM(str(qwen3_next_dir), enable_prefix_caching=True, **ENGINE)
     with pytest.raises(TypeError, match="unknown argument"):
         LLM(str(qwen3_next_dir), no_such_argument=1, **ENGINE)
+
+
+def test_served_truncate_prompt_tokens(qwen3_next_dir):
+    """vLLM's truncate_prompt_tokens on the server: the last k prompt tokens are the prompt."""
+    prompt = list(range(1, 200))  # with max_tokens 16: longer than max_model_len = 128 allows
+    with LLM(str(qwen3_next_dir), **ENGINE) as llm:
+        tail = llm.generate({"prompt_token_ids": prompt[-6:]}, SamplingParams(temperature=0.0, max_tokens=4),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(qwen3_next_dir), **ENGINE) as llm, RunningServer(llm.engine) as srv, \
+            openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60) as client:
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == tail and out.usage.prompt_tokens == 6
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
+                                      extra_body={"truncate_prompt_tokens": 0})

@@ -355,6 +355,20 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
 
+    def prepare_request_prompt(self, prompt: str | list[int] | dict, keep: int | None) -> tuple[str | None, list[int]]:
+        """`prepare_prompt`, then vLLM's truncate_prompt_tokens `keep`: only the last k tokens (-1: the
+        last max_model_len; None: all) are kept; a truncated prompt has no text."""
+        text, token_ids = self.prepare_prompt(prompt)
+        kept = self.truncate_prompt(token_ids, keep)
+        return (text if len(kept) == len(token_ids) else None), kept
+
+    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` prompt tokens (-1: the last max_model_len; None: all)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request before it is queued; returns its resolved max_tokens."""
         if not isinstance(params, SamplingParams):
@@ -429,7 +443,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         params = params or self.default_sampling_params()
-        text, token_ids = self.prepare_prompt(prompt)
+        text, token_ids = self.prepare_request_prompt(prompt, params.truncate_prompt_tokens)
         max_tokens = self.validate_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._states or request_id in self._parents:
@@ -468,7 +482,7 @@ class LLMEngine:
         )
         detok = (
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
-            if self.tokenizer is not None else None
+            if self.tokenizer is not None and params.detokenize else None
         )
         self._states[request_id] = _RequestState(request, detok)
         if params.structured_outputs is not None:

@@ -185,6 +185,12 @@ class OpenAIServing:
             return min(default, room if requested is None else requested)
         return requested
 
+    @staticmethod
+    def check_truncate_prompt_tokens(req) -> None:
+        if req.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be >= 1, or -1 (the last max_model_len tokens)",
+                           param="truncate_prompt_tokens")
+
     def validate_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
             self.engine.validate_request(token_ids, params)

@@ -109,7 +109,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     messages = _messages(req)
     # vLLM's echo: the answer's content starts with the last message's when that is the assistant's
     echo = messages[-1]["content"] if req.echo and messages[-1].get("role") == "assistant" else ""
+    serving.check_truncate_prompt_tokens(req)
     token_ids = await serving.run_blocking(_apply_template, serving, req, messages, param="messages")
+    token_ids = serving.engine.truncate_prompt(token_ids, req.truncate_prompt_tokens)
     prompt_tail = serving.tokenizer.decode(token_ids[-8:]) if options.reasoning_parser else ""
     parser = output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
     # both given: max_completion_tokens (OpenAI's current name) wins, as in vLLM

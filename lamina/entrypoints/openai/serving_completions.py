@@ -153,7 +153,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     if len(prompts) * max(n, req.best_of or 1) > MAX_BATCH_PROMPTS:
         raise APIError(400, f"{len(prompts)} prompts x {max(n, req.best_of or 1)} completions is more than "
                        f"{MAX_BATCH_PROMPTS} sequences in one request", param="n")
-    prepared = await serving.run_blocking(lambda: [serving.engine.prepare_prompt(p) for p in prompts], param="prompt")
+    serving.check_truncate_prompt_tokens(req)
+    prepared = await serving.run_blocking(lambda: [serving.engine.prepare_request_prompt(p, req.truncate_prompt_tokens)
+                                                   for p in prompts], param="prompt")
     items = []
     request_id = serving.new_id("cmpl")
     for i, (text, token_ids) in enumerate(prepared):
