@@ -96,18 +96,30 @@ def test_a_seeded_draw_is_a_function_of_the_output_index():
     assert len(set(in_order)) > 3  # the indices draw different noise
 
 
-def test_top_k_keeps_exactly_k():
+def test_top_k_keeps_k_and_the_ties_of_the_kth():
+    """vLLM and transformers keep every token tied with the k-th; a cut on the value also does not
+    depend on the order a sort put tied tokens in."""
     torch.manual_seed(0)
     logits = torch.randn(3, V)
-    logits[2, :10] = 5.0  # ties straddle the cut
+    logits[2, :10] = 5.0  # ten tied tokens straddle the cut at k = 4
     top_k = torch.tensor([1, 7, 4])
     masked = apply_top_k_top_p(logits, top_k, None)
-    kept = torch.isfinite(masked).sum(-1)
-    assert kept.tolist() == [1, 7, 4]
+    assert torch.isfinite(masked).sum(-1).tolist() == [1, 7, 10]
     for r, k in enumerate([1, 7, 4]):
-        kept_vals = masked[r][torch.isfinite(masked[r])]
-        assert kept_vals.min() >= logits[r].topk(k).values.min()
-        assert torch.equal(masked[r][torch.isfinite(masked[r])], logits[r][torch.isfinite(masked[r])])
+        kept = torch.isfinite(masked[r])
+        assert torch.equal(kept, logits[r] >= logits[r].topk(k).values.min())
+        assert torch.equal(masked[r][kept], logits[r][kept])
+    # the same rows in another order and batch give the same sets
+    again = apply_top_k_top_p(logits[[2, 0]], top_k[[2, 0]], None)
+    assert torch.equal(torch.isfinite(again), torch.isfinite(masked[[2, 0]]))
+
+
+def test_top_p_keeps_the_ties_of_its_last_token():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    probs = logits.softmax(-1)[0]
+    p = float(probs[0] + probs[1]) - 1e-4  # reached at the first of the three tied tokens
+    masked = apply_top_k_top_p(logits, None, torch.tensor([p]))
+    assert torch.isfinite(masked).tolist() == [[True, True, True, True, False]]
 
 
 def test_top_k_disabled_rows_untouched_and_sampled_in_set():

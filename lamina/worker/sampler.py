@@ -308,30 +308,36 @@ def apply_top_k_top_p(
         top_k: ``[B]`` int64; values ``>= V`` mean disabled. ``None`` skips.
         top_p: ``[B]`` float in (0, 1]; ``1`` means disabled. ``None`` skips.
 
-    Top-k keeps exactly ``k`` tokens (ties broken by sort order).  Top-p is
-    applied after top-k, on the renormalised distribution, and keeps the
-    smallest prefix of the sorted tokens whose cumulative probability reaches
-    ``top_p``; the most likely token is always kept.  Returns a new tensor.
+    Top-k keeps the ``k`` likeliest tokens and every token tied with the
+    k-th (as vLLM and transformers do).  Top-p is applied after top-k, on the
+    renormalised distribution, and keeps the smallest prefix of the sorted
+    tokens whose cumulative probability reaches ``top_p`` (the most likely
+    token always), again with every token tied with the last one kept.  So
+    the kept set is a threshold on the logits, whatever order the sort gave
+    tied tokens in (a sort's tie order may differ between devices and batch
+    shapes).  Returns a new tensor.
     """
     if top_k is None and top_p is None:
         return logits
     bsz, vocab = logits.shape
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V], [B, V]
-    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [B, V]
+    cut = sorted_logits[:, :1]  # [B, 1]: the lowest logit kept so far (the top one is always kept)
     if top_k is not None:
         k = top_k.clamp(min=1, max=vocab).unsqueeze(1)  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+        cut = sorted_logits.gather(1, k - 1)  # [B, 1]: the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cut, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)  # [B, V]
         # Probability mass strictly before each position; a position is kept
         # while the mass before it is still short of top_p.
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
-        drop = mass_before >= top_p.unsqueeze(1)  # [B, V]
-        drop &= (top_p < 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
-        drop[:, 0] = False  # the most likely token always survives
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    # Undo the sort: out[b, sorted_idx[b, j]] = sorted_logits[b, j].
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)  # [B, V]
+        keep = mass_before < top_p.unsqueeze(1)  # [B, V]
+        keep |= (top_p >= 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
+        keep[:, 0] = True  # the most likely token always survives
+        last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position
+        cut_p = sorted_logits.gather(1, last)  # [B, 1]
+        cut = cut_p if top_k is None else torch.maximum(cut, cut_p)
+    return logits.masked_fill(logits < cut, float("-inf"))  # [B, V]
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
