@@ -102,9 +102,9 @@ def test_a_stopping_tokens_text_is_left_out_unless_asked(default_llm):
         assert out.text == tok.decode(base.token_ids[: first + 1 if include else first]), include
 
 
-def test_stop_strings_skip_the_text_of_the_first_min_tokens_tokens(default_llm):
-    """vLLM: with min_tokens = m, a stop string is found only in the text after the first m
-    tokens' text (so it never stops the request before m + 1 tokens)."""
+def test_stop_strings_wait_for_min_tokens(default_llm):
+    """vLLM: with min_tokens = m, stop strings are looked for once more than m tokens are out, in
+    the tail each new token completes: one wholly inside the first m tokens' text is never found."""
     tok = default_llm.get_tokenizer()
     chat = lambda **kw: default_llm.chat(SORT, SamplingParams(temperature=0.0, max_tokens=32, **kw), use_tqdm=False)[0].outputs[0]
     base = chat()

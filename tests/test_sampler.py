@@ -277,3 +277,16 @@ def test_build_flags():
     assert b.temperature.tolist() == [1.0, 1.0]
     assert b.greedy.tolist() == [True, False]
     assert math.isclose(b.top_p[1].item(), 0.9, rel_tol=1e-6)
+
+
+def test_seeded_noise_of_two_seeds_is_not_shifted_copies():
+    """Seeds 600 and 1480 have keys that differ by 152 (xor): with the index xor-ed straight into the
+    key, seed 1480 at index 152 drew seed 600's noise at index 0. The index is mixed first now."""
+    from lamina.worker.seeded_noise import seed_key, seeded_exponential
+
+    d = seed_key(600) ^ seed_key(1480)
+    assert d == 152
+    for i in range(4):
+        first = seeded_exponential(torch.tensor([seed_key(600)]), torch.tensor([i]), 64)
+        shifted = seeded_exponential(torch.tensor([seed_key(1480)]), torch.tensor([i ^ d]), 64)
+        assert not torch.equal(first, shifted), i

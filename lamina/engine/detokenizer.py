@@ -174,23 +174,20 @@ class IncrementalDetokenizer:
 
 
 def find_stop_string(
-    text: str, new_text_len: int, stops: Sequence[str], include_stop: bool, search_from: int = 0,
+    text: str, new_text_len: int, stops: Sequence[str], include_stop: bool,
 ) -> tuple[str, int] | None:
     """Find a stop string completed by the last ``new_text_len`` characters.
 
     Only the tail ``text[-(new_text_len + len(stop) - 1):]`` is searched for
     each stop (a match that ends before the new text would have been found on
-    an earlier call), and never before ``search_from``.  When several stops
-    complete at once, the first in ``stops``' order wins (vLLM's rule), at
-    its first match.
+    an earlier call).  When several stops complete at once, the first in
+    ``stops``' order wins (vLLM's rule), at its first match.
 
     Args:
         text: The full output text so far (including the new text).
         new_text_len: Number of characters appended since the last call.
         stops: Stop strings (non-empty).
         include_stop: Whether the stop string stays in the output.
-        search_from: No match starts before this index (the text of the
-            first ``min_tokens`` tokens is never searched).
 
     Returns:
         ``(stop, truncate_at)``: the caller should set ``text =
@@ -202,7 +199,7 @@ def find_stop_string(
     for stop in stops:
         if not stop:
             continue
-        start = max(0, search_from, len(text) - new_text_len - len(stop) + 1)
+        start = max(0, len(text) - new_text_len - len(stop) + 1)
         idx = text.find(stop, start)
         if idx >= 0:
             return stop, idx + len(stop) if include_stop else idx

@@ -30,6 +30,8 @@ MASK32 = 0xFFFF_FFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 _GOLDEN = 0x9E3779B9
 _ROUND_SALTS = (0x243F6A88, 0x85A308D3, 0x13198A2E)
+_INDEX_SALT = 0x03707344
+ROWS_PER_PASS = 16
 
 
 def _lowbias32_int(x: int) -> int:
@@ -71,12 +73,23 @@ def seeded_exponential(keys: torch.Tensor, positions: torch.Tensor, vocab_size: 
     keys = keys.to(torch.int64) & MASK32  # [S]
     index = positions.to(torch.int64) & MASK32  # [S]
     round_keys = []
-    k = _lowbias32(keys ^ index)  # [S]
+    # the index is mixed before it meets the key: with `keys ^ index`, two seeds whose keys differ by
+    # d would share their noise at indices i and i ^ d
+    k = _lowbias32(keys ^ _lowbias32(index ^ _INDEX_SALT))  # [S]
     for salt in _ROUND_SALTS:
         k = _lowbias32(k ^ salt)  # [S]
         round_keys.append(k[:, None])  # [S, 1]
-    h = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]
-    for rk in round_keys:
-        h = _lowbias32((h ^ rk) & MASK32)  # [S, V]
-    uniform = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # [S, V] in (0, 1)
-    return (-torch.log(uniform)).to(dtype)  # [S, V]
+    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]
+    out = torch.empty(keys.shape[0], vocab_size, dtype=dtype, device=keys.device)  # [S, V]
+    # ROWS_PER_PASS rows at a time: the int64 temporaries of a verification step's S = B (K + 1) rows
+    # at a 248k vocabulary would otherwise take gigabytes
+    for start in range(0, keys.shape[0], ROWS_PER_PASS):
+        rows = slice(start, start + ROWS_PER_PASS)
+        h = token_ids
+        for rk in round_keys:
+            h = _lowbias32((h ^ rk[rows]) & MASK32)  # [rows, V]
+        # float64: in float32, (h + 0.5) / 2**32 rounds to 1.0 for the top 2**8 values of h, whose
+        # noise would then be 0 and win the race (a 1.5% chance per row at a 248k vocabulary)
+        uniform = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # [rows, V] in (0, 1)
+        out[rows] = -torch.log(uniform)
+    return out  # [S, V]
