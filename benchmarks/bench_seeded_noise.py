@@ -1,0 +1,99 @@
+"""Cost of seeded sampling noise on a GPU (lamina.worker.seeded_noise) against the global-RNG draw
+and against the per-row torch.Generator loop it replaced (session 25): time and peak memory per
+call at vocabulary 152k / 248k and S seeded rows, the sampler at batch 64 / 256 seeded or not, and a
+check that the seeded path does not sync the host. Writes a JSON record with --out.
+
+    python benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from lamina.sampling_params import SamplingParams
+from lamina.worker.sampler import Sampler, SamplingBatch
+from lamina.worker.seeded_noise import seed_key, seeded_exponential
+
+
+def timed_ms(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = "cuda"
+    rows = []
+    for vocab in (151936, 248320):
+        for num in (1, 16, 64, 256, 1024):
+            keys = torch.tensor([seed_key(s) for s in range(num)], device=device)
+            positions = torch.arange(num, device=device)
+            noise = torch.empty(num, vocab, device=device)
+            generators = [torch.Generator(device=device) for _ in range(num)]
+
+            def generator_loop():
+                for i, gen in enumerate(generators):
+                    row = torch.empty(vocab, device=device)
+                    row.exponential_(generator=gen)
+                    noise[i].copy_(row, non_blocking=True)
+
+            rows.append({
+                "vocab": vocab, "rows": num,
+                "seeded_ms": timed_ms(lambda: seeded_exponential(keys, positions, vocab)),
+                "seeded_peak_gib": peak_gib(lambda: seeded_exponential(keys, positions, vocab)),
+                "global_rng_ms": timed_ms(lambda: noise.exponential_()),
+                "generator_loop_ms": timed_ms(generator_loop, repeats=3),
+            })
+            print(rows[-1], flush=True)
+    vocab = 151936
+    for batch in (1, 64, 256):
+        logits = torch.randn(batch, vocab, device=device)
+        for seeded in (False, True):
+            params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None) for i in range(batch)]
+            sampling = SamplingBatch.build(params, [3] * batch, [0], device, vocab)
+            sampler = Sampler()
+            rows.append({"sampler_batch": batch, "seeded": seeded,
+                         "ms": timed_ms(lambda: sampler(logits, sampling)),
+                         "peak_gib": peak_gib(lambda: sampler(logits, sampling))})
+            print(rows[-1], flush=True)
+    sampling = SamplingBatch.build([SamplingParams(temperature=0.8, seed=i) for i in range(8)], [3] * 8, [0], device, vocab)
+    logits = torch.randn(8, vocab, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        Sampler()(logits, sampling)
+        Sampler()(logits, sampling.with_noise_positions(torch.arange(8, device=device)))
+        syncs = "none"
+    except RuntimeError as e:
+        syncs = str(e)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print("host syncs in the seeded path:", syncs)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python benchmarks/bench_seeded_noise.py", "gpu": torch.cuda.get_device_name(),
+                       "rows": rows, "host_syncs": syncs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
