@@ -272,9 +272,11 @@ class SpecDecodeStep:
 
     def _keep_draft_probs(self, sampled, probs) -> None:
         """The drafter's distributions of the drafts just proposed, for the next verification of
-        random requests (on the device: the next step may be queued before these results are read)."""
+        random requests without a seed (seeded ones are verified by coupling, which needs none; on the
+        device: the next step may be queued before these results are read)."""
         for b, c in enumerate(sampled):
-            if probs and probs[0] is not None and not c.sampling_params.greedy:
+            params = c.sampling_params
+            if probs and probs[0] is not None and not params.greedy and params.seed is None:
                 self._draft_probs[c.request_id] = torch.stack([q[b] for q in probs])  # [D, V]
             else:
                 self._draft_probs.pop(c.request_id, None)
