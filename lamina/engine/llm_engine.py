@@ -810,19 +810,17 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         num_out = len(request.output_token_ids)
         status = None
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                if token != self.primary_eos_token_id:
-                    request.stop_reason = token
-            elif token in params.stop_token_ids:
-                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif params.stop and num_out > params.min_tokens:
-                hit = find_stop_string(state.text, new_text_len, params.stop, params.include_stop_str_in_output)
-                if hit is not None:
-                    stop, cut = hit
-                    state.text = state.text[:cut]
-                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if self._stops_on_token(request, token):
+            status = RequestStatus.FINISHED_STOPPED
+            ends_as_eos = not params.ignore_eos and token in request.eos_token_ids
+            if not ends_as_eos or token != self.primary_eos_token_id:  # a stop id, or a secondary EOS
+                request.stop_reason = token
+        elif params.stop and num_out > params.min_tokens:
+            hit = find_stop_string(state.text, new_text_len, params.stop, params.include_stop_str_in_output)
+            if hit is not None:
+                stop, cut = hit
+                state.text = state.text[:cut]
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if status is None and (num_out >= request.max_tokens or request.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -102,8 +102,9 @@ class LLM:
         options = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs, tools=tools,
                        continue_final_message=continue_final_message)
-        prompts = [{"prompt": self.chat_prompt(c, **options), "prompt_token_ids": self.chat_token_ids(c, **options)}
-                   for c in conversations]
+        # rendered once; the engine tokenizes the text as apply_chat_template(tokenize=True) would
+        # (no special tokens added)
+        prompts = [{"prompt": self.chat_prompt(c, **options)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], **options) -> str:

@@ -110,15 +110,14 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int] | None] | None = None,
         prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
         token_bitmasks: Sequence | None = None,
-        noise_positions: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
         Args:
             params_list: One :class:`SamplingParams` per row.
             output_lens: Number of tokens each request has generated so far
-                (``min_tokens``; a seeded row's output index, unless
-                ``noise_positions`` says otherwise).
+                (``min_tokens``, and a seeded row's output index; see
+                :meth:`with_noise_positions` for indices known on the device).
             eos_token_ids: The model's EOS token ids.
             device: Device of the logits the sampler will receive.
             vocab_size: Number of valid token ids (normally the logits' last
@@ -130,18 +129,12 @@ class SamplingBatch:
                 repetition penalty; ``None`` elsewhere).
             token_bitmasks: Per row, the structured-output mask of allowed
                 tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
-            noise_positions: Per row, the output index of the token it samples
-                (read for seeded rows), when it is not ``output_lens``.
         """
         bsz = len(params_list)
         if vocab_size >= 1 << 24:
             raise ValueError(f"vocab_size = {vocab_size}: top-k travels as float32, exact only below 2**24")
         if len(output_lens) != bsz:
             raise ValueError(f"output_lens has {len(output_lens)} entries, expected {bsz}")
-        if noise_positions is None:
-            noise_positions = output_lens
-        if len(noise_positions) != bsz:
-            raise ValueError(f"noise_positions has {len(noise_positions)} entries, expected {bsz}")
 
         temps: list[float] = []
         top_ks: list[int] = []
@@ -201,7 +194,7 @@ class SamplingBatch:
         seeded = None
         if seeded_rows:
             seeded = to_device([seeded_rows, [seed_key(params_list[r].seed) for r in seeded_rows],
-                                [noise_positions[r] for r in seeded_rows]], device, torch.int64)  # [3, S]
+                                [output_lens[r] for r in seeded_rows]], device, torch.int64)  # [3, S]
         return cls(
             temperature=packed[0],
             top_k=packed[3].to(torch.int64),
