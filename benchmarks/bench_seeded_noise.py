@@ -1,7 +1,9 @@
-"""Cost of seeded sampling noise on a GPU (lamina.worker.seeded_noise) against the global-RNG draw
-and against the per-row torch.Generator loop it replaced (session 25): time and peak memory per
-call at vocabulary 152k / 248k and S seeded rows, the sampler at batch 64 / 256 seeded or not, and a
-check that the seeded path does not sync the host. Writes a JSON record with --out.
+"""Cost of seeded sampling noise on a GPU: the torch reference (lamina.kernels.seeded_noise) and the
+one-launch Triton kernel (lamina.kernels.triton_seeded_noise, session 26) against the global-RNG
+draw and against the per-row torch.Generator loop the hash replaced (session 25): time and peak
+memory per call at vocabulary 152k / 248k and S seeded rows, the sampler at batch 1 / 64 / 256
+seeded (either noise) or not, and a check that the seeded path does not sync the host. Writes a
+JSON record with --out.
 
     python benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json
 """
@@ -16,7 +18,8 @@ import torch
 
 from lamina.sampling_params import SamplingParams
 from lamina.worker.sampler import Sampler, SamplingBatch
-from lamina.worker.seeded_noise import seed_key, seeded_exponential
+from lamina.kernels.seeded_noise import seed_key, seeded_exponential
+from lamina.kernels.triton_seeded_noise import fill_seeded_exponential_triton
 
 
 def timed_ms(fn, repeats: int = 10) -> float:
@@ -57,10 +60,12 @@ def main() -> None:
                     row.exponential_(generator=gen)
                     noise[i].copy_(row, non_blocking=True)
 
+            row_ids = torch.arange(num, device=device)
             rows.append({
                 "vocab": vocab, "rows": num,
                 "seeded_ms": timed_ms(lambda: seeded_exponential(keys, positions, vocab)),
                 "seeded_peak_gib": peak_gib(lambda: seeded_exponential(keys, positions, vocab)),
+                "seeded_triton_ms": timed_ms(lambda: fill_seeded_exponential_triton(noise, row_ids, keys, positions)),
                 "global_rng_ms": timed_ms(lambda: noise.exponential_()),
                 "generator_loop_ms": timed_ms(generator_loop, repeats=3),
             })
@@ -68,21 +73,25 @@ def main() -> None:
     vocab = 151936
     for batch in (1, 64, 256):
         logits = torch.randn(batch, vocab, device=device)
-        for seeded in (False, True):
+        for seeded, kernels in ((False, "torch"), (True, "torch"), (True, "triton")):
             params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None) for i in range(batch)]
-            sampling = SamplingBatch.build(params, [3] * batch, [0], device, vocab)
+            sampling = SamplingBatch.build(params, [3] * batch, [0], device, vocab, noise_kernels=kernels)
             sampler = Sampler()
-            rows.append({"sampler_batch": batch, "seeded": seeded,
+            rows.append({"sampler_batch": batch, "seeded": seeded, "noise_kernels": kernels,
                          "ms": timed_ms(lambda: sampler(logits, sampling)),
                          "peak_gib": peak_gib(lambda: sampler(logits, sampling))})
             print(rows[-1], flush=True)
-    sampling = SamplingBatch.build([SamplingParams(temperature=0.8, seed=i) for i in range(8)], [3] * 8, [0], device, vocab)
     logits = torch.randn(8, vocab, device=device)
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]
+    batches = [SamplingBatch.build(params, [3] * 8, [0], device, vocab, noise_kernels=k) for k in ("torch", "triton")]
+    for sampling in batches:  # compiled before the check
+        Sampler()(logits, sampling)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        Sampler()(logits, sampling)
-        Sampler()(logits, sampling.with_noise_positions(torch.arange(8, device=device)))
+        for sampling in batches:
+            Sampler()(logits, sampling)
+            Sampler()(logits, sampling.with_noise_positions(torch.arange(8, device=device)))
         syncs = "none"
     except RuntimeError as e:
         syncs = str(e)

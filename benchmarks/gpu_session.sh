@@ -600,9 +600,11 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
         tests/test_triton_state_rows.py tests/test_async_scheduling.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
         tests/test_demo_model.py tests/test_batch_invariance.py tests/test_mtp_triton.py 2>&1 | grep -v "^$" | tail -14 | cut -c1-220 ;;
-    seeded25)  # session 25: seeded noise (a hash of seed, output index, token id) against the global RNG and the
-      # per-row generator loop it replaced, the sampler seeded or not, and a host-sync check; then the GPU tests
-      timeout 240 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -25 | cut -c1-260
+    seeded25)  # session 25: seeded noise (a hash of seed, output index, token id; torch reference and session 26's
+      # Triton kernel) against the global RNG and the per-row generator loop it replaced, the sampler seeded or not,
+      # a host-sync check, the kernel's tests on the GPU; then the GPU tests
+      timeout 240 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -40 | cut -c1-300
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=8 tests/ 2>&1 | grep -v "^$" | tail -25 | cut -c1-220 ;;
     compare25)  # batch 1 against transformers' generate (fla-core) in the same process run, after session 25's fix

@@ -100,7 +100,7 @@ class SamplingParams:
         seed: Optional integer seed: the request's random draws become a
             function of the seed and the output index, so its text is
             reproducible independently of the batch, of preemption and of
-            speculative decoding (lamina.worker.seeded_noise). ``-1`` means no
+            speculative decoding (lamina.kernels.seeded_noise). ``-1`` means no
             seed, as in vLLM.
         max_tokens: Maximum number of generated tokens (``> 0``), or ``None``
             for "until ``max_model_len``" (resolved by the engine).

@@ -282,7 +282,7 @@ def test_build_flags():
 def test_seeded_noise_of_two_seeds_is_not_shifted_copies():
     """Seeds 600 and 1480 have keys that differ by 152 (xor): with the index xor-ed straight into the
     key, seed 1480 at index 152 drew seed 600's noise at index 0. The index is mixed first now."""
-    from lamina.worker.seeded_noise import seed_key, seeded_exponential
+    from lamina.kernels.seeded_noise import seed_key, seeded_exponential
 
     d = seed_key(600) ^ seed_key(1480)
     assert d == 152

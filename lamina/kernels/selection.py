@@ -193,6 +193,19 @@ def pending_fill_kernels(kernels: str) -> str:
     return "triton" if kernels == "triton" and wanted == "triton" else "torch"
 
 
+def seeded_noise_kernels(kernels: str) -> str:
+    """How a seeded request's sampling noise is computed (lamina.kernels.seeded_noise): 'triton'
+    (one launch, `lamina.kernels.triton_seeded_noise`) on the Triton kernel set, or 'torch' (the
+    reference, ~70 elementwise launches per 16 seeded rows). `LAMINA_SEEDED_NOISE=triton` (the
+    default) or `torch` keeps the reference on a GPU (A/B runs); read at engine build time. Both
+    hash alike; the float32 logarithm of the kernel is within a few ulps of the reference's float64
+    one, so a seeded text may differ between the two only at such near-ties."""
+    wanted = os.environ.get("LAMINA_SEEDED_NOISE", "triton")
+    if wanted not in ("triton", "torch"):
+        raise ValueError(f"LAMINA_SEEDED_NOISE = {wanted!r} must be 'triton' or 'torch'")
+    return "triton" if kernels == "triton" and wanted == "triton" else "torch"
+
+
 @functools.cache
 def gemv_fma() -> bool:
     """Whether the decode GEMV (`lamina.kernels.triton_gemv`) takes its kernel without `tl.dot`

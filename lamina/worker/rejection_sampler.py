@@ -13,7 +13,7 @@ positions (the request's last known token and its k_b drafts), flat `[R, V]`. Ro
   from the normalised positive part of p - q, after k_b acceptances from p at the bonus row.
   Every emitted token is then distributed exactly as under p, whatever q is.
 - Seeded random requests (coupling): each row draws the token plain sampling would draw at its
-  output index, `argmax p / E_i` with the seed's noise `E_i` (lamina.worker.seeded_noise), and
+  output index, `argmax p / E_i` with the seed's noise `E_i` (lamina.kernels.seeded_noise), and
   a draft is accepted when it equals that token. The drafter drew it with the same `E_i`
   (`sample_drafts`), so it matches whenever q's race and p's race agree; the text is the plain
   seeded text whatever K is (fixed, auto, or no speculation), a little fewer acceptances than
@@ -105,7 +105,7 @@ def verify_drafts(
             random_accept, sampled = torch.zeros_like(has_draft), greedy_tokens  # every random row is seeded
         if batch.seeded is not None:
             seeded_rows = batch.seeded[0]  # [S]
-            coupled = seeded_race(p.index_select(0, seeded_rows), batch.seeded[1], batch.seeded[2])  # [S]
+            coupled = seeded_race(p.index_select(0, seeded_rows), batch)  # [S]
             sampled = sampled.index_copy(0, seeded_rows, coupled)  # [R]
             random_accept = random_accept.index_copy(
                 0, seeded_rows, has_draft.index_select(0, seeded_rows) & (draft.index_select(0, seeded_rows) == coupled))

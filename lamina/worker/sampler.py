@@ -18,7 +18,7 @@ sampling requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
    ``E ~ Exponential(1)`` i.i.d. per token, which samples exactly from ``p``.
 
 A seeded row's noise is a function of its seed, the output index of the token
-it samples and the token id (lamina.worker.seeded_noise): the same draw alone
+it samples and the token id (lamina.kernels.seeded_noise): the same draw alone
 or in any batch, with or without speculative decoding, before or after a
 preemption.  All other rows share one draw from the global RNG.  Nothing in the
 common path syncs the device with the host.
@@ -35,7 +35,7 @@ from lamina.host_to_device import to_device
 from lamina.outputs import Logprob
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
-from lamina.worker.seeded_noise import seed_key, seeded_exponential
+from lamina.kernels.seeded_noise import fill_seeded_exponential, seed_key
 
 __all__ = [
     "SamplingBatch",
@@ -77,8 +77,10 @@ class SamplingBatch:
     max_num_logprobs: int | None  # max over rows, None when no row asked
     seeded_rows: list[int] = field(default_factory=list)  # non-greedy rows with a seed (host)
     # [3, S] int64 (S = len(seeded_rows)): each seeded row's index, seed key and the output index
-    # of the token it samples (lamina.worker.seeded_noise); None when S = 0
+    # of the token it samples (lamina.kernels.seeded_noise); None when S = 0
     seeded: torch.Tensor | None = None
+    # how the seeded rows' noise is computed: 'torch' or 'triton' (lamina.kernels.selection.seeded_noise_kernels)
+    noise_kernels: str = "torch"
     adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
@@ -110,6 +112,7 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int] | None] | None = None,
         prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
         token_bitmasks: Sequence | None = None,
+        noise_kernels: str = "torch",
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
@@ -129,6 +132,9 @@ class SamplingBatch:
                 repetition penalty; ``None`` elsewhere).
             token_bitmasks: Per row, the structured-output mask of allowed
                 tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
+            noise_kernels: How seeded rows' noise is computed, ``'torch'`` or
+                ``'triton'`` (the engine's choice, made once:
+                :func:`lamina.kernels.selection.seeded_noise_kernels`).
         """
         bsz = len(params_list)
         if vocab_size >= 1 << 24:
@@ -214,6 +220,7 @@ class SamplingBatch:
             max_num_logprobs=max(requested) if requested else None,
             seeded_rows=seeded_rows,
             seeded=seeded,
+            noise_kernels=noise_kernels,
             adjustments=None if adjustments.empty else adjustments,
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
@@ -474,24 +481,27 @@ def _exponential_race(probs: torch.Tensor, batch: SamplingBatch, seeded: bool = 
 
     ``argmax_j p_j / E_j`` with ``E_j ~ Exponential(1)`` picks ``j`` with
     probability ``p_j / sum(p)``.  Seeded rows take their ``E`` from
-    :func:`~lamina.worker.seeded_noise.seeded_exponential` (unless ``seeded``
+    :func:`~lamina.kernels.seeded_noise.fill_seeded_exponential` (unless ``seeded``
     is False: their result is then not used), everything else from the
     global RNG.
     """
-    bsz, vocab = probs.shape
+    bsz = probs.shape[0]
     noise = torch.empty_like(probs)  # [B, V]
     if len(batch.seeded_rows) < bsz or not seeded:
         noise.exponential_()
     if seeded and batch.seeded is not None:
         rows, keys, positions = batch.seeded  # [S] each
-        noise.index_copy_(0, rows, seeded_exponential(keys, positions, vocab, probs.dtype))
+        fill_seeded_exponential(noise, rows, keys, positions, batch.noise_kernels)
     return _race(probs, noise)
 
 
-def seeded_race(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The exponential race of S seeded rows `probs` [S, V] (not modified) with their own noise:
-    `keys` / `positions` [S], the rows' seed keys and output indices. Returns [S] token ids."""
-    return _race(probs.clone(), seeded_exponential(keys, positions, probs.shape[1], probs.dtype))
+def seeded_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The exponential race of the batch's S seeded rows, `probs` [S, V] (in the order of
+    `batch.seeded`; not modified), with their own noise. Returns [S] token ids."""
+    _, keys, positions = batch.seeded  # [S] each
+    noise = torch.empty_like(probs)  # [S, V]
+    rows = torch.arange(probs.shape[0], device=probs.device)  # [S]
+    return _race(probs.clone(), fill_seeded_exponential(noise, rows, keys, positions, batch.noise_kernels))
 
 
 def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""A seeded request's sampling noise in one launch (lamina.kernels.triton_seeded_noise) against the
+torch reference (lamina.kernels.seeded_noise): the same values within float32 rounding at every
+token, the smallest and largest uniforms included (where a float32 `1 - t` or a float32 uniform
+would lose the noise's precision), written into the given rows only; and the sampler drawing the
+same tokens with either. Runs under Triton's CPU interpreter where there is no GPU
+(tests/conftest.py turns it on)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "Triton's interpreter must be on before Triton is imported"
+
+pytest.importorskip("triton")
+
+from lamina.kernels.seeded_noise import fill_seeded_exponential, seed_key, seeded_exponential, seeded_hash  # noqa: E402
+from lamina.kernels.selection import seeded_noise_kernels  # noqa: E402
+from lamina.kernels.triton_seeded_noise import fill_seeded_exponential_triton  # noqa: E402
+from lamina.sampling_params import SamplingParams  # noqa: E402
+from lamina.worker.rejection_sampler import verify_drafts  # noqa: E402
+from lamina.worker.sampler import Sampler, SamplingBatch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# a few float32 ulps; on a GPU the kernel's log (u <= 1/2) may be an approximate one
+RTOL = 1e-6 if DEVICE == "cpu" else 2e-6
+
+
+def _keys(seeds) -> torch.Tensor:
+    return torch.tensor([seed_key(s) for s in seeds], device=DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [1, 1000, 2051])
+def test_kernel_matches_the_reference_in_the_given_rows(vocab):
+    seeds = [0, 1, 600, 1480, 2**63 - 1, -5]
+    keys = _keys(seeds)
+    positions = torch.tensor([0, 7, 152, 3, 1 << 20, (1 << 32) + 9], device=DEVICE)
+    rows = torch.tensor([6, 0, 2, 3, 7, 5], device=DEVICE)
+    noise = torch.full((9, vocab), -1.0, device=DEVICE)
+    fill_seeded_exponential_triton(noise, rows, keys, positions)
+    reference = seeded_exponential(keys, positions, vocab, torch.float64)  # [S, V]
+    torch.testing.assert_close(noise[rows].double(), reference, rtol=RTOL, atol=0)
+    untouched = torch.tensor([1, 4, 8], device=DEVICE)
+    assert (noise[untouched] == -1.0).all()
+
+
+def test_smallest_and_largest_uniforms_keep_their_precision():
+    """Over 2**18 token ids, the largest hash gives u ~ 1 - 4e-6: a float32 uniform is off by ~1%
+    there (its noise -log u ~ 4e-6); the kernel's complement series is not. The smallest hash
+    gives the largest noise."""
+    vocab = 1 << 18
+    keys, positions = _keys([12345]), torch.tensor([3], device=DEVICE)
+    h = seeded_hash(keys, positions, vocab)[0]  # [V]
+    extremes = torch.stack([h.argmin(), h.argmax()])  # [2] token ids
+    noise = torch.empty(1, vocab, device=DEVICE)
+    fill_seeded_exponential_triton(noise, torch.zeros(1, dtype=torch.long, device=DEVICE), keys, positions)
+    exact = -torch.log((h[extremes].double() + 0.5) / 2**32)  # [2]
+    torch.testing.assert_close(noise[0, extremes].double(), exact, rtol=RTOL, atol=0)
+    naive = -torch.log((h[extremes].float() + 0.5) * 2.0**-32)  # [2] a float32 uniform
+    assert ((naive.double() - exact).abs() / exact)[1] > 1e-3  # the case is a discriminating one
+    assert noise.min() > 0
+
+
+def test_no_rows_and_bad_shapes():
+    noise = torch.zeros(2, 8, device=DEVICE)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    fill_seeded_exponential_triton(noise, empty, empty, empty)
+    assert (noise == 0).all()
+    with pytest.raises(ValueError, match="one entry per seeded row"):
+        fill_seeded_exponential_triton(noise, torch.zeros(2, dtype=torch.long, device=DEVICE), _keys([1]),
+                                       torch.zeros(1, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="unit column stride"):
+        fill_seeded_exponential_triton(noise.t(), empty, empty, empty)
+    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+        fill_seeded_exponential(noise, empty, empty, empty, "cuda")
+
+
+def test_selection(monkeypatch):
+    monkeypatch.delenv("LAMINA_SEEDED_NOISE", raising=False)
+    assert seeded_noise_kernels("triton") == "triton"
+    assert seeded_noise_kernels("reference") == "torch"
+    monkeypatch.setenv("LAMINA_SEEDED_NOISE", "torch")
+    assert seeded_noise_kernels("triton") == "torch"
+    monkeypatch.setenv("LAMINA_SEEDED_NOISE", "fast")
+    with pytest.raises(ValueError, match="LAMINA_SEEDED_NOISE = 'fast'"):
+        seeded_noise_kernels("triton")
+
+
+def test_sampler_and_verification_draw_alike_with_either_noise():
+    """The tokens a batch of seeded rows (and one unseeded, one greedy) samples, and the drafts
+    verification accepts, are the same with the kernel's noise as with the reference's: the two
+    differ by float32 rounding, far below the gaps of these distributions' races."""
+    vocab, batch_size = 3001, 6
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch_size, vocab, generator=gen) * 3).to(DEVICE)  # [B, V]
+    params = [SamplingParams(temperature=0.9, seed=s) for s in (3, 4, 5, 6)]
+    params += [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=50, seed=7)]
+    tokens = {}
+    for kernels in ("torch", "triton"):
+        batch = SamplingBatch.build(params, [0, 1, 2, 3, 4, 5], [0], DEVICE, vocab, noise_kernels=kernels)
+        tokens[kernels] = Sampler()(logits, batch).token_ids.tolist()
+    assert tokens["torch"] == tokens["triton"]
+
+    # verification: request 0 (seeded) checks two drafts, request 1 (seeded) one; drafts are the
+    # tokens plain seeded sampling draws at those rows, so each is accepted with either noise
+    rows = torch.tensor([[0, 1, 2], [3, 4, 4]], device=DEVICE)  # [B, W]
+    row_req = torch.tensor([0, 0, 0, 1, 1], device=DEVICE)
+    row_pos = torch.tensor([0, 1, 2, 0, 1], device=DEVICE)
+    num_drafts = torch.tensor([2, 1], device=DEVICE)
+    vparams = [params[0]] * 3 + [params[1]] * 2
+    out_lens = [0, 1, 2, 5, 6]
+    plain = Sampler()(logits[:5], SamplingBatch.build(vparams, out_lens, [0], DEVICE, vocab)).token_ids
+    row_draft = torch.tensor([plain[0], plain[1], -1, plain[3], -1], device=DEVICE)
+    results = {}
+    for kernels in ("torch", "triton"):
+        batch = SamplingBatch.build(vparams, out_lens, [0], DEVICE, vocab, noise_kernels=kernels)
+        out = verify_drafts(logits[:5], rows, row_req, row_pos, row_draft, num_drafts, batch)
+        results[kernels] = (out.num_accepted.tolist(), out.tokens.tolist())
+    assert results["torch"] == results["triton"]
+    assert results["triton"][0] == [2, 1]
