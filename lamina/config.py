@@ -58,6 +58,9 @@ class EngineArgs:
     # vLLM's name: where default sampling parameters come from: "auto" (the model's
     # generation_config.json), "vllm" (none) or a folder (lamina.engine.generation_defaults)
     generation_config: str = "auto"
+    # vLLM's name and default: the most logprobs / prompt_logprobs a request may ask (-1: the
+    # whole vocabulary, which a request asks with logprobs=-1)
+    max_logprobs: int = 20
     # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
     # own model code; configs are read by transformers); enable_prefix_caching True is refused
     trust_remote_code: bool = False
@@ -84,6 +87,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 (no limit below the vocabulary), "
+                             f"got {self.max_logprobs!r}")
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=True: prefix caching is not supported yet (every prompt is "
                              "computed in full); leave it unset or pass False")

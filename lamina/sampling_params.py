@@ -23,17 +23,22 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from lamina.structured_output import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MAX_LOGIT_BIAS"]
+__all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MIN_TEMPERATURE", "MAX_LOGIT_BIAS"]
+
+logger = logging.getLogger(__name__)
 
 # Temperatures below this are treated as greedy decoding (same cut-off as
 # vLLM): dividing logits by such a small number only risks overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Sampling temperatures (not greedy) below this are raised to it, as vLLM does (its _MAX_TEMP).
+MIN_TEMPERATURE = 1e-2
 # OpenAI's range for one logit_bias entry.
 MAX_LOGIT_BIAS = 100.0
 
@@ -83,14 +88,16 @@ class SamplingParams:
             during sampling.
         prompt_logprobs: If not ``None``, return for every prompt token after
             the first its logprob plus the ``prompt_logprobs`` most likely
-            tokens' logprobs at that position.
+            tokens' logprobs at that position; ``-1``: the whole vocabulary's
+            (as vLLM; the engine's ``max_logprobs`` caps the count).
         truncate_prompt_tokens: Keep only the last ``k`` prompt tokens
             (``-1``: the last ``max_model_len``), as vLLM; ``None`` keeps all.
         detokenize: ``False`` skips detokenization: outputs carry token ids and
             an empty text (stop strings need it).
         temperature: Softmax temperature, ``>= 0``. Values below
             ``GREEDY_TEMPERATURE_EPS`` (in particular ``0``) select greedy
-            (argmax) decoding.
+            (argmax) decoding; values above it but below ``MIN_TEMPERATURE``
+            are raised to it with a warning, as vLLM does.
         top_p: Nucleus sampling threshold in ``(0, 1]``; ``1`` disables it.
         top_k: Keep only the ``top_k`` most likely tokens; ``0`` or ``-1``
             disable it.
@@ -110,7 +117,9 @@ class SamplingParams:
         stop_token_ids: Token ids that end generation (in addition to EOS).
         ignore_eos: Do not stop when the model's EOS token is sampled.
         logprobs: If not ``None``, return the sampled token's logprob plus the
-            ``logprobs`` most likely tokens' logprobs at every step.
+            ``logprobs`` most likely tokens' logprobs at every step; ``-1``:
+            the whole vocabulary's, ``True``: 1 (as vLLM; the engine's
+            ``max_logprobs`` caps the count).
         include_stop_str_in_output: Keep the matched stop string in the
             returned text.
         skip_special_tokens: Drop special tokens when detokenizing.
@@ -266,8 +275,12 @@ class SamplingParams:
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (the text is where they are found); "
                              "use stop_token_ids instead")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be an int >= 0 or None, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is True:  # vLLM's spelling of 1
+                setattr(self, name, 1)
+            elif value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be an int >= 0, -1 (the whole vocabulary) or None, got {value!r}")
 
         if not _is_real(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(
@@ -275,6 +288,10 @@ class SamplingParams:
             )
         if math.isinf(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature!r}")
+        if GREEDY_TEMPERATURE_EPS <= self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which risks inf / nan in the logits; raised to %s (as vLLM)",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -304,9 +321,6 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens (in [0, {self.max_tokens}]), "
                 f"got min_tokens={self.min_tokens!r}"
             )
-
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
 
         kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
         if isinstance(self.output_kind, bool) or self.output_kind not in kinds:

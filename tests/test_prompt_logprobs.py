@@ -72,3 +72,35 @@ def test_prompt_logprobs_under_parallel_layouts(qwen3_next_dir, hf_logprobs, lay
         [out] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=2,
                                                                           prompt_logprobs=2))
     check(out, hf_logprobs, 2)
+
+
+def test_whole_vocabulary_and_the_max_logprobs_limit(qwen3_next_dir, hf_logprobs, monkeypatch):
+    """vLLM's -1 for logprobs / prompt_logprobs: every token's logprob, at each prompt position (as
+    transformers computes) and each sampled one, beside a request asking 2 in the same steps (chunked
+    prefill, several logits pieces). The engine's max_logprobs (vLLM's default 20; -1: no limit)
+    refuses more, naming it, before anything runs."""
+    monkeypatch.setattr(plp, "PROMPT_LOGPROBS_ROWS", 4)
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False) as llm:
+        for params in (SamplingParams(logprobs=21), SamplingParams(logprobs=-1), SamplingParams(prompt_logprobs=-1)):
+            with pytest.raises(ValueError, match="more than max_logprobs = 20 allows"):
+                llm.generate({"prompt_token_ids": PROMPT}, params)
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, or -1"):
+        LLM(str(qwen3_next_dir), device="cpu", max_logprobs=-2)
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False,
+             max_num_batched_tokens=7, max_logprobs=-1) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        whole = SamplingParams(temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=-1)
+        other_prompt = [5, 6, 7, 8, 9, 10, 11]
+        outs = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": other_prompt}],
+                            [whole, SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2)])
+        check(outs[0], hf_logprobs, vocab)
+        assert all(len(e) == vocab for e in outs[0].prompt_logprobs[1:])
+        assert all(len(e) in (2, 3) for e in outs[1].prompt_logprobs[1:])
+        assert all(len(e) in (2, 3) for e in outs[1].outputs[0].logprobs)
+        completion = outs[0].outputs[0]
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert len(entry) == vocab
+            assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+            assert entry[token].rank == 1  # greedy
+            assert sum(torch.tensor([float(v) for v in entry.values()], dtype=torch.float64).exp()) == \
+                pytest.approx(1.0, abs=1e-5)

@@ -75,7 +75,8 @@ def test_clone_is_independent():
         ({"allowed_token_ids": [1, -2]}, "-2"),
         ({"bad_words": ["ok", ""]}, "''"),
         ({"bad_words": [3]}, "3"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs must be an int >= 0 or None, got -1"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs must be an int >= 0, -1 (the whole vocabulary) or None, got -2"),
+        ({"prompt_logprobs": 1.5}, "1.5"),
         ({"temperature": -0.5}, "-0.5"),
         ({"temperature": math.nan}, "nan"),
         ({"top_p": 0.0}, "(0, 1]"),
@@ -89,7 +90,7 @@ def test_clone_is_independent():
         ({"max_tokens": -3}, "-3"),
         ({"min_tokens": -1}, "-1"),
         ({"min_tokens": 20, "max_tokens": 10}, "20"),
-        ({"logprobs": -1}, "-1"),
+        ({"logprobs": -2}, "logprobs must be an int >= 0, -1 (the whole vocabulary) or None, got -2"),
         ({"stop": ["ok", ""]}, "''"),
         ({"stop": ""}, "''"),
         ({"seed": 1.5}, "1.5"),
@@ -116,6 +117,22 @@ def test_validation_messages_name_field_and_range():
 def test_valid_edge_values():
     SamplingParams(top_p=1.0, min_p=1.0, top_k=-1, temperature=0.0, logprobs=0, min_tokens=16)
     SamplingParams(seed=-5, max_tokens=1)
+
+
+def test_logprobs_spellings_and_low_temperatures(caplog):
+    """vLLM's: -1 asks the whole vocabulary, True means 1; a sampling temperature below 0.01 is
+    raised to 0.01 with a warning, while below 1e-5 it stays greedy."""
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
+    both = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert (both.logprobs, both.prompt_logprobs) == (1, 1)
+    with caplog.at_level("WARNING", logger="lamina.sampling_params"):
+        low = SamplingParams(temperature=0.003)
+    assert low.temperature == 0.01 and not low.greedy
+    assert "raised to 0.01" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lamina.sampling_params"):
+        assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+    assert not caplog.text
 
 
 def test_parity_fields_normalised():

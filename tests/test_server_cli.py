@@ -65,6 +65,11 @@ def test_serve_parser_defaults():
     assert (args.model_tag, args.api_key, args.max_waiting_requests, args.served_model_name) == ("/m", "k", 4, ["a", "b"])
     assert args.dtype == "float32" and args.max_num_seqs == 3
     assert args.disable_log_stats is False and args.log_stats_interval == 10.0  # vLLM's default interval
+    assert args.max_logprobs == 20  # vLLM's default
+    args = build_parser().parse_args(["serve", "--max-logprobs", "-1"])
+    from lamina.entrypoints.cli import engine_kwargs
+
+    assert engine_kwargs(args)["max_logprobs"] == -1
 
 
 def test_serve_config_errors_exit_2(capsys):

@@ -18,8 +18,8 @@ CONTINUATION = [18, 200, 5]
 
 @pytest.fixture(scope="module")
 def server(qwen3_next_dir):
-    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False) as llm, \
-            RunningServer(llm.engine) as srv:
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False,
+             max_logprobs=-1) as llm, RunningServer(llm.engine) as srv:
         yield srv
 
 
@@ -151,3 +151,28 @@ def test_echo_logprobs_with_n_two(client, hf_logprobs):
         assert len(lp) == len(seq) + 2 and lp[0] is None
         assert lp[5] == pytest.approx(hf_logprobs[4, seq[5]].item(), abs=1e-4)
         assert streamed[choice.index][0] is None and streamed[choice.index][1:] == pytest.approx(lp[1:], abs=1e-6)
+
+
+def test_whole_vocabulary_logprobs(client, hf_logprobs):
+    """With max_logprobs=-1 (`--max-logprobs -1`), vLLM's -1: chat's top_logprobs and prompt_logprobs
+    return every token of the vocabulary, the prompt's as transformers computes them."""
+    seq = CONTEXT + CONTINUATION
+    vocab = hf_logprobs.shape[1]
+    out = client.completions.create(model=MODEL_NAME, prompt=seq, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": -1})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(seq)
+    for i, entry in enumerate(entries[1:], start=1):
+        assert len(entry) == vocab
+        ranks = [e["rank"] for e in entry.values()]
+        assert min(ranks) == 1 and max(ranks) <= vocab  # 1 + the tokens likelier: ties share a rank
+        best = max(entry, key=lambda t: entry[t]["logprob"])
+        assert int(best) == int(hf_logprobs[i - 1].argmax())
+        assert entry[str(seq[i])]["logprob"] == pytest.approx(hf_logprobs[i - 1, seq[i]].item(), abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, temperature=0, logprobs=True, top_logprobs=-1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 2
+    for item in content:
+        assert len(item.top_logprobs) == vocab
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the token is the likeliest

@@ -386,9 +386,30 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
                 f"max_model_len = {self.max_model_len}"
             )
+        self._check_logprobs(params)
         self._check_token_options(params, vocab)
         room = self.max_model_len - len(prompt_token_ids)
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask a token (max_logprobs; -1 there: the vocabulary)."""
+        return self.model_config.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
+
+    def logprobs_limit_error(self, name: str, asked: int | None) -> str | None:
+        """Why `name` = `asked` (logprobs or prompt_logprobs; -1: the vocabulary) is more than the
+        engine allows (vLLM's max_logprobs), or None."""
+        count = self.model_config.vocab_size if asked == -1 else asked
+        if count is None or count <= self.max_logprobs:
+            return None
+        return (f"{name} = {asked} asks {count} logprobs a token, more than max_logprobs = {self.max_logprobs} allows "
+                f"(start the engine with a larger max_logprobs, or -1 for the whole vocabulary)")
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            error = self.logprobs_limit_error(name, getattr(params, name))
+            if error is not None:
+                raise ValueError(error)
 
     # Sampling options the speculative (MTP) verification path does not apply yet.
     _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",

@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default sampling parameters of requests that set none: 'auto' reads the model's "
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens), 'vllm' ignores it, or a folder holding one")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask (-1: the whole vocabulary, "
+                        "which a request asks with -1)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
@@ -81,7 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         load_format=args.load_format, enforce_eager=args.enforce_eager,
-        generation_config=getattr(args, "generation_config", "auto"),
+        generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )

@@ -28,7 +28,9 @@ class LLM:
     `ple_table_device`, `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
     `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
     `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:
-    `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`).
+    `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`),
+    `generation_config`, `max_logprobs` (the most logprobs a request may ask a token, 20; -1: the
+    vocabulary, which `SamplingParams(logprobs=-1)` asks).
     """
 
     def __init__(self, model: str | None = None, **kwargs):

@@ -44,7 +44,7 @@ def score_prompt_chunks(
     `hidden` is the last stage's [T, H] output of the step."""
     rows: list[int] = []
     targets: list[int] = []
-    owners: list[tuple[str, int, int, int]] = []  # (request id, first target position, count, k)
+    owners: list[tuple[str, int, int, int]] = []  # (request id, first target position, count, k; -1: all)
     offset = 0
     for chunk in chunks:
         count, following = prompt_positions(chunk)
@@ -58,6 +58,7 @@ def score_prompt_chunks(
     if not rows:
         return {}
     max_k = max(k for *_, k in owners)
+    whole_vocabulary = any(k == -1 for *_, k in owners)
     device = hidden.device
     row_t = to_device(rows, device)
     target_t = to_device(targets, device)
@@ -68,22 +69,23 @@ def score_prompt_chunks(
         target = logprobs.gather(1, target_t[piece].unsqueeze(1))  # [rows, 1]
         target_lp.append(target.squeeze(1))  # [rows]
         target_rank.append((logprobs > target).sum(dim=1) + 1)  # [rows]: 1 + tokens strictly likelier
-        if max_k:
-            values, ids = logprobs.topk(max_k, dim=-1)  # [rows, k]
+        if max_k or whole_vocabulary:
+            values, ids = logprobs.topk(logprobs.shape[1] if whole_vocabulary else max_k, dim=-1)  # [rows, k]
             top_lp.append(values)
             top_ids.append(ids)
         del logprobs
     target_list = torch.cat(target_lp).tolist()
     rank_list = torch.cat(target_rank).tolist()
-    top_lp_list = torch.cat(top_lp).tolist() if max_k else [[] for _ in rows]
-    top_ids_list = torch.cat(top_ids).tolist() if max_k else [[] for _ in rows]
+    top_lp_list = torch.cat(top_lp).tolist() if top_lp else [[] for _ in rows]
+    top_ids_list = torch.cat(top_ids).tolist() if top_ids else [[] for _ in rows]
     results = {}
     index = 0
     for request_id, start, count, k in owners:
         entries = []
         for j in range(index, index + count):
             entry = {targets[j]: Logprob(target_list[j], rank_list[j])}
-            for rank, (tok, lp) in enumerate(zip(top_ids_list[j][:k], top_lp_list[j][:k]), start=1):
+            for rank, (tok, lp) in enumerate(zip(top_ids_list[j][:k if k >= 0 else None],
+                                                 top_lp_list[j][:k if k >= 0 else None]), start=1):
                 entry.setdefault(tok, Logprob(lp, rank))
             entries.append(entry)
         results[request_id] = (start, entries, rank_list[index:index + count])

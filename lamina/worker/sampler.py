@@ -159,7 +159,7 @@ class SamplingBatch:
             top_ks.append(min(int(p.top_k), vocab_size) if p.top_k > 0 else vocab_size)
             top_ps.append(float(p.top_p))
             min_ps.append(float(p.min_p))
-            num_logprobs.append(None if p.logprobs is None else int(p.logprobs))
+            num_logprobs.append(None if p.logprobs is None else vocab_size if p.logprobs == -1 else int(p.logprobs))
             if p.seed is not None and not is_greedy:
                 seeded_rows.append(row)
             banned = set()

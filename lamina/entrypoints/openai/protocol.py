@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 64
 MAX_BATCH_PROMPTS = 1024
@@ -84,7 +83,7 @@ class _SamplingFields(_Request):
     repetition_penalty: _float(gt=0.0) | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = None
-    prompt_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    prompt_logprobs: _int(ge=-1) | None = None  # -1: the whole vocabulary (within the engine's max_logprobs)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -111,7 +110,7 @@ class CompletionRequest(_SamplingFields):
     prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: _int(ge=0) | None = 16  # 0 only with echo: the prompt (and its logprobs) alone
-    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    logprobs: _int(ge=0) | None = None  # within the engine's max_logprobs (-1 is chat's top_logprobs only, as vLLM)
     echo: bool | None = False
     best_of: _int(ge=1, le=MAX_N) | None = None
     suffix: str | None = None
@@ -166,7 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: _int(ge=1) | None = None
     max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool | None = False
-    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    top_logprobs: _int(ge=-1) | None = None  # -1: the whole vocabulary (within the engine's max_logprobs)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: one tool call at most (the first; 'required': exactly one)

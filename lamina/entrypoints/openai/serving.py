@@ -185,6 +185,13 @@ class OpenAIServing:
             return min(default, room if requested is None else requested)
         return requested
 
+    def check_logprobs_counts(self, **asked: int | None) -> None:
+        """Each request field of logprobs counts (-1: the vocabulary) within the engine's max_logprobs."""
+        for name, value in asked.items():
+            error = self.engine.logprobs_limit_error(name, value)
+            if error is not None:
+                raise APIError(400, error, param=name)
+
     @staticmethod
     def check_truncate_prompt_tokens(req) -> None:
         if req.truncate_prompt_tokens == 0:
@@ -384,7 +391,8 @@ class OpenAIServing:
 
     @staticmethod
     def top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-        return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -finite(kv[1]))[:n]]
+        """The `n` likeliest of an entry (all of them for -1), best first."""
+        return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -finite(kv[1]))[:n if n >= 0 else None]]
 
     def prompt_logprobs_field(self, output, k: int) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's `prompt_logprobs`: per prompt position, None for the first, then `{token id:

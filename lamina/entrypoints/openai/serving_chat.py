@@ -119,6 +119,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                        else (req.max_tokens, "max_tokens"))
     max_tokens = serving.resolve_max_tokens(len(token_ids), requested, prompt_param="messages", max_tokens_param=name)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    serving.check_logprobs_counts(top_logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs)
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, best_of=getattr(req, "best_of", None),
                                      prompt_logprobs=req.prompt_logprobs)
     if tool_constraint is not None:  # the request has no other constraint (tool_choice_structured_output)

@@ -154,6 +154,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         raise APIError(400, f"{len(prompts)} prompts x {max(n, req.best_of or 1)} completions is more than "
                        f"{MAX_BATCH_PROMPTS} sequences in one request", param="n")
     serving.check_truncate_prompt_tokens(req)
+    serving.check_logprobs_counts(logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     prepared = await serving.run_blocking(lambda: [serving.engine.prepare_request_prompt(p, req.truncate_prompt_tokens)
                                                    for p in prompts], param="prompt")
     items = []
@@ -215,6 +216,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
 def _prompt_logprobs_wanted(req: CompletionRequest) -> int | None:
     """The engine's prompt_logprobs: vLLM's field, and echo's prompt entries (echo with logprobs)."""
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    if -1 in wanted:  # the whole vocabulary
+        return -1
     return max(wanted) if wanted else None
 
 
