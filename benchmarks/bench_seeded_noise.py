@@ -2,8 +2,9 @@
 one-launch Triton kernel (lamina.kernels.triton_seeded_noise, session 26) against the global-RNG
 draw and against the per-row torch.Generator loop the hash replaced (session 25): time and peak
 memory per call at vocabulary 152k / 248k and S seeded rows, the sampler at batch 1 / 64 / 256
-seeded (either noise) or not, and a check that the seeded path does not sync the host. Writes a
-JSON record with --out.
+seeded (either noise) or not, the sampler at batch 1-256 with greedy, plain temperature and the Qwen3.5
+generation config's top-k / top-p defaults (the full-vocabulary sort), and a check that the seeded
+path does not sync the host. Writes a JSON record with --out.
 
     python benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json
 """
@@ -81,6 +82,22 @@ def main() -> None:
                          "ms": timed_ms(lambda: sampler(logits, sampling)),
                          "peak_gib": peak_gib(lambda: sampler(logits, sampling))})
             print(rows[-1], flush=True)
+    # what a served request costs the sampler with the Qwen3.5 generation_config's defaults (top-k 20,
+    # top-p 0.95, temperature 0.6: the full-vocabulary sort of apply_top_k_top_p) against greedy and
+    # plain temperature, at the 248k vocabulary: is the sort worth a top-k-bounded path?
+    vocab = 248320
+    shapes = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=1.0),
+              "qwen_defaults": dict(temperature=0.6, top_p=0.95, top_k=20),
+              "top_p_only": dict(temperature=0.6, top_p=0.95)}
+    for batch in (1, 16, 64, 256):
+        logits = torch.randn(batch, vocab, device=device)
+        for name, options in shapes.items():
+            sampling = SamplingBatch.build([SamplingParams(**options)] * batch, [3] * batch, [0], device, vocab)
+            sampler = Sampler()
+            rows.append({"sampler_batch": batch, "vocab": vocab, "params": name,
+                         "ms": timed_ms(lambda: sampler(logits, sampling))})
+            print(rows[-1], flush=True)
+    vocab = 151936
     logits = torch.randn(8, vocab, device=device)
     params = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]
     batches = [SamplingBatch.build(params, [3] * 8, [0], device, vocab, noise_kernels=k) for k in ("torch", "triton")]
