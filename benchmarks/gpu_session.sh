@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -607,6 +607,12 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=8 tests/ 2>&1 | grep -v "^$" | tail -25 | cut -c1-220 ;;
+    s26)  # session 26: seeded noise, torch reference against the one-launch Triton kernel, the sampler with greedy /
+      # temperature / top-p / Qwen3.5's top-k + top-p defaults; the kernel's tests on the GPU (also under TRITON_DEBUG=1)
+      timeout 200 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -70 | cut -c1-300
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220
+      TRITON_DEBUG=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py -k reference 2>&1 \
+        | grep -v "^$" | tail -3 | cut -c1-220 ;;
     compare25)  # batch 1 against transformers' generate (fla-core) in the same process run, after session 25's fix
       # (the dummy preset's baseline built in bf16, not float32 first; it OOMed on an 80 GB H100 before)
       LAMINA_GDN_PREFILL=reference timeout 240 $L --batch-size 1 --input-len 128 --output-len 32 --compare transformers \
