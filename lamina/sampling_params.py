@@ -34,10 +34,10 @@ __all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MIN
 
 logger = logging.getLogger(__name__)
 
-# Temperatures below this are treated as greedy decoding (same cut-off as
-# vLLM): dividing logits by such a small number only risks overflow.
+# Temperatures below this are greedy decoding (vLLM's _SAMPLING_EPS). Since every temperature in
+# (0, MIN_TEMPERATURE) is first raised to MIN_TEMPERATURE, as vLLM does (its _MAX_TEMP: dividing
+# logits by a tiny number only risks overflow), only 0 stays below it.
 GREEDY_TEMPERATURE_EPS = 1e-5
-# Sampling temperatures (not greedy) below this are raised to it, as vLLM does (its _MAX_TEMP).
 MIN_TEMPERATURE = 1e-2
 # OpenAI's range for one logit_bias entry.
 MAX_LOGIT_BIAS = 100.0
@@ -95,9 +95,9 @@ class SamplingParams:
         detokenize: ``False`` skips detokenization: outputs carry token ids and
             an empty text (stop strings need it).
         temperature: Softmax temperature, ``>= 0``. Values below
-            ``GREEDY_TEMPERATURE_EPS`` (in particular ``0``) select greedy
-            (argmax) decoding; values above it but below ``MIN_TEMPERATURE``
-            are raised to it with a warning, as vLLM does.
+            ``0`` selects greedy (argmax) decoding; values in
+            ``(0, MIN_TEMPERATURE)`` are raised to ``MIN_TEMPERATURE`` (0.01)
+            with a warning, as vLLM does.
         top_p: Nucleus sampling threshold in ``(0, 1]``; ``1`` disables it.
         top_k: Keep only the ``top_k`` most likely tokens; ``0`` or ``-1``
             disable it.
@@ -288,7 +288,7 @@ class SamplingParams:
             )
         if math.isinf(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature!r}")
-        if GREEDY_TEMPERATURE_EPS <= self.temperature < MIN_TEMPERATURE:
+        if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which risks inf / nan in the logits; raised to %s (as vLLM)",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE

@@ -35,7 +35,7 @@ def test_stop_normalisation():
 
 def test_greedy_property():
     assert SamplingParams(temperature=0).greedy
-    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-6).greedy  # raised to 0.01, as vLLM
     assert not SamplingParams(temperature=0.1).greedy
 
 
@@ -120,8 +120,8 @@ def test_valid_edge_values():
 
 
 def test_logprobs_spellings_and_low_temperatures(caplog):
-    """vLLM's: -1 asks the whole vocabulary, True means 1; a sampling temperature below 0.01 is
-    raised to 0.01 with a warning, while below 1e-5 it stays greedy."""
+    """vLLM's: -1 asks the whole vocabulary, True means 1; a temperature in (0, 0.01) is raised to
+    0.01 with a warning (1e-6 too: only 0 is greedy)."""
     assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
     both = SamplingParams(logprobs=True, prompt_logprobs=True)
     assert (both.logprobs, both.prompt_logprobs) == (1, 1)
@@ -131,8 +131,10 @@ def test_logprobs_spellings_and_low_temperatures(caplog):
     assert "raised to 0.01" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="lamina.sampling_params"):
-        assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+        assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
     assert not caplog.text
+    tiny = SamplingParams(temperature=1e-6)
+    assert tiny.temperature == 0.01 and not tiny.greedy
 
 
 def test_parity_fields_normalised():

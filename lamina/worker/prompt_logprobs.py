@@ -7,7 +7,9 @@ scores its own positions in its step, so the whole prompt is covered once prefil
 
 Logits are computed in pieces of at most `PROMPT_LOGPROBS_ROWS` positions, so a long prompt never
 materialises a [T, vocab] float32 tensor: each piece is [rows, vocab], reduced on the device to the
-target's logprob and the top-k before the next piece. Under tensor parallelism `compute_logits` is
+target's logprob and the top-k before the next piece. Rows of a request that asked the whole
+vocabulary (`prompt_logprobs=-1`) are sorted and moved to the host piece by piece (what they ask
+is vocab entries a position, as in vLLM); other requests' rows stay top-k. Under tensor parallelism `compute_logits` is
 a collective; every rank of the last stage runs the same pieces (the plan decides them).
 """
 
@@ -57,37 +59,53 @@ def score_prompt_chunks(
         offset += chunk.num_tokens
     if not rows:
         return {}
-    max_k = max(k for *_, k in owners)
-    whole_vocabulary = any(k == -1 for *_, k in owners)
+    max_k = max(k for *_, k in owners)  # over the top-k requests (-1 asks the whole vocabulary)
+    whole_rows = [j for (_, _, count, k), first in zip(owners, _first_rows(owners)) if k == -1
+                  for j in range(first, first + count)]  # rows whose request asked -1
     device = hidden.device
     row_t = to_device(rows, device)
     target_t = to_device(targets, device)
+    whole_t = to_device(whole_rows, device) if whole_rows else None
     target_lp, target_rank, top_lp, top_ids = [], [], [], []
+    whole: dict[int, tuple[list[int], list[float]]] = {}  # row -> (every token id, its logprob), best first
     for begin in range(0, len(rows), max_rows):
         piece = slice(begin, begin + max_rows)
         logprobs = torch.log_softmax(model.compute_logits(hidden.index_select(0, row_t[piece])).float(), dim=-1)
         target = logprobs.gather(1, target_t[piece].unsqueeze(1))  # [rows, 1]
         target_lp.append(target.squeeze(1))  # [rows]
         target_rank.append((logprobs > target).sum(dim=1) + 1)  # [rows]: 1 + tokens strictly likelier
-        if max_k or whole_vocabulary:
-            values, ids = logprobs.topk(logprobs.shape[1] if whole_vocabulary else max_k, dim=-1)  # [rows, k]
+        if max_k > 0:
+            values, ids = logprobs.topk(max_k, dim=-1)  # [rows, k]
             top_lp.append(values)
             top_ids.append(ids)
+        if whole_t is not None:  # this piece's rows of -1 requests, sorted, to the host before the next piece
+            mine = whole_t[(whole_t >= begin) & (whole_t < begin + max_rows)]  # [W] (one sync a piece, -1 only)
+            if mine.numel():
+                values, ids = logprobs.index_select(0, mine - begin).sort(dim=-1, descending=True)  # [W, vocab]
+                for j, row_ids, row_values in zip(mine.tolist(), ids.tolist(), values.tolist()):
+                    whole[j] = (row_ids, row_values)
         del logprobs
     target_list = torch.cat(target_lp).tolist()
     rank_list = torch.cat(target_rank).tolist()
     top_lp_list = torch.cat(top_lp).tolist() if top_lp else [[] for _ in rows]
     top_ids_list = torch.cat(top_ids).tolist() if top_ids else [[] for _ in rows]
     results = {}
-    index = 0
-    for request_id, start, count, k in owners:
+    for (request_id, start, count, k), first in zip(owners, _first_rows(owners)):
         entries = []
-        for j in range(index, index + count):
+        for j in range(first, first + count):
             entry = {targets[j]: Logprob(target_list[j], rank_list[j])}
-            for rank, (tok, lp) in enumerate(zip(top_ids_list[j][:k if k >= 0 else None],
-                                                 top_lp_list[j][:k if k >= 0 else None]), start=1):
+            best_ids, best_values = whole[j] if k == -1 else (top_ids_list[j][:k], top_lp_list[j][:k])
+            for rank, (tok, lp) in enumerate(zip(best_ids, best_values), start=1):
                 entry.setdefault(tok, Logprob(lp, rank))
             entries.append(entry)
-        results[request_id] = (start, entries, rank_list[index:index + count])
-        index += count
+        results[request_id] = (start, entries, rank_list[first:first + count])
     return results
+
+
+def _first_rows(owners: list[tuple[str, int, int, int]]) -> list[int]:
+    """Each owner's first row among the scored rows (owners' rows are consecutive, in order)."""
+    firsts, row = [], 0
+    for _, _, count, _ in owners:
+        firsts.append(row)
+        row += count
+    return firsts

@@ -4,6 +4,7 @@ outputs while watching for a client that went away, logprob and SSE formatting."
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import time
@@ -407,10 +408,10 @@ class OpenAIServing:
                 field.append(None)
                 continue
             top = self.top(entry, k)  # the k likeliest, best first (the entry holds them and the prompt token)
-            top_values = [lp for _, lp in top]
+            negated = [-lp for _, lp in top]  # ascending: bisect counts the likelier tokens (k may be the vocabulary)
             item: dict[str, dict[str, Any]] = {}
             for t, lp in [(token, finite(entry[token]))] + [(t, lp) for t, lp in top if t != token]:
-                own = rank if t == token and rank is not None else 1 + sum(v > lp for v in top_values)
+                own = rank if t == token and rank is not None else 1 + bisect.bisect_left(negated, -lp)
                 item[str(t)] = {"logprob": lp, "rank": own, "decoded_token": self.token_text(t) if self.tokenizer is not None else None}
             field.append(item)
         return field
