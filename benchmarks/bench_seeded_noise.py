@@ -97,6 +97,18 @@ def main() -> None:
             rows.append({"sampler_batch": batch, "vocab": vocab, "params": name,
                          "ms": timed_ms(lambda: sampler(logits, sampling))})
             print(rows[-1], flush=True)
+    # the top-k / top-p cut itself, the same run: the whole vocabulary sorted (apply_top_k_top_p,
+    # the reference) against the sampler's path (filter_top_k_top_p: a top-k of TOP_K_WINDOW for rows
+    # with top_k <= it), Qwen3.5's defaults
+    from lamina.worker.sampler import apply_top_k_top_p, filter_top_k_top_p
+
+    for batch in (1, 16, 64, 256):
+        logits = torch.randn(batch, vocab, device=device)
+        sampling = SamplingBatch.build([SamplingParams(**shapes["qwen_defaults"])] * batch, [3] * batch, [0], device, vocab)
+        rows.append({"top_k_top_p_batch": batch, "vocab": vocab,
+                     "sorted_ms": timed_ms(lambda: apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)),
+                     "window_ms": timed_ms(lambda: filter_top_k_top_p(logits, sampling))})
+        print(rows[-1], flush=True)
     vocab = 151936
     logits = torch.randn(8, vocab, device=device)
     params = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]

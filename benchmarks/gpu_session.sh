@@ -612,7 +612,9 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
       timeout 200 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -70 | cut -c1-300
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220
       TRITON_DEBUG=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py -k reference 2>&1 \
-        | grep -v "^$" | tail -3 | cut -c1-220 ;;
+        | grep -v "^$" | tail -3 | cut -c1-220
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sampler.py tests/test_batch_invariance.py \
+        tests/test_demo_model.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220 ;;
     compare25)  # batch 1 against transformers' generate (fla-core) in the same process run, after session 25's fix
       # (the dummy preset's baseline built in bf16, not float32 first; it OOMed on an 80 GB H100 before)
       LAMINA_GDN_PREFILL=reference timeout 240 $L --batch-size 1 --input-len 128 --output-len 32 --compare transformers \

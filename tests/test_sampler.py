@@ -158,6 +158,42 @@ def test_top_k_then_top_p_on_renormalised():
         assert int(torch.isfinite(masked).sum()) == want
 
 
+def test_window_path_keeps_the_reference_set_per_row_whatever_the_batch():
+    """`filter_top_k_top_p` (rows with top_k <= TOP_K_WINDOW: a top-k of that fixed width, no sort;
+    other filtered rows: the sort) keeps exactly `apply_top_k_top_p`'s set, ties included: logits
+    rounded to bfloat16, so many tie, also with the k-th beyond the window and at top-p's last
+    token; -inf logits (bans); a row alone or in a batch mixing both paths and unfiltered rows keeps
+    the same set."""
+    from lamina.worker.sampler import TOP_K_WINDOW, filter_top_k_top_p
+
+    vocab = 700
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, vocab, generator=gen) * 2).to(torch.bfloat16).float()  # [B, V]
+    # ten tokens above 200 tied ones: top-k 20's cut is the tie, which runs past the window; top-p 0.3
+    # then keeps every tied token only if they all count in its normaliser (in the window alone, the
+    # ten would hold 0.385 of the mass, not 0.27, and top-p would stop among them)
+    logits[3] = -10.0
+    logits[3, :10] = 7.0 + torch.arange(10) * 1e-2
+    logits[3, 10:210] = 5.0
+    logits[4, 50:] = float("-inf")  # fewer finite logits than the window
+    options = [(20, 0.95), (1, 1.0), (TOP_K_WINDOW, 0.9), (20, 0.3), (60, 0.99), (TOP_K_WINDOW + 1, 0.8),
+               (0, 0.9), (0, 1.0), (20, 1.0), (7, 1e-9), (300, 1.0), (40, 0.3)]
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p) for k, p in options]
+    batch = SamplingBatch.build(params, [0] * 12, [0], "cpu", vocab)
+    assert batch.window_rows == [0, 1, 2, 3, 4, 8, 9, 11] and batch.sorted_rows == [5, 6, 10]
+    got = torch.isfinite(filter_top_k_top_p(logits, batch))  # [B, V]
+    want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
+    assert torch.equal(got, want)
+    assert got[3].sum() == 210 and got[7].all()
+    for row in range(12):  # alone: the same set (one path, no index)
+        alone = SamplingBatch.build(params[row:row + 1], [0], [0], "cpu", vocab)
+        assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), row
+    # a window-only batch of two rows: the window path over the whole batch
+    pair = SamplingBatch.build([params[0], params[3]], [0, 0], [0], "cpu", vocab)
+    assert pair.window_index is None and pair.sorted_rows == []
+    assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[[0, 3]], pair)), got[[0, 3]])
+
+
 def test_min_p_mask():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
     out = apply_min_p(probs.clone(), torch.tensor([0.35, 0.0]))
@@ -290,3 +326,24 @@ def test_seeded_noise_of_two_seeds_is_not_shifted_copies():
         first = seeded_exponential(torch.tensor([seed_key(600)]), torch.tensor([i]), 64)
         shifted = seeded_exponential(torch.tensor([seed_key(1480)]), torch.tensor([i ^ d]), 64)
         assert not torch.equal(first, shifted), i
+
+
+@pytest.mark.gpu
+def test_window_path_keeps_the_reference_set_on_the_gpu():
+    """On CUDA at the 248k vocabulary: the window path (topk, scans) keeps the sort's set for
+    bfloat16-rounded logits with the Qwen3.5 defaults and others, and each row's set is the same
+    alone as in the batch."""
+    from lamina.worker.sampler import filter_top_k_top_p
+
+    vocab = 248320
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(16, vocab, generator=gen) * 3).to(torch.bfloat16).float().cuda() / 0.6  # [B, V]
+    options = [(20, 0.95), (40, 0.8), (1, 1.0), (128, 0.99), (5, 0.3), (0, 0.95), (20, 1.0), (500, 0.9)] * 2
+    params = [SamplingParams(temperature=0.6, top_k=k, top_p=p) for k, p in options]
+    batch = SamplingBatch.build(params, [0] * 16, [0], "cuda", vocab)
+    got = torch.isfinite(filter_top_k_top_p(logits, batch))
+    want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
+    assert torch.equal(got, want)
+    for row in (0, 4, 5, 7):
+        alone = SamplingBatch.build(params[row:row + 1], [0], [0], "cuda", vocab)
+        assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), row

@@ -44,6 +44,7 @@ __all__ = [
     "LogprobsTensors",
     "apply_top_k_top_p",
     "apply_min_p",
+    "filter_top_k_top_p",
 ]
 
 
@@ -84,6 +85,14 @@ class SamplingBatch:
     adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
+    # top-k / top-p, by each sampling row's own options (never by the batch): rows with top_k <=
+    # TOP_K_WINDOW take `window_cut` (a top-k of that fixed width), other rows with a top-k or a
+    # top-p `sorted_cut` (the whole vocabulary sorted); host lists, and their device indices when
+    # a group is not the whole batch (None otherwise)
+    window_rows: list[int] = field(default_factory=list)
+    sorted_rows: list[int] = field(default_factory=list)
+    window_index: torch.Tensor | None = None  # [len(window_rows)] int64
+    sorted_index: torch.Tensor | None = None  # [len(sorted_rows)] int64
 
     @property
     def batch_size(self) -> int:
@@ -197,6 +206,10 @@ class SamplingBatch:
             bans = to_device([ban_rows, ban_cols], device, torch.int64)  # [2, M]
         else:
             bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
+        window_rows = [i for i in sampling_rows if top_ks[i] <= TOP_K_WINDOW]
+        sorted_rows = [i for i in sampling_rows if top_ks[i] > TOP_K_WINDOW and (top_ks[i] < vocab_size or top_ps[i] < 1.0)]
+        window_index = to_device(window_rows, device, torch.int64) if 0 < len(window_rows) < bsz else None
+        sorted_index = to_device(sorted_rows, device, torch.int64) if 0 < len(sorted_rows) < bsz else None
         seeded = None
         if seeded_rows:
             seeded = to_device([seeded_rows, [seed_key(params_list[r].seed) for r in seeded_rows],
@@ -224,6 +237,10 @@ class SamplingBatch:
             adjustments=None if adjustments.empty else adjustments,
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
+            window_rows=window_rows,
+            sorted_rows=sorted_rows,
+            window_index=window_index,
+            sorted_index=sorted_index,
         )
 
 
@@ -296,12 +313,18 @@ class SamplerOutput:
 # ---------------------------------------------------------------------- #
 # Masking helpers (functional, usable on their own)
 # ---------------------------------------------------------------------- #
+# Rows whose top-k is at most this take the top-k of this fixed width instead of sorting the
+# vocabulary (`window_cut`); a fixed width, so that a row's arithmetic never depends on its batch.
+TOP_K_WINDOW = 128
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to ``-inf``.
+    """Set logits outside each row's top-k / top-p set to ``-inf``, sorting the whole vocabulary
+    (the reference; the sampler takes `filter_top_k_top_p`, which computes the same set).
 
     Args:
         logits: ``[B, V]`` float logits (already temperature-scaled).
@@ -319,7 +342,13 @@ def apply_top_k_top_p(
     """
     if top_k is None and top_p is None:
         return logits
-    bsz, vocab = logits.shape
+    return logits.masked_fill(logits < sorted_cut(logits, top_k, top_p), float("-inf"))  # [B, V]
+
+
+def sorted_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's lowest kept logit `[B, 1]` under top-k then top-p (`apply_top_k_top_p`), from
+    the whole vocabulary sorted."""
+    vocab = logits.shape[1]
     sorted_logits = logits.sort(dim=-1, descending=True).values  # [B, V]
     cut = sorted_logits[:, :1]  # [B, 1]: the lowest logit kept so far (the top one is always kept)
     if top_k is not None:
@@ -337,6 +366,46 @@ def apply_top_k_top_p(
         last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position
         cut_p = sorted_logits.gather(1, last)  # [B, 1]
         cut = cut_p if top_k is None else torch.maximum(cut, cut_p)
+    return cut
+
+
+def window_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int = TOP_K_WINDOW) -> torch.Tensor:
+    """`sorted_cut` for rows whose `top_k` is at most `width`, from their `width` likeliest logits
+    (`topk`, no sort of the vocabulary): the same kept set. Tokens tied with the k-th logit beyond
+    the window still count in top-p's normaliser (the threshold keeps them), by their number.
+    logits `[B, V]`, top_k `[B]` int64 in [1, width], top_p `[B]` (1: no top-p). Returns `[B, 1]`."""
+    width = min(width, logits.shape[1])
+    values = logits.topk(width, dim=-1).values  # [B, W], best first
+    k = top_k.clamp(min=1, max=width).unsqueeze(1)  # [B, 1]
+    cut = values.gather(1, k - 1)  # [B, 1]: the k-th largest
+    kept = values.masked_fill(values < cut, float("-inf"))  # [B, W]
+    # ties with the k-th logit outside the window: in the kept set, at the end of the sorted order
+    beyond = (logits == cut).sum(dim=1, keepdim=True) - (values == cut).sum(dim=1, keepdim=True)  # [B, 1]
+    top = values[:, :1]  # [B, 1]
+    weights = (kept - top).exp()  # [B, W]
+    # sums as a per-row scan (a reduction's order may follow the number of rows; the scan's does not)
+    running = weights.cumsum(dim=-1)  # [B, W]
+    total = running[:, -1:] + beyond * (cut - top).exp()  # [B, 1]
+    mass_before = (running - weights) / total  # [B, W]
+    keep = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)  # [B, W]
+    keep[:, 0] = True  # the most likely token always survives
+    last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position in the window
+    return torch.maximum(cut, kept.gather(1, last))  # [B, 1]
+
+
+def filter_top_k_top_p(logits: torch.Tensor, batch: "SamplingBatch") -> torch.Tensor:
+    """`apply_top_k_top_p` over the batch's filtered rows, each by its own group (`window_rows`:
+    `window_cut`; `sorted_rows`: `sorted_cut`); other rows are left whole. Returns a new tensor."""
+    cut = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)  # [B, 1]
+    groups = ((batch.window_rows, batch.window_index, window_cut), (batch.sorted_rows, batch.sorted_index, sorted_cut))
+    for rows, index, cut_of in groups:
+        if not rows:
+            continue
+        if index is None:  # the whole batch
+            cut = cut_of(logits, batch.top_k, batch.top_p)
+        else:
+            cut.index_copy_(0, index, cut_of(logits.index_select(0, index), batch.top_k.index_select(0, index),
+                                             batch.top_p.index_select(0, index)))
     return logits.masked_fill(logits < cut, float("-inf"))  # [B, V]
 
 
@@ -410,12 +479,8 @@ class Sampler:
         if batch.need_min_p:
             below = apply_min_p(work.softmax(dim=-1), batch.min_p) == 0  # [B, V]
             work = work.masked_fill_(below, float("-inf"))
-        if batch.need_top_k or batch.need_top_p:
-            work = apply_top_k_top_p(
-                work,
-                batch.top_k if batch.need_top_k else None,
-                batch.top_p if batch.need_top_p else None,
-            )
+        if batch.window_rows or batch.sorted_rows:
+            work = filter_top_k_top_p(work, batch)
         return work.softmax(dim=-1)  # [B, V]
 
     @staticmethod
