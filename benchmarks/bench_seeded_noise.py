@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -76,9 +77,9 @@ def main() -> None:
         logits = torch.randn(batch, vocab, device=device)
         for seeded, kernels in ((False, "torch"), (True, "torch"), (True, "triton")):
             params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None) for i in range(batch)]
-            sampling = SamplingBatch.build(params, [3] * batch, [0], device, vocab, noise_kernels=kernels)
+            sampling = SamplingBatch.build(params, [3] * batch, [0], device, vocab, sampler_kernels=kernels)
             sampler = Sampler()
-            rows.append({"sampler_batch": batch, "seeded": seeded, "noise_kernels": kernels,
+            rows.append({"sampler_batch": batch, "seeded": seeded, "sampler_kernels": kernels,
                          "ms": timed_ms(lambda: sampler(logits, sampling)),
                          "peak_gib": peak_gib(lambda: sampler(logits, sampling))})
             print(rows[-1], flush=True)
@@ -105,14 +106,17 @@ def main() -> None:
     for batch in (1, 16, 64, 256):
         logits = torch.randn(batch, vocab, device=device)
         sampling = SamplingBatch.build([SamplingParams(**shapes["qwen_defaults"])] * batch, [3] * batch, [0], device, vocab)
+        fused = replace(sampling, sampler_kernels="triton")
         rows.append({"top_k_top_p_batch": batch, "vocab": vocab,
                      "sorted_ms": timed_ms(lambda: apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)),
-                     "window_ms": timed_ms(lambda: filter_top_k_top_p(logits, sampling))})
+                     "window_ms": timed_ms(lambda: filter_top_k_top_p(logits, sampling)),
+                     "window_triton_ms": timed_ms(lambda: filter_top_k_top_p(logits, fused)),
+                     "sampler_qwen_defaults_triton_ms": timed_ms(lambda: Sampler()(logits, fused))})
         print(rows[-1], flush=True)
     vocab = 151936
     logits = torch.randn(8, vocab, device=device)
     params = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]
-    batches = [SamplingBatch.build(params, [3] * 8, [0], device, vocab, noise_kernels=k) for k in ("torch", "triton")]
+    batches = [SamplingBatch.build(params, [3] * 8, [0], device, vocab, sampler_kernels=k) for k in ("torch", "triton")]
     for sampling in batches:  # compiled before the check
         Sampler()(logits, sampling)
     torch.cuda.synchronize()

@@ -604,14 +604,14 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
       # Triton kernel) against the global RNG and the per-row generator loop it replaced, the sampler seeded or not,
       # a host-sync check, the kernel's tests on the GPU; then the GPU tests
       timeout 240 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -40 | cut -c1-300
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_sampler_kernels.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=8 tests/ 2>&1 | grep -v "^$" | tail -25 | cut -c1-220 ;;
     s26)  # session 26: seeded noise, torch reference against the one-launch Triton kernel, the sampler with greedy /
       # temperature / top-p / Qwen3.5's top-k + top-p defaults; the kernel's tests on the GPU (also under TRITON_DEBUG=1)
       timeout 200 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -70 | cut -c1-300
-      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220
-      TRITON_DEBUG=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_seeded_noise.py -k reference 2>&1 \
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_sampler_kernels.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220
+      TRITON_DEBUG=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_sampler_kernels.py -k reference 2>&1 \
         | grep -v "^$" | tail -3 | cut -c1-220
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sampler.py tests/test_batch_invariance.py \
         tests/test_demo_model.py 2>&1 | grep -v "^$" | tail -4 | cut -c1-220 ;;

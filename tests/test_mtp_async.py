@@ -79,7 +79,7 @@ def _run(path, monkeypatch, requests, *, overlap: bool, k: int, references=None,
         if k and DEVICE == "cpu":
             assert runner.capture_decode_graphs(engine.max_num_seqs, engine.max_model_len, num_speculative_tokens=k,
                                                 static_off_cuda=True)
-        assert runner.noise_kernels == "triton"  # seeded rows draw the one-launch kernel's noise here
+        assert runner.sampler_kernels == "triton"  # seeded rows draw the one-launch kernel's noise here
         if fill_kernels is not None:
             assert runner.verify_graphs.fill_kernels == fill_kernels
         if max_queries is not None:  # graphs for fewer tokens a request than K + 1 (as when K + 1 > 8)

@@ -340,10 +340,11 @@ def test_window_path_keeps_the_reference_set_on_the_gpu():
     logits = (torch.randn(16, vocab, generator=gen) * 3).to(torch.bfloat16).float().cuda() / 0.6  # [B, V]
     options = [(20, 0.95), (40, 0.8), (1, 1.0), (128, 0.99), (5, 0.3), (0, 0.95), (20, 1.0), (500, 0.9)] * 2
     params = [SamplingParams(temperature=0.6, top_k=k, top_p=p) for k, p in options]
-    batch = SamplingBatch.build(params, [0] * 16, [0], "cuda", vocab)
-    got = torch.isfinite(filter_top_k_top_p(logits, batch))
-    want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
-    assert torch.equal(got, want)
-    for row in (0, 4, 5, 7):
-        alone = SamplingBatch.build(params[row:row + 1], [0], [0], "cuda", vocab)
-        assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), row
+    for kernels in ("torch", "triton"):  # the window's cut as torch ops, or in one launch
+        batch = SamplingBatch.build(params, [0] * 16, [0], "cuda", vocab, sampler_kernels=kernels)
+        got = torch.isfinite(filter_top_k_top_p(logits, batch))
+        want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
+        assert torch.equal(got, want), kernels
+        for row in (0, 4, 5, 7):
+            alone = SamplingBatch.build(params[row:row + 1], [0], [0], "cuda", vocab, sampler_kernels=kernels)
+            assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), (kernels, row)

@@ -124,7 +124,7 @@ def fill_seeded_exponential(noise: torch.Tensor, rows: torch.Tensor, keys: torch
     `rows`, `keys`, `positions` `[S]` int64 on its device). `kernels`: 'torch' (the reference,
     ~70 launches per 16 rows) or 'triton' (one launch, lamina.kernels.triton_seeded_noise: the same
     hash, its float32 logarithm within a few ulps of the reference's float64 one); the choice is
-    made once per engine (`lamina.kernels.selection.seeded_noise_kernels`)."""
+    made once per engine (`lamina.kernels.selection.sampler_kernels`)."""
     if kernels == "triton":
         from lamina.kernels.triton_seeded_noise import fill_seeded_exponential_triton
 

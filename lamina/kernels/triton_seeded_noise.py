@@ -12,7 +12,7 @@ in float32 and splits at u = 1/2 so that no result loses its relative precision:
   with z = t / (2 - t) <= 1/3, summed as its odd series to z**13 (truncation ~1e-8 relatively),
   so the smallest noise values keep their precision and none rounds to 0 (the float32 `1 - t`
   would for t < 2**-25: that token would win the race whatever its probability).
-So the kernel's noise is the reference's within a few float32 ulps (tests/test_triton_seeded_noise.py).
+So the kernel's noise is the reference's within a few float32 ulps (tests/test_triton_sampler_kernels.py).
 """
 
 from __future__ import annotations

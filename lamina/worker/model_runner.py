@@ -18,7 +18,7 @@ import torch
 
 from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
-from lamina.kernels.selection import kernel_set, seeded_noise_kernels
+from lamina.kernels.selection import kernel_set, sampler_kernels
 from lamina.layers.metadata import ForwardMetadata
 from lamina.step_plan import PENDING_TOKEN_ID, SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
@@ -45,7 +45,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.noise_kernels = seeded_noise_kernels(kernel_set(device))  # seeded rows' sampling noise
+        self.sampler_kernels = sampler_kernels(kernel_set(device))  # seeded rows' sampling noise
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0
@@ -61,7 +61,7 @@ class ModelRunner:
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
 
-            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.noise_kernels)
+            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.sampler_kernels)
 
     # ---- caches --------------------------------------------------------------------------
     def paged_cache_modules(self) -> list:
@@ -348,7 +348,7 @@ class ModelRunner:
             output_token_ids=[c.output_token_ids for c in chunks],
             prompt_token_ids=[c.prompt_token_ids for c in chunks],
             token_bitmasks=[c.token_bitmask for c in chunks],
-            noise_kernels=self.noise_kernels,
+            sampler_kernels=self.sampler_kernels,
         )
         out = self.sampler(logits, batch)
         self.previous = PreviousTokens(out.token_ids, {c.request_id: row for row, c in enumerate(chunks)})

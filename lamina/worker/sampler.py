@@ -26,6 +26,7 @@ common path syncs the device with the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -80,8 +81,9 @@ class SamplingBatch:
     # [3, S] int64 (S = len(seeded_rows)): each seeded row's index, seed key and the output index
     # of the token it samples (lamina.kernels.seeded_noise); None when S = 0
     seeded: torch.Tensor | None = None
-    # how the seeded rows' noise is computed: 'torch' or 'triton' (lamina.kernels.selection.seeded_noise_kernels)
-    noise_kernels: str = "torch"
+    # the sampler's own kernels, 'torch' or 'triton' (lamina.kernels.selection.sampler_kernels): seeded
+    # rows' noise, the top-k window's cut
+    sampler_kernels: str = "torch"
     adjustments: LogitAdjustments | None = None  # allowed tokens, logit bias, penalties
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
@@ -121,7 +123,7 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int] | None] | None = None,
         prompt_token_ids: Sequence[Sequence[int] | None] | None = None,
         token_bitmasks: Sequence | None = None,
-        noise_kernels: str = "torch",
+        sampler_kernels: str = "torch",
     ) -> SamplingBatch:
         """Collect per-request sampling options into batched tensors.
 
@@ -141,9 +143,10 @@ class SamplingBatch:
                 repetition penalty; ``None`` elsewhere).
             token_bitmasks: Per row, the structured-output mask of allowed
                 tokens (int32 array of ``ceil(V/32)`` words) or ``None``.
-            noise_kernels: How seeded rows' noise is computed, ``'torch'`` or
+            sampler_kernels: The sampler's kernels (seeded noise, the top-k
+                window's cut), ``'torch'`` or
                 ``'triton'`` (the engine's choice, made once:
-                :func:`lamina.kernels.selection.seeded_noise_kernels`).
+                :func:`lamina.kernels.selection.sampler_kernels`).
         """
         bsz = len(params_list)
         if vocab_size >= 1 << 24:
@@ -233,7 +236,7 @@ class SamplingBatch:
             max_num_logprobs=max(requested) if requested else None,
             seeded_rows=seeded_rows,
             seeded=seeded,
-            noise_kernels=noise_kernels,
+            sampler_kernels=sampler_kernels,
             adjustments=None if adjustments.empty else adjustments,
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
@@ -395,9 +398,16 @@ def window_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, w
 
 def filter_top_k_top_p(logits: torch.Tensor, batch: "SamplingBatch") -> torch.Tensor:
     """`apply_top_k_top_p` over the batch's filtered rows, each by its own group (`window_rows`:
-    `window_cut`; `sorted_rows`: `sorted_cut`); other rows are left whole. Returns a new tensor."""
+    `window_cut`, in one Triton launch after the `topk` when the batch's `sampler_kernels` say so
+    and the vocabulary is at least the window; `sorted_rows`: `sorted_cut`); other rows are left
+    whole. Returns a new tensor."""
     cut = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)  # [B, 1]
-    groups = ((batch.window_rows, batch.window_index, window_cut), (batch.sorted_rows, batch.sorted_index, sorted_cut))
+    window = window_cut
+    if batch.sampler_kernels == "triton" and logits.shape[1] >= TOP_K_WINDOW and logits.dtype == torch.float32:
+        from lamina.kernels.triton_window_cut import window_cut_triton
+
+        window = functools.partial(window_cut_triton, width=TOP_K_WINDOW)
+    groups = ((batch.window_rows, batch.window_index, window), (batch.sorted_rows, batch.sorted_index, sorted_cut))
     for rows, index, cut_of in groups:
         if not rows:
             continue
@@ -556,7 +566,7 @@ def _exponential_race(probs: torch.Tensor, batch: SamplingBatch, seeded: bool = 
         noise.exponential_()
     if seeded and batch.seeded is not None:
         rows, keys, positions = batch.seeded  # [S] each
-        fill_seeded_exponential(noise, rows, keys, positions, batch.noise_kernels)
+        fill_seeded_exponential(noise, rows, keys, positions, batch.sampler_kernels)
     return _race(probs, noise)
 
 
@@ -566,7 +576,7 @@ def seeded_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     _, keys, positions = batch.seeded  # [S] each
     noise = torch.empty_like(probs)  # [S, V]
     rows = torch.arange(probs.shape[0], device=probs.device)  # [S]
-    return _race(probs.clone(), fill_seeded_exponential(noise, rows, keys, positions, batch.noise_kernels))
+    return _race(probs.clone(), fill_seeded_exponential(noise, rows, keys, positions, batch.sampler_kernels))
 
 
 def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,14 @@ class _VerifyInputs:
 class SpecDecodeStep:
     def __init__(
         self, model, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
-        noise_kernels: str = "torch",
+        sampler_kernels: str = "torch",
     ):
         self.model = model
         self.mtp = getattr(model, "mtp", None)  # None on stages other than the last
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self.noise_kernels = noise_kernels  # seeded rows' noise, as the plain sampler's (one function)
+        self.sampler_kernels = sampler_kernels  # seeded rows' noise, as the plain sampler's (one function)
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
         self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
@@ -206,7 +206,7 @@ class SpecDecodeStep:
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
                 [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids, self.device, self.vocab_size,
-                noise_kernels=self.noise_kernels,
+                sampler_kernels=self.sampler_kernels,
             )
         drafts, probs = self.proposer.propose(
             plan, meta, index_t, base_pos_t + num_accepted, max_pos, capacity, capacity_t,
@@ -251,7 +251,7 @@ class SpecDecodeStep:
         grid, row_req, row_pos, row_draft_at, num_drafts = device_ints
         row_draft = torch.where(row_draft_at >= 0, token_ids.index_select(0, row_draft_at.clamp(min=0)), -1)  # [R]
         batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, self.device, self.vocab_size,
-                                    noise_kernels=self.noise_kernels)
+                                    sampler_kernels=self.sampler_kernels)
         batch = batch.with_noise_positions(base_out.index_select(0, row_req) + row_pos)
         needs_q = batch.num_greedy + len(batch.seeded_rows) < len(host.params)  # random rows without a seed
         draft_probs = self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1]) if needs_q else None

@@ -1,9 +1,12 @@
-"""A seeded request's sampling noise in one launch (lamina.kernels.triton_seeded_noise) against the
-torch reference (lamina.kernels.seeded_noise): the same values within float32 rounding at every
-token, the smallest and largest uniforms included (where a float32 `1 - t` or a float32 uniform
-would lose the noise's precision), written into the given rows only; and the sampler drawing the
-same tokens with either. Runs under Triton's CPU interpreter where there is no GPU
-(tests/conftest.py turns it on)."""
+"""The sampler's Triton kernels against their torch references, under Triton's CPU interpreter where
+there is no GPU (tests/conftest.py turns it on):
+- a seeded request's noise in one launch (lamina.kernels.triton_seeded_noise) against the torch
+  reference (lamina.kernels.seeded_noise): the same values within float32 rounding at every token,
+  the smallest and largest uniforms included (where a float32 `1 - t` or a float32 uniform would
+  lose the noise's precision), written into the given rows only, and the sampler drawing the same
+  tokens with either;
+- the top-k window's cut in one launch (lamina.kernels.triton_window_cut) against the torch
+  window_cut and the sort (lamina.worker.sampler)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lamina.kernels.seeded_noise import fill_seeded_exponential, seed_key, seeded_exponential, seeded_hash  # noqa: E402
-from lamina.kernels.selection import seeded_noise_kernels  # noqa: E402
+from lamina.kernels.selection import sampler_kernels  # noqa: E402
 from lamina.kernels.triton_seeded_noise import fill_seeded_exponential_triton  # noqa: E402
 from lamina.sampling_params import SamplingParams  # noqa: E402
 from lamina.worker.rejection_sampler import verify_drafts  # noqa: E402
@@ -79,14 +82,14 @@ def test_no_rows_and_bad_shapes():
 
 
 def test_selection(monkeypatch):
-    monkeypatch.delenv("LAMINA_SEEDED_NOISE", raising=False)
-    assert seeded_noise_kernels("triton") == "triton"
-    assert seeded_noise_kernels("reference") == "torch"
-    monkeypatch.setenv("LAMINA_SEEDED_NOISE", "torch")
-    assert seeded_noise_kernels("triton") == "torch"
-    monkeypatch.setenv("LAMINA_SEEDED_NOISE", "fast")
-    with pytest.raises(ValueError, match="LAMINA_SEEDED_NOISE = 'fast'"):
-        seeded_noise_kernels("triton")
+    monkeypatch.delenv("LAMINA_SAMPLER_KERNELS", raising=False)
+    assert sampler_kernels("triton") == "triton"
+    assert sampler_kernels("reference") == "torch"
+    monkeypatch.setenv("LAMINA_SAMPLER_KERNELS", "torch")
+    assert sampler_kernels("triton") == "torch"
+    monkeypatch.setenv("LAMINA_SAMPLER_KERNELS", "fast")
+    with pytest.raises(ValueError, match="LAMINA_SAMPLER_KERNELS = 'fast'"):
+        sampler_kernels("triton")
 
 
 def test_sampler_and_verification_draw_alike_with_either_noise():
@@ -100,7 +103,7 @@ def test_sampler_and_verification_draw_alike_with_either_noise():
     params += [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=50, seed=7)]
     tokens = {}
     for kernels in ("torch", "triton"):
-        batch = SamplingBatch.build(params, [0, 1, 2, 3, 4, 5], [0], DEVICE, vocab, noise_kernels=kernels)
+        batch = SamplingBatch.build(params, [0, 1, 2, 3, 4, 5], [0], DEVICE, vocab, sampler_kernels=kernels)
         tokens[kernels] = Sampler()(logits, batch).token_ids.tolist()
     assert tokens["torch"] == tokens["triton"]
 
@@ -116,8 +119,36 @@ def test_sampler_and_verification_draw_alike_with_either_noise():
     row_draft = torch.tensor([plain[0], plain[1], -1, plain[3], -1], device=DEVICE)
     results = {}
     for kernels in ("torch", "triton"):
-        batch = SamplingBatch.build(vparams, out_lens, [0], DEVICE, vocab, noise_kernels=kernels)
+        batch = SamplingBatch.build(vparams, out_lens, [0], DEVICE, vocab, sampler_kernels=kernels)
         out = verify_drafts(logits[:5], rows, row_req, row_pos, row_draft, num_drafts, batch)
         results[kernels] = (out.num_accepted.tolist(), out.tokens.tolist())
     assert results["torch"] == results["triton"]
     assert results["triton"][0] == [2, 1]
+
+
+def test_window_cut_kernel_keeps_the_reference_set():
+    """The top-k window's cut in one launch (lamina.kernels.triton_window_cut) keeps the set of the
+    sort (apply_top_k_top_p) and of the torch window_cut: bfloat16 ties, ties of the k-th beyond
+    the window (the branch that counts the whole row), -inf logits, top-p 1 and tiny."""
+    from lamina.kernels.triton_window_cut import window_cut_triton
+    from lamina.worker.sampler import TOP_K_WINDOW, apply_top_k_top_p, filter_top_k_top_p, window_cut
+
+    vocab = 3000
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(8, vocab, generator=gen) * 2).to(torch.bfloat16).float()  # [B, V]
+    logits[1] = -10.0
+    logits[1, :10] = 7.0 + torch.arange(10) * 1e-2
+    logits[1, 10:210] = 5.0  # the k-th's ties run past the window; top-p 0.3 keeps them all
+    logits[2, 60:] = float("-inf")
+    logits = logits.to(DEVICE)
+    options = [(20, 0.95), (20, 0.3), (100, 0.9), (1, 1.0), (TOP_K_WINDOW, 0.99), (5, 1e-9), (40, 1.0), (7, 0.5)]
+    top_k = torch.tensor([k for k, _ in options], device=DEVICE)
+    top_p = torch.tensor([p for _, p in options], device=DEVICE)
+    cut = window_cut_triton(logits, top_k, top_p, TOP_K_WINDOW)  # [B, 1]
+    got = logits >= cut
+    assert torch.equal(got, torch.isfinite(apply_top_k_top_p(logits, top_k, top_p)))
+    assert torch.equal(got, logits >= window_cut(logits, top_k, top_p))
+    assert got[1].sum() == 210
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p) for k, p in options]
+    batch = SamplingBatch.build(params, [0] * 8, [0], DEVICE, vocab, sampler_kernels="triton")
+    assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, batch)), got)

@@ -1,0 +1,65 @@
+"""The top-k / top-p cut of rows whose top-k fits a fixed window, in one launch (the torch form and
+its meaning: `lamina.worker.sampler.window_cut`). The torch form is ~30 small launches after the
+`topk`, which made it slower than sorting the vocabulary at batch 1 on an H100 (0.47 against 0.36
+ms, benchmarks/results/sampler_window_ab_h100_s26.json); here one program per row reads its W
+sorted logits and does the rest in registers: the k-th value, top-p's renormalised running mass
+(a scan), its last kept position. Tokens tied with the k-th logit beyond the window count in the
+normaliser; only a row whose window ends on that tie reads its whole row to count them (a branch
+in the program), so the common row reads W values."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 2048
+
+
+@triton.jit
+def _window_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values_stride, logits_stride,
+                       W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, W)
+    v = tl.load(values + row * values_stride + offs)  # [W] the row's W largest logits, best first
+    k = tl.minimum(tl.maximum(tl.load(top_k + row), 1), W)
+    cut = tl.load(values + row * values_stride + k - 1)  # the k-th largest
+    top = tl.load(values + row * values_stride)
+    kept = tl.where(v >= cut, v, float("-inf"))  # [W]
+    weights = tl.exp(kept - top)  # [W]
+    running = tl.cumsum(weights, 0)  # [W]
+    total = tl.sum(tl.where(offs == W - 1, running, 0.0), 0)
+    if tl.load(values + row * values_stride + W - 1) == cut:  # ties of the k-th may run past the window
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + row * logits_stride + cols, mask=cols < vocab_size, other=float("-inf"))
+            count += (x == cut).to(tl.int32)
+        beyond = tl.sum(count, 0) - tl.sum((v == cut).to(tl.int32), 0)
+        total += beyond.to(tl.float32) * tl.exp(cut - top)
+    mass_before = (running - weights) / total  # [W]
+    p = tl.load(top_p + row)
+    threshold = tl.where(p >= 1.0, float("inf"), p)  # top-p 1 keeps every position
+    keep = (mass_before < threshold) | (offs == 0)  # [W]: the most likely token always survives
+    last = tl.sum(keep.to(tl.int32), 0) - 1
+    cut_p = tl.load(values + row * values_stride + last)
+    cut_p = tl.where(cut_p >= cut, cut_p, float("-inf"))  # a position past the top-k holds -inf
+    tl.store(cut_out + row, tl.maximum(cut, cut_p))
+
+
+def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
+    """`lamina.worker.sampler.window_cut` in one launch after the `topk`: logits `[B, V]` float32
+    (unit column stride), top_k `[B]` int64, top_p `[B]` float32; returns the cut `[B, 1]`."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    num_rows, vocab = logits.shape
+    width = min(width, vocab)
+    if width & (width - 1):
+        raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} (vocab {vocab})")
+    values = logits.topk(width, dim=-1).values  # [B, W], best first
+    cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
+    if num_rows:
+        _window_cut_kernel[(num_rows,)](values, logits, top_k.contiguous(), top_p.contiguous(), cut, vocab,
+                                        values.stride(0), logits.stride(0), W=width, BLOCK=BLOCK_V)
+    return cut
