@@ -46,10 +46,11 @@ def peak_gib(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--top-k-only", action="store_true", help="only the top-k / top-p cut's A/B (a short device call)")
     args = parser.parse_args()
     device = "cuda"
     rows = []
-    for vocab in (151936, 248320):
+    for vocab in () if args.top_k_only else (151936, 248320):
         for num in (1, 16, 64, 256, 1024):
             keys = torch.tensor([seed_key(s) for s in range(num)], device=device)
             positions = torch.arange(num, device=device)
@@ -73,7 +74,7 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
     vocab = 151936
-    for batch in (1, 64, 256):
+    for batch in () if args.top_k_only else (1, 64, 256):
         logits = torch.randn(batch, vocab, device=device)
         for seeded, kernels in ((False, "torch"), (True, "torch"), (True, "triton")):
             params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None) for i in range(batch)]
@@ -90,7 +91,7 @@ def main() -> None:
     shapes = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=1.0),
               "qwen_defaults": dict(temperature=0.6, top_p=0.95, top_k=20),
               "top_p_only": dict(temperature=0.6, top_p=0.95)}
-    for batch in (1, 16, 64, 256):
+    for batch in () if args.top_k_only else (1, 16, 64, 256):
         logits = torch.randn(batch, vocab, device=device)
         for name, options in shapes.items():
             sampling = SamplingBatch.build([SamplingParams(**options)] * batch, [3] * batch, [0], device, vocab)
