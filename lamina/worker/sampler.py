@@ -209,8 +209,9 @@ class SamplingBatch:
             bans = to_device([ban_rows, ban_cols], device, torch.int64)  # [2, M]
         else:
             bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
-        window_rows = [i for i in sampling_rows if top_ks[i] <= TOP_K_WINDOW]
-        sorted_rows = [i for i in sampling_rows if top_ks[i] > TOP_K_WINDOW and (top_ks[i] < vocab_size or top_ps[i] < 1.0)]
+        filtered = [i for i in sampling_rows if top_ks[i] < vocab_size or top_ps[i] < 1.0]
+        window_rows = [i for i in filtered if top_ks[i] <= TOP_K_WINDOW]
+        sorted_rows = [i for i in filtered if top_ks[i] > TOP_K_WINDOW]
         window_index = to_device(window_rows, device, torch.int64) if 0 < len(window_rows) < bsz else None
         sorted_index = to_device(sorted_rows, device, torch.int64) if 0 < len(sorted_rows) < bsz else None
         seeded = None
