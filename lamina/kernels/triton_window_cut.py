@@ -29,7 +29,8 @@ def _window_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values
     weights = tl.exp(kept - top)  # [W]
     running = tl.cumsum(weights, 0)  # [W]
     total = tl.sum(tl.where(offs == W - 1, running, 0.0), 0)
-    if tl.load(values + row * values_stride + W - 1) == cut:  # ties of the k-th may run past the window
+    # ties of the k-th may run past the window (not when it is -inf: those weigh nothing)
+    if (tl.load(values + row * values_stride + W - 1) == cut) & (cut > float("-inf")):
         count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)

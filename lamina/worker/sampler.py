@@ -362,9 +362,13 @@ def sorted_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Te
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)  # [B, V]
         # Probability mass strictly before each position; a position is kept
-        # while the mass before it is still short of top_p.
+        # while the mass before it is still short of top_p. In float64: a CUDA
+        # scan's order follows the number of rows (CUB for one row, tiles sized
+        # by the row count for more), so a float32 sum could flip a near-tie with
+        # the batch; in float64 only a tie within ~1e-16 of top_p could.
+        probs = probs.double()  # [B, V]
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
-        keep = mass_before < top_p.unsqueeze(1)  # [B, V]
+        keep = mass_before < top_p.double().unsqueeze(1)  # [B, V]
         keep |= (top_p >= 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
         keep[:, 0] = True  # the most likely token always survives
         last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position
@@ -387,8 +391,9 @@ def window_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, w
     beyond = (logits == cut).sum(dim=1, keepdim=True) - (values == cut).sum(dim=1, keepdim=True)  # [B, 1]
     top = values[:, :1]  # [B, 1]
     weights = (kept - top).exp()  # [B, W]
-    # sums as a per-row scan (a reduction's order may follow the number of rows; the scan's does not)
-    running = weights.cumsum(dim=-1)  # [B, W]
+    # running sums in an order that is each row's own: a scan along the outer dimension (one
+    # sequential pass per column); along the inner one, a CUDA scan's order follows the number of rows
+    running = weights.t().contiguous().cumsum(dim=0).t()  # [B, W]
     total = running[:, -1:] + beyond * (cut - top).exp()  # [B, 1]
     mass_before = (running - weights) / total  # [B, W]
     keep = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)  # [B, W]
