@@ -152,3 +152,22 @@ def test_window_cut_kernel_keeps_the_reference_set():
     params = [SamplingParams(temperature=0.8, top_k=k, top_p=p) for k, p in options]
     batch = SamplingBatch.build(params, [0] * 8, [0], DEVICE, vocab, sampler_kernels="triton")
     assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, batch)), got)
+
+
+def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, monkeypatch):
+    """On the Triton kernel set the runner compiles the sampler's kernels when its caches are
+    allocated (on CUDA; called directly here), launching both at the model's vocabulary."""
+    import lamina.kernels.triton_seeded_noise as noise_module
+    import lamina.kernels.triton_window_cut as window_module
+    from lamina import LLM
+
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=64, show_progress=False) as llm:
+        runner = llm.engine.executor.runner
+        assert runner.sampler_kernels == "triton"
+        launched = []
+        for module, name in ((noise_module, "fill_seeded_exponential_triton"), (window_module, "window_cut_triton")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
+        runner.warm_sampler_kernels()
+    assert sorted(launched) == ["fill_seeded_exponential_triton", "window_cut_triton"]

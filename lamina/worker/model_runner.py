@@ -19,6 +19,7 @@ import torch
 from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.kernels.selection import kernel_set, sampler_kernels
+from lamina.sampling_params import SamplingParams
 from lamina.layers.metadata import ForwardMetadata
 from lamina.step_plan import PENDING_TOKEN_ID, SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
@@ -89,6 +90,17 @@ class ModelRunner:
             per_slot = total // (num_state_slots + 1)
             self.state_bytes += per_slot * num_state_slots
             self.spare_state_bytes += per_slot
+        if self.sampler_kernels == "triton" and self.device.type == "cuda":
+            self.warm_sampler_kernels()
+
+    @torch.inference_mode()
+    def warm_sampler_kernels(self) -> None:
+        """Compile the sampler's Triton kernels (seeded noise, the top-k window's cut) now, at the
+        vocabulary they will see, rather than under the first request that needs them."""
+        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
+        batch = SamplingBatch.build([params], [0], list(self.eos_token_ids), self.device, self.vocab_size,
+                                    sampler_kernels=self.sampler_kernels)
+        self.sampler(torch.zeros(1, self.vocab_size, device=self.device), batch)
 
     @torch.inference_mode()
     def apply_cache_copies(self, plan: StepPlan) -> None:
