@@ -156,13 +156,13 @@ def test_window_cut_kernel_keeps_the_reference_set():
 
 def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, monkeypatch):
     """On the Triton kernel set the runner compiles the sampler's kernels when its caches are
-    allocated (on CUDA; called directly here), launching both at the model's vocabulary."""
+    allocated (on CUDA; called again directly here), launching both at the model's vocabulary."""
     import lamina.kernels.triton_seeded_noise as noise_module
     import lamina.kernels.triton_window_cut as window_module
     from lamina import LLM
 
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
-    with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=64, show_progress=False) as llm:
+    with LLM(str(qwen3_next_dir), device=DEVICE, dtype="float32", max_model_len=64, show_progress=False) as llm:
         runner = llm.engine.executor.runner
         assert runner.sampler_kernels == "triton"
         launched = []
