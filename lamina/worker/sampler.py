@@ -365,9 +365,9 @@ def sorted_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Te
         # while the mass before it is still short of top_p. In float64: a CUDA
         # scan's order follows the number of rows (CUB for one row, tiles sized
         # by the row count for more), so a float32 sum could flip a near-tie with
-        # the batch; in float64 only a tie within ~1e-16 of top_p could.
-        probs = probs.double()  # [B, V]
-        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+        # the batch; in float64 only a tie within ~1e-16 of top_p could. (One float64
+        # [B, V], the bytes of the float32 sum and difference it replaces.)
+        mass_before = probs.cumsum(dim=-1, dtype=torch.float64).sub_(probs)  # [B, V]
         keep = mass_before < top_p.double().unsqueeze(1)  # [B, V]
         keep |= (top_p >= 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
         keep[:, 0] = True  # the most likely token always survives
