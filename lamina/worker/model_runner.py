@@ -19,8 +19,8 @@ import torch
 from lamina.host_to_device import to_device
 from lamina.kernels.request_groups import enabled as request_groups_enabled
 from lamina.kernels.selection import kernel_set, sampler_kernels
-from lamina.sampling_params import SamplingParams
 from lamina.layers.metadata import ForwardMetadata
+from lamina.sampling_params import SamplingParams
 from lamina.step_plan import PENDING_TOKEN_ID, SampledToken, ScheduledChunk, StepPlan
 from lamina.worker.cuda_graphs import can_replay
 from lamina.worker.pending_step import PendingSamples, PreviousTokens, ReadyStep
@@ -46,7 +46,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.sampler_kernels = sampler_kernels(kernel_set(device))  # seeded rows' sampling noise
+        self.sampler_kernels = sampler_kernels(kernel_set(device))  # the sampler's own: seeded noise, the top-k window
         self.block_size = 0
         self.kv_cache_bytes = 0
         self.state_bytes = 0

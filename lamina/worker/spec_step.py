@@ -66,7 +66,7 @@ class SpecDecodeStep:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self.sampler_kernels = sampler_kernels  # seeded rows' noise, as the plain sampler's (one function)
+        self.sampler_kernels = sampler_kernels  # the plain sampler's (seeded noise: one function for drafts and checks)
         self.proposer = MTPProposer(self.mtp, self.device, self.broadcast) if self.mtp is not None else None
         self._capture: StateCapture | None = None  # the last verification step's kept states
         self._captured: dict[str, tuple[int, int, int]] = {}  # request -> (slot, first captured row, rows)
