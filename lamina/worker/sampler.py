@@ -407,7 +407,7 @@ def filter_top_k_top_p(logits: torch.Tensor, batch: "SamplingBatch") -> torch.Te
     `window_cut`, in one Triton launch after the `topk` when the batch's `sampler_kernels` say so
     and the vocabulary is at least the window; `sorted_rows`: `sorted_cut`); other rows are left
     whole. Returns a new tensor."""
-    cut = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)  # [B, 1]
+    cut = None  # [B, 1]
     window = window_cut
     if batch.sampler_kernels == "triton" and logits.shape[1] >= TOP_K_WINDOW and logits.dtype == torch.float32:
         from lamina.kernels.triton_window_cut import window_cut_triton
@@ -420,8 +420,12 @@ def filter_top_k_top_p(logits: torch.Tensor, batch: "SamplingBatch") -> torch.Te
         if index is None:  # the whole batch
             cut = cut_of(logits, batch.top_k, batch.top_p)
         else:
+            if cut is None:  # rows of neither group are left whole
+                cut = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)
             cut.index_copy_(0, index, cut_of(logits.index_select(0, index), batch.top_k.index_select(0, index),
                                              batch.top_p.index_select(0, index)))
+    if cut is None:  # no row filters
+        return logits
     return logits.masked_fill(logits < cut, float("-inf"))  # [B, V]
 
 
