@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -607,6 +607,29 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_sampler_kernels.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=8 tests/ 2>&1 | grep -v "^$" | tail -25 | cut -c1-220 ;;
+    s27a)  # session 27: the sampler's GPU tests on session 26's last commits; the fused MoE on prefill chunks (kernels,
+      # launch order, tiles, cuBLAS on the same FLOPs); the kernels of a step prefilling eight 1k prompts
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sampler.py tests/test_batch_invariance.py \
+        tests/test_triton_sampler_kernels.py 2>&1 | grep -v "^$" | tail -3 | cut -c1-220
+      timeout 240 python3 benchmarks/bench_moe_prefill.py --out $OUT/bench_moe_prefill.json 2>&1 | tail -60 | cut -c1-300
+      LAMINA_GDN_PREFILL=fla timeout 150 python3 benchmarks/profile_decode.py --prefill-len 1024 --prompts 8 --steps 3 \
+        --out $OUT/profile_prefill_8x1k.json > $OUT/profile_prefill_8x1k.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_8x1k.json'))
+print({k: d[k] for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
+    s27b)  # session 27: offline throughput (512 x 1024 in / 256 out, max_num_seqs 256) on today's tree; where such a
+      # run's time goes (prompt-bearing against decode steps); the kernels of a batch-256 decode step
+      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+        --output-len 256 --max-num-seqs 256 --output-json $OUT/throughput_512x1024x256_seqs256.json 2>&1 | tail -4
+      timeout 150 python3 benchmarks/throughput_steps.py --num-prompts 512 --input-len 1024 --output-len 256 \
+        --max-num-seqs 256 --max-model-len 1536 --out $OUT/throughput_steps_512_seqs256.json 2>&1 | tail -3 | cut -c1-900
+      LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 256 --out $OUT/profile_b256.json \
+        > $OUT/profile_b256.txt 2>&1
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_b256.json'))
+print({k: d[k] for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:18]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
     s26)  # session 26: seeded noise, torch reference against the one-launch Triton kernel, the sampler with greedy /
       # temperature / top-p / Qwen3.5's top-k + top-p defaults; the kernel's tests on the GPU (also under TRITON_DEBUG=1)
       timeout 200 python3 benchmarks/bench_seeded_noise.py --out $OUT/seeded_noise.json 2>&1 | tail -70 | cut -c1-300

@@ -4,6 +4,7 @@ GPU kernel time per step, kernel launches per step, and the top kernels.
     python benchmarks/profile_decode.py --batch 1 [--enforce-eager] [--out profile.json]
     python benchmarks/profile_decode.py --prefill-len 8192 [--out profile.json]   # one prefill step instead
     python benchmarks/profile_decode.py --prefill-len 16384 --chunk 2048 --steps 1  # a prompt in 2k chunks
+    python benchmarks/profile_decode.py --prefill-len 1024 --prompts 8  # eight 1k prompts in one step (offline throughput's)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
                     help="profile the prefill of prompts of this many tokens instead of decode (one chunk, or see --chunk)")
     ap.add_argument("--chunk", type=int, default=0,
                     help="with --prefill-len: the token budget per step (default: the whole prompt in one chunk)")
+    ap.add_argument("--prompts", type=int, default=1,
+                    help="with --prefill-len: this many prompts prefilled together (one step of --prefill-len x --prompts tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prefill_len:
@@ -96,18 +99,20 @@ def kernel_table(prof, steps: int) -> dict:
 
 
 def profile_prefill(args) -> None:
-    """One prompt of --prefill-len tokens prefilled in one chunk (or in --chunk-token steps); the
-    first prefill compiles and is not profiled, the next --steps prompts are (each is a fresh request, so every step is the full
-    prefill and the 1-token decode after it is excluded by max_tokens=1)."""
-    n = args.prefill_len
+    """--prompts prompts of --prefill-len tokens prefilled together in one step (or in --chunk-token
+    steps); the first prefill compiles and is not profiled, the next --steps are (fresh requests each
+    time, so every step is the full prefill; the 1-token decode after it is excluded by max_tokens=1)."""
+    n, prompts = args.prefill_len, args.prompts
     path = preset_dir("qwen3.5-35b-a3b", args.layers)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=n + 16,
-              max_num_seqs=1, max_num_batched_tokens=args.chunk or n, show_progress=False, enforce_eager=args.enforce_eager)
+              max_num_seqs=prompts, max_num_batched_tokens=args.chunk or n * prompts, show_progress=False,
+              enforce_eager=args.enforce_eager)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def one_prefill(i: int) -> None:
-        engine.add_request({"prompt_token_ids": [(i * 7919 + j * 31) % 200000 for j in range(n)]}, params)
+        for p in range(prompts):
+            engine.add_request({"prompt_token_ids": [(i * 7919 + p * 104729 + j * 31) % 200000 for j in range(n)]}, params)
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -120,7 +125,7 @@ def profile_prefill(args) -> None:
             one_prefill(2 + i)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
-    result = {"prefill_len": n, "chunk": args.chunk or n, "per_step_means": "per prompt (all its chunks)", "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
+    result = {"prefill_len": n, "prompts": prompts, "chunk": args.chunk or n * prompts, "per_step_means": "per prefill of the prompts (all its chunks)", "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
               **kernel_table(prof, args.steps)}
     print(json.dumps(result, indent=1))
     if args.out:

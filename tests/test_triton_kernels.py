@@ -590,6 +590,21 @@ def test_fused_moe_prefill_tiles(tiles):
                                ref, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_moe_launch_order_changes_nothing():
+    """The grouped kernels' launch order (column tiles first, `n_fastest`) and the down kernel's own
+    warps / stages give bitwise the sums of the default order, with EP-foreign experts and the
+    shared expert's blocks."""
+    from lamina.kernels import triton_moe
+
+    tiles = dict(triton_moe.DEFAULT_CONFIG_PREFILL, block_m=16, up_n=16, down_n=16)  # several tiles each way
+    for start, num_local, with_shared in ((0, 8, True), (3, 4, False)):
+        x, w13, w2, weights, ids, shared, ref = _moe_case(13, start, num_local, with_shared)
+        base = fused_moe(x, w13, w2, weights, ids, start, shared, config=tiles)
+        torch.testing.assert_close(base, ref, atol=1e-5, rtol=1e-5)
+        flipped = dict(tiles, n_fastest=True, down_warps=8, down_stages=2)
+        assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
+
+
 def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.float32, hidden=48, inter=24):
     """Inputs of a tiny MoE (top-3 of 8 experts; weights rounded to `dtype`) and its float32
     reference computed from those rounded values: (x, w13, w2, weights, ids, shared, ref)."""

@@ -34,6 +34,7 @@ __all__ = ["align_pairs", "fused_moe", "route_softmax_topk"]
 # beyond it (prefill chunks) as three launches of many programs (lamina.kernels.triton_align), or
 # with LAMINA_MOE_ALIGN=torch as ~50 torch launches (`_align_torch`, also the tests' reference).
 ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the row blocks, in column-tile-first order)
 
 
 # The step-size counts the grouped kernels take. Triton compiles a kernel again for every new pattern of
@@ -244,6 +245,16 @@ def _rows_of_block(pid_m, expert, sorted_pairs_ptr, num_pairs, num_tokens, num_r
 
 
 @triton.jit
+def _block_ids(N_FASTEST: tl.constexpr):
+    """(row block, column tile) of this program. N_FASTEST: the grid is [column tiles, row blocks],
+    so the programs that run together share their row blocks (each gathered activation block is read
+    from DRAM once, the other tiles find it in L2); else [row blocks, column tiles]."""
+    if N_FASTEST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn):
     """The weight matrix a row block multiplies with (its expert's, or the shared expert's for
     expert -2) and that matrix's row stride."""
@@ -258,11 +269,10 @@ def _gate_up_kernel(
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_swn, stride_ap,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_FASTEST)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert == -1:
         return
@@ -295,11 +305,10 @@ def _down_kernel(
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
     stride_ap, stride_we, stride_wn, stride_swn, stride_sl, stride_op,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_FASTEST)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert == -1:
         return
@@ -347,7 +356,9 @@ def fused_moe(
 
     Up to `gemv_max_tokens` tokens (decode; at most GEMV_MAX_TOKENS, 0 = never) the two GEMV kernels of `triton_moe_gemv` run instead
     (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
-    keeps the grouped path."""
+    keeps the grouped path. Its keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
+    optionally down_warps / down_stages (the down kernel's, default warps / stages) and n_fastest
+    (launch order, see `_block_ids`; the same sums either way)."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -373,23 +384,29 @@ def fused_moe(
     else:
         shared_w13, shared_w2, shared_logit = w13, w2, topk_weights  # unused
     num_blocks = block_expert.shape[0]
+    n_fastest = bool(cfg.get("n_fastest")) and num_blocks <= MAX_GRID_Y
+
+    def grid(num_tiles: int) -> tuple[int, int]:
+        return (num_tiles, num_blocks) if n_fastest else (num_blocks, num_tiles)
+
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg["up_n"]))](
+    _gate_up_kernel[grid(triton.cdiv(inter, cfg["up_n"]))](
         x, w13, shared_w13, sorted_pairs, block_expert, act, num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        N_FASTEST=n_fastest, **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first.
     alloc = torch.empty if shared is not None else torch.zeros
     out = alloc(num_tokens * slots, hidden, dtype=torch.float32, device=x.device)  # [T*slots, H]
     pair_weights = topk_weights.reshape(-1)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg["down_n"]))](
+    _down_kernel[grid(triton.cdiv(hidden, cfg["down_n"]))](
         act, w2, shared_w2, sorted_pairs, block_expert, pair_weights, shared_logit, out,
         num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        PRECISION=precision, **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PRECISION=precision, N_FASTEST=n_fastest, **pdl_kwargs(x.device),
+        num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
     return sum_slots(out.view(num_tokens, slots, hidden), x.dtype)  # [T, H]
 
