@@ -307,8 +307,9 @@ def test_build_flags():
     params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(top_p=0.9, logprobs=2)]
     b = build(params)
     assert not b.all_greedy and b.any_greedy
-    assert not b.need_top_k  # only the greedy row asked for it
-    assert b.need_top_p and not b.need_min_p
+    assert 0 not in b.window_rows + b.sorted_rows  # the greedy row's top-k is not applied
+    assert b.window_rows + b.sorted_rows == [1]
+    assert not b.need_min_p
     assert b.max_num_logprobs == 2
     assert b.temperature.tolist() == [1.0, 1.0]
     assert b.greedy.tolist() == [True, False]

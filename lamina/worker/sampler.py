@@ -57,7 +57,7 @@ class SamplingBatch:
     """Per-step sampling metadata for a batch of ``B`` requests (rows).
 
     Build it with :meth:`build`; the fields are documented there.  Host-side
-    flags (``all_greedy``, ``need_top_k`` ...) let the sampler skip whole
+    flags (``all_greedy``, ``need_min_p``, ``window_rows`` ...) let the sampler skip whole
     stages without touching the device.
     """
 
@@ -72,8 +72,6 @@ class SamplingBatch:
     all_greedy: bool
     any_greedy: bool
     num_greedy: int
-    need_top_k: bool
-    need_top_p: bool
     need_min_p: bool
     num_logprobs: list[int | None]  # per row, None when not requested
     max_num_logprobs: int | None  # max over rows, None when no row asked
@@ -230,8 +228,6 @@ class SamplingBatch:
             all_greedy=not sampling_rows,
             any_greedy=any(greedy),
             num_greedy=sum(greedy),
-            need_top_k=any(top_ks[i] < vocab_size for i in sampling_rows),
-            need_top_p=any(top_ps[i] < 1.0 for i in sampling_rows),
             need_min_p=any(min_ps[i] > 0.0 for i in sampling_rows),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
