@@ -8,7 +8,8 @@ a ceiling.
 Per token count: `default` (today's tiles), its kernels under the torch profiler (alignment,
 gate/up, down, slot sum), each config's time (`triton.testing.do_bench`, ms) and TFLOP/s, and the
 time of one dense bf16 matmul pair with the call's FLOPs (`[P, 2048] @ [2048, 1024]` then
-`[P, 512] @ [512, 2048]`, P = routed + shared rows).
+`[P, 512] @ [512, 2048]`, P = routed + shared rows), and of the same MoE on `torch._grouped_mm`
+(CUTLASS's grouped GEMM on sm90, with the gathers and the slot sum around it) where torch has it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,30 @@ def variants(default: dict) -> list[tuple[str, dict]]:
         out.append((name, dict(cfg, n_fastest=False)))
         out.append((name + "_nfirst", dict(cfg, n_fastest=True)))
     return out
+
+
+def grouped_mm_moe(x, w13, w2, weights, ids, shared):
+    """The same MoE on `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 out): pairs sorted by expert,
+    x gathered, gate/up, SiLU-and-mul, down, each pair's row weighted and summed over the slots in
+    float32; the shared expert as two dense matmuls. Timed as a ceiling, not bitwise the kernels'."""
+    num_tokens, top_k = ids.shape
+    experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    flat = ids.reshape(-1)  # [P]
+    order = torch.argsort(flat, stable=True)  # [P]
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
+    xs = x.index_select(0, order // top_k)  # [P, H]
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I]
+    act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # [P, I]
+    o = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [P, H]
+    parts = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, H]
+    parts[order] = o.float() * weights.reshape(-1)[order, None].float()
+    sw13, sw2, logit = shared
+    g, u = (x @ sw13.t()).chunk(2, dim=-1)
+    shared_out = (torch.nn.functional.silu(g) * u) @ sw2.t()  # [T, H]
+    return (parts.view(num_tokens, top_k, -1).sum(1) + torch.sigmoid(logit.float())[:, None] * shared_out.float()).to(x.dtype)
 
 
 def kernel_breakdown(call, reps: int = 5) -> dict:
@@ -105,6 +130,16 @@ def main() -> None:
                 continue
             record["configs"].append({"name": name, "config": cfg, "ms": ms, "tflop_s": flops / ms / 1e9,
                                       "bitwise_equal_to_default": same})
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                call = lambda: grouped_mm_moe(x, w13, w2, weights, ids, shared)  # noqa: E731
+                diff = (call().float() - reference.float()).abs().max().item()
+                ms = triton.testing.do_bench(call)
+                record["configs"].append({"name": "torch_grouped_mm", "ms": ms, "tflop_s": flops / ms / 1e9,
+                                          "bitwise_equal_to_default": None, "max_abs_diff_to_default": diff})
+                record["torch_grouped_mm_kernels_us"] = kernel_breakdown(call)
+            except Exception as e:  # noqa: BLE001
+                record["configs"].append({"name": "torch_grouped_mm", "error": f"{type(e).__name__}: {str(e)[:160]}"})
         ok = [c for c in record["configs"] if "ms" in c]
         best = min(ok, key=lambda c: c["ms"])
         record["best"] = best["name"]
