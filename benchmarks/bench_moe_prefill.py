@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lamina.kernels.moe import grouped_experts  # noqa: E402
 from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
 
 
@@ -49,27 +50,13 @@ def variants(default: dict) -> list[tuple[str, dict]]:
 
 
 def grouped_mm_moe(x, w13, w2, weights, ids, shared):
-    """The same MoE on `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 out): pairs sorted by expert,
-    x gathered, gate/up, SiLU-and-mul, down, each pair's row weighted and summed over the slots in
-    float32; the shared expert as two dense matmuls. Timed as a ceiling, not bitwise the kernels'."""
-    num_tokens, top_k = ids.shape
-    experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    flat = ids.reshape(-1)  # [P]
-    order = torch.argsort(flat, stable=True)  # [P]
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
-    xs = x.index_select(0, order // top_k)  # [P, H]
-    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I]
-    act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # [P, I]
-    o = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [P, H]
-    parts = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, H]
-    parts[order] = o.float() * weights.reshape(-1)[order, None].float()
+    """The same MoE as lamina's torch path runs it: `grouped_experts` (pairs sorted by expert,
+    `torch._grouped_mm`, CUTLASS's grouped GEMM on sm90, bf16 out, the slot sum in float32) plus the
+    shared expert as dense matmuls. Timed against the Triton kernels, not bitwise equal to them."""
     sw13, sw2, logit = shared
     g, u = (x @ sw13.t()).chunk(2, dim=-1)
     shared_out = (torch.nn.functional.silu(g) * u) @ sw2.t()  # [T, H]
-    return (parts.view(num_tokens, top_k, -1).sum(1) + torch.sigmoid(logit.float())[:, None] * shared_out.float()).to(x.dtype)
+    return grouped_experts(x, w13, w2, weights, ids) + torch.sigmoid(logit.to(x.dtype))[:, None] * shared_out
 
 
 def kernel_breakdown(call, reps: int = 5) -> dict:
