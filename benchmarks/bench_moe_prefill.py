@@ -9,7 +9,8 @@ Per token count: `default` (today's tiles), its kernels under the torch profiler
 gate/up, down, slot sum), each config's time (`triton.testing.do_bench`, ms) and TFLOP/s, and the
 time of one dense bf16 matmul pair with the call's FLOPs (`[P, 2048] @ [2048, 1024]` then
 `[P, 512] @ [512, 2048]`, P = routed + shared rows), and of the same MoE on `torch._grouped_mm`
-(CUTLASS's grouped GEMM on sm90, with the gathers and the slot sum around it) where torch has it.
+(CUTLASS's grouped GEMM on sm90) two ways where torch has it: lamina's torch reference path
+(`grouped_experts` plus the shared expert) and `grouped_mm_moe` (`LAMINA_MOE_PREFILL=grouped_mm`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.moe import grouped_experts  # noqa: E402
+from lamina.kernels.moe import grouped_mm_moe as lean_grouped_mm_moe  # noqa: E402
 from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
 
 
@@ -117,16 +119,18 @@ def main() -> None:
                 continue
             record["configs"].append({"name": name, "config": cfg, "ms": ms, "tflop_s": flops / ms / 1e9,
                                       "bitwise_equal_to_default": same})
-        if hasattr(torch, "_grouped_mm"):
+        for name, call in (
+            ("torch_grouped_experts", lambda: grouped_mm_moe(x, w13, w2, weights, ids, shared)),
+            ("grouped_mm_moe", lambda: lean_grouped_mm_moe(x, w13, w2, weights, ids, 0, shared, all_experts_local=True)),
+        ):
             try:
-                call = lambda: grouped_mm_moe(x, w13, w2, weights, ids, shared)  # noqa: E731
                 diff = (call().float() - reference.float()).abs().max().item()
                 ms = triton.testing.do_bench(call)
-                record["configs"].append({"name": "torch_grouped_mm", "ms": ms, "tflop_s": flops / ms / 1e9,
+                record["configs"].append({"name": name, "ms": ms, "tflop_s": flops / ms / 1e9,
                                           "bitwise_equal_to_default": None, "max_abs_diff_to_default": diff})
-                record["torch_grouped_mm_kernels_us"] = kernel_breakdown(call)
+                record[name + "_kernels_us"] = kernel_breakdown(call)
             except Exception as e:  # noqa: BLE001
-                record["configs"].append({"name": "torch_grouped_mm", "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                record["configs"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
         ok = [c for c in record["configs"] if "ms" in c]
         best = min(ok, key=lambda c: c["ms"])
         record["best"] = best["name"]
@@ -134,7 +138,11 @@ def main() -> None:
               f"kernels us {json.dumps({k[:24]: round(v, 1) for k, v in list(record['default_kernels_us'].items())[:6]})}")
         for c in sorted(ok, key=lambda c: c["ms"]):
             print(f"  {c['name']:40s} {c['ms']:.3f} ms {c['tflop_s']:6.1f} TFLOP/s"
-                  + ("" if c["bitwise_equal_to_default"] is None else f" equal={c['bitwise_equal_to_default']}"))
+                  + ("" if c["bitwise_equal_to_default"] is None else f" equal={c['bitwise_equal_to_default']}")
+                  + (f" max diff {c['max_abs_diff_to_default']:.2e}" if "max_abs_diff_to_default" in c else ""))
+        for name in ("torch_grouped_experts", "grouped_mm_moe"):
+            if name + "_kernels_us" in record:
+                print(f"  {name} kernels us", json.dumps({k[:28]: round(v, 1) for k, v in list(record[name + "_kernels_us"].items())[:8]}))
         for c in record["configs"]:
             if "error" in c:
                 print("  skip", c["name"], c["error"])

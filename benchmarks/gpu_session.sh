@@ -611,7 +611,14 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
       # launch order, tiles, cuBLAS on the same FLOPs); the kernels of a step prefilling eight 1k prompts
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sampler.py tests/test_batch_invariance.py \
         tests/test_triton_sampler_kernels.py 2>&1 | grep -v "^$" | tail -3 | cut -c1-220
-      timeout 240 python3 benchmarks/bench_moe_prefill.py --out $OUT/bench_moe_prefill.json 2>&1 | tail -60 | cut -c1-300
+      timeout 240 python3 benchmarks/bench_moe_prefill.py --out $OUT/bench_moe_prefill.json 2>&1 | tail -70 | cut -c1-300
+      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k grouped_mm 2>&1 | grep -v "^$" | tail -3
+      for i in 1 2; do for m in triton grouped_mm; do  # an 8k prompt's TTFT, the MoE on either, alternating
+        LAMINA_MOE_PREFILL=$m timeout 70 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+          --output-json $OUT/s27_prefill8k_${m}_$i.json > /tmp/s27_p.log 2>&1
+        python3 -c "import json; r=json.load(open('$OUT/s27_prefill8k_${m}_$i.json')); r=r[0] if isinstance(r, list) else r; print('$m', r['ttft_ms'])" \
+          || tail -3 /tmp/s27_p.log
+      done; done
       LAMINA_GDN_PREFILL=fla timeout 150 python3 benchmarks/profile_decode.py --prefill-len 1024 --prompts 8 --steps 3 \
         --out $OUT/profile_prefill_8x1k.json > $OUT/profile_prefill_8x1k.txt 2>&1
       python3 -c "

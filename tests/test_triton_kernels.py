@@ -460,6 +460,29 @@ def test_moe_align_switch(monkeypatch):
     selection.moe_align_blocked.cache_clear()
 
 
+def test_moe_prefill_switch(monkeypatch):
+    """`LAMINA_MOE_PREFILL` picks the prefill MoE; on the CPU (the interpreter) the Triton kernels
+    run whatever it says, since `torch._grouped_mm`'s fast path is a GPU's."""
+    from lamina.kernels import selection, triton_moe
+
+    for value, on in (("grouped_mm", True), ("triton", False)):
+        monkeypatch.setenv("LAMINA_MOE_PREFILL", value)
+        selection.moe_prefill_grouped_mm.cache_clear()
+        assert selection.moe_prefill_grouped_mm() is on
+    monkeypatch.setenv("LAMINA_MOE_PREFILL", "grouped_mm")
+    selection.moe_prefill_grouped_mm.cache_clear()
+    x, w13, w2, weights, ids, shared, ref = _moe_case(200, 0, 8, True)  # 600 pairs: beyond DECODE_MAX_PAIRS
+    assert ids.numel() > triton_moe.DECODE_MAX_PAIRS
+    assert triton_moe._prefill_on_grouped_mm(x, w13, w2) is False  # float32 (and no GPU in CI): never
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, 0, shared), ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("LAMINA_MOE_PREFILL", "cutlass")
+    selection.moe_prefill_grouped_mm.cache_clear()
+    with pytest.raises(ValueError, match="LAMINA_MOE_PREFILL = 'cutlass'"):
+        selection.moe_prefill_grouped_mm()
+    monkeypatch.delenv("LAMINA_MOE_PREFILL")
+    selection.moe_prefill_grouped_mm.cache_clear()
+
+
 @pytest.mark.gpu
 def test_alignment_replays_in_a_cuda_graph():
     """Capturable: no host sync, shapes from host ints; a replay on new ids gives their alignment."""
@@ -603,6 +626,52 @@ def test_fused_moe_launch_order_changes_nothing():
         torch.testing.assert_close(base, ref, atol=1e-5, rtol=1e-5)
         flipped = dict(tiles, n_fastest=True, down_warps=8, down_stages=2)
         assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_moe_matches_the_reference(dtype):
+    """The grouped-GEMM prefill MoE (`LAMINA_MOE_PREFILL=grouped_mm`): routed experts with experts of
+    another EP rank (their rows masked) and with the shared expert, against the float32 reference."""
+    from lamina.kernels.moe import grouped_mm_moe
+
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for start, num_local, with_shared in ((0, 8, True), (3, 4, False), (0, 8, False)):
+        x, w13, w2, weights, ids, shared, ref = _moe_case(13, start, num_local, with_shared, dtype=dtype)
+        ours = grouped_mm_moe(x, w13, w2, weights, ids, start, shared, all_experts_local=num_local == 8)
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        torch.testing.assert_close(ours.float(), ref, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels():
+    """At the Qwen3.5-35B-A3B expert shape, 2,048 tokens in bf16: the grouped-GEMM path against
+    the Triton grouped kernels (both against the float32 reference's tolerance)."""
+    from lamina.kernels.moe import grouped_mm_moe
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm's bf16 path needs sm90")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 2048, 2048, 512, 256, 8
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    sw13 = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    sw2 = torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    logits = torch.randn(tokens, experts + 1, device="cuda", generator=gen)
+    weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
+    shared = (sw13, sw2, logits[:, experts])
+    ours = grouped_mm_moe(x, w13, w2, weights.to(torch.bfloat16), ids, 0, shared, all_experts_local=True)
+    triton_out = fused_moe(x, w13, w2, weights.to(torch.bfloat16), ids, 0, shared)
+    g, u = (x.float() @ sw13.float().t()).chunk(2, dim=-1)
+    ref = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids) \
+        + torch.sigmoid(logits[:, experts:]) * ((torch.nn.functional.silu(g) * u) @ sw2.float().t())
+    scale = ref.abs().max().item()
+    assert (ours.float() - ref).abs().max().item() < 2e-2 * scale
+    assert (triton_out.float() - ref).abs().max().item() < 2e-2 * scale
+    ep = grouped_mm_moe(x, w13[64:128], w2[64:128], weights.to(torch.bfloat16), ids, 64)  # EP: 1 of 4 ranks
+    ep_ref = grouped_experts(x.float(), w13[64:128].float(), w2[64:128].float(), weights, ids, 64)
+    assert torch.isfinite(ep).all() and (ep.float() - ep_ref).abs().max().item() < 2e-2 * ep_ref.abs().max().item()
 
 
 def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.float32, hidden=48, inter=24):

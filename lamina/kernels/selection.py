@@ -181,6 +181,18 @@ def moe_align_blocked() -> bool:
     return wanted == "triton"
 
 
+@functools.cache
+def moe_prefill_grouped_mm() -> bool:
+    """Whether the Triton set's fused MoE runs prefill-sized calls (more than
+    `triton_moe.DECODE_MAX_PAIRS` pairs) on `torch._grouped_mm` (`lamina.kernels.moe.grouped_mm_moe`,
+    CUTLASS's grouped GEMM) rather than its own grouped kernels, where the GPU and dtype allow:
+    `LAMINA_MOE_PREFILL=grouped_mm`, or `triton` (the default); read once per process."""
+    wanted = os.environ.get("LAMINA_MOE_PREFILL", "triton")
+    if wanted not in ("triton", "grouped_mm"):
+        raise ValueError(f"LAMINA_MOE_PREFILL = {wanted!r} must be 'triton' or 'grouped_mm'")
+    return wanted == "grouped_mm"
+
+
 def pending_fill_kernels(kernels: str) -> str:
     """How a planned-ahead MTP step is filled in on the device: 'triton' (one launch,
     `lamina.kernels.triton_pending_fill`) on the Triton kernel set, or 'torch' (~15 launches,
