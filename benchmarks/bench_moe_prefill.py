@@ -3,7 +3,7 @@ the shared expert fused), one GPU: where a call's time goes, kernel by kernel, a
 launch orders and tiles against today's defaults, all in one run, with cuBLAS on the same FLOPs as
 a ceiling.
 
-    python benchmarks/bench_moe_prefill.py [--tokens 1024,2048,8192] --out bench_moe_prefill.json
+    python benchmarks/bench_moe_prefill.py [--tokens 256,1024,2048,8192] --out bench_moe_prefill.json
 
 Per token count: `default` (today's tiles), its kernels under the torch profiler (alignment,
 gate/up, down, slot sum), each config's time (`triton.testing.do_bench`, ms) and TFLOP/s, and the
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.moe import grouped_experts  # noqa: E402
 from lamina.kernels.moe import grouped_mm_moe as lean_grouped_mm_moe  # noqa: E402
-from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
+from lamina.kernels.triton_moe import DEFAULT_CONFIG_LARGE, default_config, fused_moe  # noqa: E402
 
 
 def variants(default: dict) -> list[tuple[str, dict]]:
@@ -43,6 +43,9 @@ def variants(default: dict) -> list[tuple[str, dict]]:
         "m64_up128_down256_w8_s3": dict(block_m=64, up_n=128, up_k=64, down_n=256, down_k=64, warps=8, stages=3),
         "m128_n128_k64_w8_s3_down_w4s4": dict(block_m=128, up_n=128, up_k=64, down_n=128, down_k=64, warps=8,
                                               stages=3, down_warps=4, down_stages=4),
+        # decode-sized row blocks (batch 65-512 decode steps take the prefill tiles today)
+        "decode_large_m16": dict(DEFAULT_CONFIG_LARGE),
+        "m32_n64_k128_w4_s3": dict(block_m=32, up_n=64, up_k=128, down_n=64, down_k=128, warps=4, stages=3),
     }
     out = []
     for name, cfg in tiles.items():
@@ -77,7 +80,7 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1024,2048,8192")
+    ap.add_argument("--tokens", default="256,1024,2048,8192")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hidden, inter, experts, top_k = 2048, 512, 256, 8
