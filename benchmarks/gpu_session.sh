@@ -625,12 +625,12 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
 import json; d=json.load(open('$OUT/profile_prefill_8x1k.json'))
 print({k: d[k] for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
-    s27b)  # session 27: offline throughput (512 x 1024 in / 256 out, max_num_seqs 256) on today's tree; where such a
-      # run's time goes (prompt-bearing against decode steps); the kernels of a batch-256 decode step
-      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
-        --output-len 256 --max-num-seqs 256 --output-json $OUT/throughput_512x1024x256_seqs256.json 2>&1 | tail -4
-      timeout 150 python3 benchmarks/throughput_steps.py --num-prompts 512 --input-len 1024 --output-len 256 \
-        --max-num-seqs 256 --max-model-len 1536 --out $OUT/throughput_steps_512_seqs256.json 2>&1 | tail -3 | cut -c1-900
+    s27b)  # session 27: offline throughput (512 x 1024 in / 256 out, max_num_seqs 256) with the prefill MoE on the Triton
+      # kernels and on torch._grouped_mm; the kernels of a batch-256 decode step
+      for m in triton grouped_mm; do
+        LAMINA_MOE_PREFILL=$m timeout 120 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \
+          --input-len 1024 --output-len 256 --max-num-seqs 256 --output-json $OUT/throughput_512x1024x256_seqs256_$m.json 2>&1 | tail -2
+      done
       LAMINA_GDN_PREFILL=reference timeout 150 python3 benchmarks/profile_decode.py --batch 256 --out $OUT/profile_b256.json \
         > $OUT/profile_b256.txt 2>&1
       python3 -c "
