@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.moe import grouped_experts  # noqa: E402
-from lamina.kernels.moe import grouped_mm_moe as lean_grouped_mm_moe  # noqa: E402
+from lamina.kernels.grouped_mm_moe import grouped_mm_moe as lean_grouped_mm_moe  # noqa: E402
 from lamina.kernels.triton_moe import DEFAULT_CONFIG_LARGE, default_config, fused_moe  # noqa: E402
 
 
@@ -124,7 +124,7 @@ def main() -> None:
                                       "bitwise_equal_to_default": same})
         for name, call in (
             ("torch_grouped_experts", lambda: grouped_mm_moe(x, w13, w2, weights, ids, shared)),
-            ("grouped_mm_moe", lambda: lean_grouped_mm_moe(x, w13, w2, weights, ids, 0, shared, all_experts_local=True)),
+            ("grouped_mm_moe", lambda: lean_grouped_mm_moe(x, w13, w2, weights, ids, 0, shared)),
         ):
             try:
                 diff = (call().float() - reference.float()).abs().max().item()

@@ -632,14 +632,28 @@ def test_fused_moe_launch_order_changes_nothing():
 def test_grouped_mm_moe_matches_the_reference(dtype):
     """The grouped-GEMM prefill MoE (`LAMINA_MOE_PREFILL=grouped_mm`): routed experts with experts of
     another EP rank (their rows masked) and with the shared expert, against the float32 reference."""
-    from lamina.kernels.moe import grouped_mm_moe
+    from lamina.kernels.grouped_mm_moe import grouped_mm_moe
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for start, num_local, with_shared in ((0, 8, True), (3, 4, False), (0, 8, False)):
         x, w13, w2, weights, ids, shared, ref = _moe_case(13, start, num_local, with_shared, dtype=dtype)
-        ours = grouped_mm_moe(x, w13, w2, weights, ids, start, shared, all_experts_local=num_local == 8)
+        ours = grouped_mm_moe(x, w13, w2, weights, ids, start, shared)
         assert ours.dtype == dtype and ours.shape == ref.shape
         torch.testing.assert_close(ours.float(), ref, **tol)
+
+
+def test_combine_pairs_skips_rows_of_other_ranks():
+    """A pair whose expert lives on another rank (row -1) is never read, so the undefined rows the
+    grouped GEMM leaves past its last offset (here NaN) cannot reach the sum; slot order, float32."""
+    from lamina.kernels.grouped_mm_moe import combine_pairs
+
+    rows = _rand(5, 40, seed=1)
+    rows[0] = float("nan")  # no pair's row (and where a skipped pair's address would point)
+    row_of_pair = torch.tensor([2, -1, 4, 3, -1, 1], dtype=torch.int32, device=DEVICE)  # 3 tokens x top-2
+    weights = _rand(3, 2, seed=2)
+    out = combine_pairs(rows, row_of_pair, weights)
+    ref = torch.stack([weights[0, 0] * rows[2], weights[1, 0] * rows[4] + weights[1, 1] * rows[3], weights[2, 1] * rows[1]])
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.gpu
@@ -647,7 +661,7 @@ def test_grouped_mm_moe_matches_the_reference(dtype):
 def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels():
     """At the Qwen3.5-35B-A3B expert shape, 2,048 tokens in bf16: the grouped-GEMM path against
     the Triton grouped kernels (both against the float32 reference's tolerance)."""
-    from lamina.kernels.moe import grouped_mm_moe
+    from lamina.kernels.grouped_mm_moe import grouped_mm_moe
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm's bf16 path needs sm90")
@@ -661,7 +675,7 @@ def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels():
     logits = torch.randn(tokens, experts + 1, device="cuda", generator=gen)
     weights, ids = torch.softmax(logits[:, :experts], -1).topk(top_k, dim=-1)
     shared = (sw13, sw2, logits[:, experts])
-    ours = grouped_mm_moe(x, w13, w2, weights.to(torch.bfloat16), ids, 0, shared, all_experts_local=True)
+    ours = grouped_mm_moe(x, w13, w2, weights.to(torch.bfloat16), ids, 0, shared)
     triton_out = fused_moe(x, w13, w2, weights.to(torch.bfloat16), ids, 0, shared)
     g, u = (x.float() @ sw13.float().t()).chunk(2, dim=-1)
     ref = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids) \

@@ -4,11 +4,8 @@
 grouped GEMMs (`torch._grouped_mm`) with device-side offsets: no host sync (per-expert counts by
 `scatter_add_`, not `bincount`, whose output size syncs). Where the grouped GEMM cannot run (feature dims whose rows are not
 16-byte aligned, or a torch without it), a per-expert loop is used; it is a loop over experts,
-never over tokens.
-
-`grouped_mm_moe` is the same computation shaped for long prefill chunks on a GPU (bf16 on sm90):
-two grouped GEMMs with as few passes over the [pairs, H] rows around them as it can, and the
-shared expert; the Triton set takes it for large chunks with `LAMINA_MOE_PREFILL=grouped_mm`.
+never over tokens. (`lamina.kernels.grouped_mm_moe` is the same computation shaped for long
+prefill chunks on a GPU.)
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch has `_grouped_mm` and every feature dim's rows are 16-byte aligned (CUTLASS's need)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     align = 16 // x.element_size()
@@ -52,7 +50,7 @@ def grouped_experts(
     counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key))[:num_local_experts]  # [E_local], no sync
     x_sorted = x[token_of_pair]  # [T*k, H]
 
-    if _grouped_mm_usable(x, w13, w2):
+    if grouped_mm_usable(x, w13, w2):
         offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E_local]
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)  # [T*k, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -76,46 +74,4 @@ def _per_expert_loop(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
             gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
             out[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
             start += count
-    return out
-
-
-def grouped_mm_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_start: int = 0,
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    all_experts_local: bool = False,
-) -> torch.Tensor:
-    """`fused_moe`'s contract on `torch._grouped_mm` (the caller checks `_grouped_mm_usable`): the
-    routed experts, plus `shared = (w13_shared [2I_s, H], w2_shared [H, I_s], gate_logit [T])` as
-    sigmoid(gate_logit) * shared_mlp(x). Each pair's down row (x's dtype) is un-sorted and the k
-    rows of a token weighted and summed by one batched matmul (float32 accumulation, one rounding).
-    Rows of non-local pairs are zeroed unless `all_experts_local` says there are none. Returns [T, H]."""
-    num_tokens, top_k = topk_ids.shape
-    num_local_experts, two_inter, hidden_size = w13.shape
-    local_ids = topk_ids.reshape(-1) - expert_start  # [T*k]
-    is_local = (local_ids >= 0) & (local_ids < num_local_experts)  # [T*k]
-    sort_key = torch.where(is_local, local_ids, num_local_experts)  # [T*k]
-    order = torch.argsort(sort_key, stable=True)  # [T*k]
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=x.device)
-    counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key, dtype=torch.int32))[:num_local_experts]  # [E_local]
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_local]
-    x_sorted = x.index_select(0, order // top_k)  # [T*k, H]
-    gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)  # [T*k, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate).mul_(up)  # [T*k, I]
-    out_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)  # [T*k, H]
-    if not all_experts_local:  # rows past the last offset are undefined (may hold NaN): zero them
-        out_sorted = torch.where(is_local[order][:, None], out_sorted, 0.0)
-    per_pair = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # [T*k, H] in pair order
-    pair_weights = (topk_weights * is_local.view(num_tokens, top_k)).to(x.dtype)  # [T, k]
-    out = torch.bmm(pair_weights.unsqueeze(1), per_pair.view(num_tokens, top_k, hidden_size)).squeeze(1)  # [T, H]
-    if shared is not None:
-        shared_w13, shared_w2, gate_logit = shared
-        shared_gate, shared_up = F.linear(x, shared_w13).chunk(2, dim=-1)  # [T, I_s] each
-        shared_out = F.linear(F.silu(shared_gate) * shared_up, shared_w2)  # [T, H]
-        out = out + torch.sigmoid(gate_logit.to(x.dtype)).unsqueeze(1) * shared_out
     return out

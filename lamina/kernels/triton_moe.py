@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
-from lamina.kernels.moe import _grouped_mm_usable, grouped_mm_moe
+from lamina.kernels.grouped_mm_moe import grouped_mm_moe, grouped_mm_usable
 from lamina.kernels.selection import moe_align_blocked, moe_prefill_grouped_mm
 from lamina.kernels.triton_align import MAX_EXPERTS as ALIGN_BLOCKED_MAX_EXPERTS
 from lamina.kernels.triton_align import align_pairs_blocked
@@ -346,7 +346,6 @@ def fused_moe(
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict | None = None,
     gemv_max_tokens: int = GEMV_MAX_TOKENS,
-    all_experts_local: bool = False,
 ) -> torch.Tensor:
     """Same contract as `grouped_experts`: x `[T, H]`; w13 `[E_local, 2I, H]` (gate rows then up
     rows); w2 `[E_local, H, I]`; topk_weights `[T, k]`; topk_ids `[T, k]` global ids (experts of
@@ -359,9 +358,7 @@ def fused_moe(
     Up to `gemv_max_tokens` tokens (decode; at most GEMV_MAX_TOKENS, 0 = never) the two GEMV kernels of `triton_moe_gemv` run instead
     (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
     keeps the grouped path. With `LAMINA_MOE_PREFILL=grouped_mm`, calls beyond DECODE_MAX_PAIRS
-    pairs run `lamina.kernels.moe.grouped_mm_moe` instead (bf16 on sm90+); `all_experts_local`
-    (no expert lives on another rank; implied by `shared`) lets it skip masking non-local rows.
-    A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
+    pairs run `lamina.kernels.grouped_mm_moe` instead (bf16 on sm90+). A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
     optionally down_warps / down_stages (the down kernel's, default warps / stages) and n_fastest
     (launch order, see `_block_ids`; the same sums either way)."""
     num_tokens, top_k = topk_ids.shape
@@ -373,8 +370,7 @@ def fused_moe(
     if num_tokens <= min(gemv_max_tokens, GEMV_MAX_TOKENS) and inter <= GEMV_MAX_INTER and config is None:  # decode: triton_moe_gemv
         return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
     if num_pairs > DECODE_MAX_PAIRS and config is None and _prefill_on_grouped_mm(x, w13, w2):
-        return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids, expert_start, shared,
-                              all_experts_local=all_experts_local or shared is not None)
+        return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -421,7 +417,7 @@ def fused_moe(
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return (moe_prefill_grouped_mm() and x.dtype == torch.bfloat16 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9 and _grouped_mm_usable(x, w13, w2))
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and grouped_mm_usable(x, w13, w2))
 
 
 @triton.jit

@@ -97,8 +97,7 @@ class SparseMoE(nn.Module):
             from lamina.kernels.selection import moe_gemv_max_tokens
             from lamina.kernels.triton_moe import fused_moe
 
-            self.experts_kernel = functools.partial(fused_moe, gemv_max_tokens=moe_gemv_max_tokens(),
-                                                    all_experts_local=self.num_local_experts == self.num_experts)
+            self.experts_kernel = functools.partial(fused_moe, gemv_max_tokens=moe_gemv_max_tokens())
         else:
             self.experts_kernel = grouped_experts
         self.has_shared_expert = shared_expert_intermediate_size > 0
