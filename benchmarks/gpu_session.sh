@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -625,6 +625,18 @@ for r in d['rows']: print(r['batch'], r['mode'], r['k'], round(r['median_step_ms
 import json; d=json.load(open('$OUT/profile_prefill_8x1k.json'))
 print({k: d[k] for k in ('wall_ms_per_prefill','gpu_kernel_ms_per_step','kernels_per_step')})
 for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:80])" ;;
+    s27s)  # session 27, for a short device budget: the fused MoE on prefill chunks (bench_moe_prefill at 2k / 8k tokens),
+      # the grouped-GEMM MoE's GPU tests, an 8k prompt's TTFT with the prefill MoE on either kernel
+      timeout 200 python3 benchmarks/bench_moe_prefill.py --tokens 2048,8192 --out $OUT/bench_moe_prefill.json 2>&1 \
+        | tail -50 | cut -c1-300
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "grouped_mm or combine" 2>&1 \
+        | grep -v "^$" | tail -3
+      for m in triton grouped_mm; do
+        LAMINA_MOE_PREFILL=$m timeout 70 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 \
+          --output-json $OUT/s27_prefill8k_$m.json > /tmp/s27_p.log 2>&1
+        python3 -c "import json; r=json.load(open('$OUT/s27_prefill8k_$m.json')); r=r[0] if isinstance(r, list) else r; print('$m', r['ttft_ms'])" \
+          || tail -3 /tmp/s27_p.log
+      done ;;
     s27b)  # session 27: offline throughput (512 x 1024 in / 256 out, max_num_seqs 256) with the prefill MoE on the Triton
       # kernels and on torch._grouped_mm; the kernels of a batch-256 decode step
       for m in triton grouped_mm; do
