@@ -619,7 +619,7 @@ def test_fused_moe_launch_order_changes_nothing():
     shared expert's blocks."""
     from lamina.kernels import triton_moe
 
-    tiles = dict(triton_moe.DEFAULT_CONFIG_PREFILL, block_m=16, up_n=16, down_n=16)  # several tiles each way
+    tiles = dict(triton_moe.DEFAULT_CONFIG_PREFILL, block_m=16, up_n=16, down_n=16, n_fastest=False)  # several tiles each way
     for start, num_local, with_shared in ((0, 8, True), (3, 4, False)):
         x, w13, w2, weights, ids, shared, ref = _moe_case(13, start, num_local, with_shared)
         base = fused_moe(x, w13, w2, weights, ids, start, shared, config=tiles)
