@@ -613,10 +613,10 @@ def test_fused_moe_prefill_tiles(tiles):
                                ref, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_moe_launch_order_changes_nothing():
-    """The grouped kernels' launch order (column tiles first, `n_fastest`) and the down kernel's own
-    warps / stages give bitwise the sums of the default order, with EP-foreign experts and the
-    shared expert's blocks."""
+def test_fused_moe_launch_order_changes_nothing(monkeypatch):
+    """The grouped kernels' launch order (column tiles first, `n_fastest`; row blocks first past
+    CUDA's grid-y limit) and the down kernel's own warps / stages give bitwise the sums of the
+    row-first order, with EP-foreign experts and the shared expert's blocks."""
     from lamina.kernels import triton_moe
 
     tiles = dict(triton_moe.DEFAULT_CONFIG_PREFILL, block_m=16, up_n=16, down_n=16, n_fastest=False)  # several tiles each way
@@ -626,6 +626,9 @@ def test_fused_moe_launch_order_changes_nothing():
         torch.testing.assert_close(base, ref, atol=1e-5, rtol=1e-5)
         flipped = dict(tiles, n_fastest=True, down_warps=8, down_stages=2)
         assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
+        with monkeypatch.context() as m:  # more row blocks than a grid's second dimension holds
+            m.setattr(triton_moe, "MAX_GRID_Y", 1)
+            assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
