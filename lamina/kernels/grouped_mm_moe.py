@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lamina.kernels.moe import grouped_mm_usable
+from lamina.kernels.moe import grouped_mm_usable, sort_pairs_by_expert
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["combine_pairs", "grouped_mm_moe", "grouped_mm_usable"]
@@ -70,14 +70,8 @@ def grouped_mm_moe(
     w2_shared [H, I_s], gate_logit [T])` adds sigmoid(gate_logit) * shared_mlp(x). The caller
     checks `grouped_mm_usable`. Returns `[T, H]` in x's dtype."""
     num_tokens, top_k = topk_ids.shape
-    num_local_experts = w13.shape[0]
     num_pairs = num_tokens * top_k
-    local_ids = topk_ids.reshape(-1) - expert_start  # [P]
-    is_local = (local_ids >= 0) & (local_ids < num_local_experts)  # [P]
-    sort_key = torch.where(is_local, local_ids, num_local_experts)  # [P]: other ranks' pairs last
-    order = torch.argsort(sort_key, stable=True)  # [P] pair of each sorted row
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=x.device)
-    counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key, dtype=torch.int32))[:num_local_experts]  # [E_local]
+    order, is_local, counts = sort_pairs_by_expert(topk_ids, w13.shape[0], expert_start)  # [P], [P], [E_local]
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_local] end row of each expert
     x_sorted = x.index_select(0, order // top_k)  # [P, H]
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)  # [P, 2I]; rows past the offsets undefined

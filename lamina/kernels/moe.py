@@ -22,6 +22,19 @@ def grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
     return all(d % align == 0 for d in (w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2]))
 
 
+def sort_pairs_by_expert(topk_ids: torch.Tensor, num_local_experts: int, expert_start: int):
+    """The `P = T*k` (token, expert) pairs sorted by local expert, stable, on the device (no sync).
+    Returns (order `[P]`: the pair of each sorted row; is_local `[P]` per pair; counts `[E_local]`
+    int32: each local expert's pairs). Pairs of other ranks' experts sort last, past the counts."""
+    local_ids = topk_ids.reshape(-1) - expert_start  # [P]
+    is_local = (local_ids >= 0) & (local_ids < num_local_experts)  # [P]
+    sort_key = torch.where(is_local, local_ids, num_local_experts)  # [P]
+    order = torch.argsort(sort_key, stable=True)  # [P]
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key, dtype=torch.int32))  # [E_local + 1]
+    return order, is_local, counts[:num_local_experts]
+
+
 def grouped_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -38,20 +51,13 @@ def grouped_experts(
     Returns [T, H].
     """
     num_tokens, top_k = topk_ids.shape
-    num_local_experts = w13.shape[0]
-    local_ids = topk_ids.reshape(-1) - expert_start  # [T*k]
-    is_local = (local_ids >= 0) & (local_ids < num_local_experts)
-    # Non-local pairs are sorted to the end (id E_local) and dropped by the offsets.
-    sort_key = torch.where(is_local, local_ids, num_local_experts)
-    order = torch.argsort(sort_key, stable=True)  # [T*k]
+    order, is_local, counts = sort_pairs_by_expert(topk_ids, w13.shape[0], expert_start)
     token_of_pair = order // top_k  # [T*k]
     pair_weights = topk_weights.reshape(-1)[order] * is_local[order].to(topk_weights.dtype)  # [T*k]
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=x.device)
-    counts = counts.scatter_add_(0, sort_key, torch.ones_like(sort_key))[:num_local_experts]  # [E_local], no sync
     x_sorted = x[token_of_pair]  # [T*k, H]
 
     if grouped_mm_usable(x, w13, w2):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E_local]
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_local]
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)  # [T*k, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = F.silu(gate) * up  # [T*k, I]
