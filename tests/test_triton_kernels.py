@@ -460,27 +460,39 @@ def test_moe_align_switch(monkeypatch):
     selection.moe_align_blocked.cache_clear()
 
 
-def test_moe_prefill_switch(monkeypatch):
+@pytest.fixture
+def moe_prefill_env(monkeypatch):
+    """Sets LAMINA_MOE_PREFILL for a test (None: unset); the cached choice is cleared before and after."""
+    from lamina.kernels import selection
+
+    def set_to(value):
+        if value is None:
+            monkeypatch.delenv("LAMINA_MOE_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("LAMINA_MOE_PREFILL", value)
+        selection.moe_prefill_grouped_mm.cache_clear()
+
+    yield set_to
+    monkeypatch.delenv("LAMINA_MOE_PREFILL", raising=False)
+    selection.moe_prefill_grouped_mm.cache_clear()
+
+
+def test_moe_prefill_switch(moe_prefill_env):
     """`LAMINA_MOE_PREFILL` picks the prefill MoE; on the CPU (the interpreter) the Triton kernels
     run whatever it says, since `torch._grouped_mm`'s fast path is a GPU's."""
     from lamina.kernels import selection, triton_moe
 
-    for value, on in (("grouped_mm", True), ("triton", False)):
-        monkeypatch.setenv("LAMINA_MOE_PREFILL", value)
-        selection.moe_prefill_grouped_mm.cache_clear()
+    for value, on in (("grouped_mm", True), ("triton", False), (None, False)):
+        moe_prefill_env(value)
         assert selection.moe_prefill_grouped_mm() is on
-    monkeypatch.setenv("LAMINA_MOE_PREFILL", "grouped_mm")
-    selection.moe_prefill_grouped_mm.cache_clear()
+    moe_prefill_env("grouped_mm")
     x, w13, w2, weights, ids, shared, ref = _moe_case(200, 0, 8, True)  # 600 pairs: beyond DECODE_MAX_PAIRS
     assert ids.numel() > triton_moe.DECODE_MAX_PAIRS
     assert triton_moe._prefill_on_grouped_mm(x, w13, w2) is False  # float32 (and no GPU in CI): never
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, 0, shared), ref, atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("LAMINA_MOE_PREFILL", "cutlass")
-    selection.moe_prefill_grouped_mm.cache_clear()
+    moe_prefill_env("cutlass")
     with pytest.raises(ValueError, match="LAMINA_MOE_PREFILL = 'cutlass'"):
         selection.moe_prefill_grouped_mm()
-    monkeypatch.delenv("LAMINA_MOE_PREFILL")
-    selection.moe_prefill_grouped_mm.cache_clear()
 
 
 @pytest.mark.gpu
@@ -613,22 +625,46 @@ def test_fused_moe_prefill_tiles(tiles):
                                ref, atol=1e-5, rtol=1e-5)
 
 
+class _GridRecorder:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
 def test_fused_moe_launch_order_changes_nothing(monkeypatch):
     """The grouped kernels' launch order (column tiles first, `n_fastest`; row blocks first past
-    CUDA's grid-y limit) and the down kernel's own warps / stages give bitwise the sums of the
-    row-first order, with EP-foreign experts and the shared expert's blocks."""
+    CUDA's grid-y limit) gives bitwise the sums of the row-first order, with EP-foreign experts
+    and the shared expert's blocks; the grids are recorded to check which order ran. (The down
+    kernel's own warps / stages are passed too; the interpreter ignores both.)"""
     from lamina.kernels import triton_moe
+
+    gate_up = _GridRecorder(triton_moe._gate_up_kernel)
+    down = _GridRecorder(triton_moe._down_kernel)
+    monkeypatch.setattr(triton_moe, "_gate_up_kernel", gate_up)
+    monkeypatch.setattr(triton_moe, "_down_kernel", down)
+
+    def last_orders():
+        (g0, g1), (d0, d1) = gate_up.grids[-1], down.grids[-1]
+        return ("rows" if g0 > g1 else "cols"), ("rows" if d0 > d1 else "cols")
 
     tiles = dict(triton_moe.DEFAULT_CONFIG_PREFILL, block_m=16, up_n=16, down_n=16, n_fastest=False)  # several tiles each way
     for start, num_local, with_shared in ((0, 8, True), (3, 4, False)):
         x, w13, w2, weights, ids, shared, ref = _moe_case(13, start, num_local, with_shared)
         base = fused_moe(x, w13, w2, weights, ids, start, shared, config=tiles)
+        assert last_orders() == ("rows", "rows")
         torch.testing.assert_close(base, ref, atol=1e-5, rtol=1e-5)
         flipped = dict(tiles, n_fastest=True, down_warps=8, down_stages=2)
         assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
+        assert last_orders() == ("cols", "cols")
         with monkeypatch.context() as m:  # more row blocks than a grid's second dimension holds
             m.setattr(triton_moe, "MAX_GRID_Y", 1)
             assert torch.equal(fused_moe(x, w13, w2, weights, ids, start, shared, config=flipped), base)
+            assert last_orders() == ("rows", "rows")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -661,10 +697,14 @@ def test_combine_pairs_skips_rows_of_other_ranks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels():
+def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels(moe_prefill_env):
     """At the Qwen3.5-35B-A3B expert shape, 2,048 tokens in bf16: the grouped-GEMM path against
-    the Triton grouped kernels (both against the float32 reference's tolerance)."""
+    the Triton grouped kernels (both against the float32 reference's tolerance); in a CUDA graph's
+    capture the switch keeps the Triton kernels."""
+    from lamina.kernels import triton_moe
     from lamina.kernels.grouped_mm_moe import grouped_mm_moe
+
+    moe_prefill_env("triton")  # fused_moe below must be the Triton kernels, whatever the environment says
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm's bf16 path needs sm90")
@@ -686,6 +726,10 @@ def test_grouped_mm_moe_on_the_gpu_matches_the_triton_prefill_kernels():
     scale = ref.abs().max().item()
     assert (ours.float() - ref).abs().max().item() < 2e-2 * scale
     assert (triton_out.float() - ref).abs().max().item() < 2e-2 * scale
+    moe_prefill_env("grouped_mm")
+    assert triton_moe._prefill_on_grouped_mm(x, w13, w2)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert not triton_moe._prefill_on_grouped_mm(x, w13, w2)
     ep = grouped_mm_moe(x, w13[64:128], w2[64:128], weights.to(torch.bfloat16), ids, 64)  # EP: 1 of 4 ranks
     ep_ref = grouped_experts(x.float(), w13[64:128].float(), w2[64:128].float(), weights, ids, 64)
     assert torch.isfinite(ep).all() and (ep.float() - ep_ref).abs().max().item() < 2e-2 * ep_ref.abs().max().item()

@@ -46,6 +46,10 @@ def combine_pairs(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.
     row, -1 for none), weights `[T, k]` -> `[T, H]` in rows' dtype: sum over k of weight * row."""
     num_tokens, top_k = weights.shape
     hidden = rows.shape[1]
+    if rows.stride(1) != 1 or row_of_pair.numel() != num_tokens * top_k:
+        raise ValueError(f"combine_pairs: rows {tuple(rows.shape)} need unit column stride (got {rows.stride()}) and "
+                         f"row_of_pair {tuple(row_of_pair.shape)} one entry per pair ({num_tokens} x {top_k})")
+    row_of_pair = row_of_pair.contiguous()
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)  # [T, H]
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))

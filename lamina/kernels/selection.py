@@ -184,7 +184,7 @@ def moe_align_blocked() -> bool:
 @functools.cache
 def moe_prefill_grouped_mm() -> bool:
     """Whether the Triton set's fused MoE runs prefill-sized calls (more than
-    `triton_moe.DECODE_MAX_PAIRS` pairs) on `torch._grouped_mm` (`lamina.kernels.grouped_mm_moe`,
+    `triton_moe.DECODE_MAX_PAIRS` pairs, outside CUDA-graph capture) on `torch._grouped_mm` (`lamina.kernels.grouped_mm_moe`,
     CUTLASS's grouped GEMM) rather than its own grouped kernels, where the GPU and dtype allow:
     `LAMINA_MOE_PREFILL=grouped_mm`, or `triton` (the default); read once per process."""
     wanted = os.environ.get("LAMINA_MOE_PREFILL", "triton")

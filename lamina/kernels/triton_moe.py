@@ -358,7 +358,8 @@ def fused_moe(
     Up to `gemv_max_tokens` tokens (decode; at most GEMV_MAX_TOKENS, 0 = never) the two GEMV kernels of `triton_moe_gemv` run instead
     (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
     keeps the grouped path. With `LAMINA_MOE_PREFILL=grouped_mm`, calls beyond DECODE_MAX_PAIRS
-    pairs run `lamina.kernels.grouped_mm_moe` instead (bf16 on sm90+). A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
+    pairs outside CUDA-graph capture (prefill chunks, eager steps) run `lamina.kernels.grouped_mm_moe`
+    instead (bf16 on sm90+). A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
     optionally down_warps / down_stages (the down kernel's, default warps / stages) and n_fastest
     (launch order, see `_block_ids`; the same sums either way)."""
     num_tokens, top_k = topk_ids.shape
@@ -416,8 +417,11 @@ def fused_moe(
 
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """LAMINA_MOE_PREFILL=grouped_mm applies (bf16 on sm90+), outside CUDA-graph capture: decode
+    steps of more than 64 tokens are captured too, and the grouped GEMM path is not checked there."""
     return (moe_prefill_grouped_mm() and x.dtype == torch.bfloat16 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9 and grouped_mm_usable(x, w13, w2))
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and grouped_mm_usable(x, w13, w2)
+            and not torch.cuda.is_current_stream_capturing())
 
 
 @triton.jit
