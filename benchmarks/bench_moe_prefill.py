@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.moe import grouped_experts  # noqa: E402
-from lamina.kernels.grouped_mm_moe import grouped_mm_moe as lean_grouped_mm_moe  # noqa: E402
+from lamina.kernels.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from lamina.kernels.triton_moe import DEFAULT_CONFIG_LARGE, default_config, fused_moe  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def variants(default: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def grouped_mm_moe(x, w13, w2, weights, ids, shared):
+def torch_path_moe(x, w13, w2, weights, ids, shared):
     """The same MoE as lamina's torch path runs it: `grouped_experts` (pairs sorted by expert,
     `torch._grouped_mm`, CUTLASS's grouped GEMM on sm90, bf16 out, the slot sum in float32) plus the
     shared expert as dense matmuls. Timed against the Triton kernels, not bitwise equal to them."""
@@ -128,8 +128,8 @@ def main() -> None:
             record["configs"].append({"name": name, "config": cfg, "ms": ms, "tflop_s": flops / ms / 1e9,
                                       "bitwise_equal_to_default": same})
         for name, call in (
-            ("torch_grouped_experts", lambda: grouped_mm_moe(x, w13, w2, weights, ids, shared)),
-            ("grouped_mm_moe", lambda: lean_grouped_mm_moe(x, w13, w2, weights, ids, 0, shared)),
+            ("torch_grouped_experts", lambda: torch_path_moe(x, w13, w2, weights, ids, shared)),
+            ("grouped_mm_moe", lambda: grouped_mm_moe(x, w13, w2, weights, ids, 0, shared)),
         ):
             try:
                 diff = (call().float() - reference.float()).abs().max().item()

@@ -85,7 +85,7 @@ def grouped_mm_moe(
     sorted_row = torch.arange(num_pairs, dtype=torch.int32, device=x.device)  # [P]
     row_of_pair = torch.empty_like(sorted_row).index_copy_(0, order, sorted_row)  # [P] sorted row of each pair
     row_of_pair = torch.where(is_local, row_of_pair, -1)  # [P]: undefined rows are never read
-    out = combine_pairs(down, row_of_pair, topk_weights.view(num_tokens, top_k))  # [T, H]
+    out = combine_pairs(down, row_of_pair, topk_weights)  # [T, H]
     if shared is not None:
         shared_w13, shared_w2, gate_logit = shared
         shared_gate, shared_up = F.linear(x, shared_w13).chunk(2, dim=-1)  # [T, I_s] each
