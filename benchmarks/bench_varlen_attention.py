@@ -4,7 +4,9 @@ call (a backend that builds a plan per shape pays it there) and at a repeat, in 
 
 - `sdpa`: `paged_attention` per request group (as the attention layer calls it on the Triton set:
   fresh-prompt groups on the causal rule, decode groups on the decode kernel, the rest masked);
-- `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch;
+- `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch,
+  its query blocks launched longest first (the default since session 28); `triton_first_block_first`:
+  the same launch in the order before (each head's blocks from the first; bitwise the same output);
 - `lamina`: `paged_attention(varlen=True)` on groups planned by kind (`plan_groups(by_kind=True)`),
   the attention layer's default: decodes on the decode kernel, fresh prompts on the causal rule,
   chunks that continue cached context on the varlen kernel instead of the masked call.
@@ -35,6 +37,7 @@ from lamina.kernels.triton_prefill_attention import paged_prefill_attention
 HQ, HKV, DIM, PAGE = 16, 2, 256, 16
 STEPS = {
     "fresh_8k": [(0, 8192)],
+    "fresh_8x1k": [(0, 1024)] * 8,
     "continued_4k_over_4k": [(4096, 4096)],
     "c64_mixed": [(1024 + 40 + i, 1) for i in range(56)] + [(0, 1024)] * 8,
     "c64_mixed_continued": [(1024 + 40 + i, 1) for i in range(56)] + [(0, 1024)] * 7 + [(512, 512)],
@@ -128,6 +131,10 @@ def main() -> None:
             return paged_prefill_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
                                            x["qsl"], x["max_q"], DIM**-0.5, gate=x["gate"])
 
+        def triton_first_block_first():
+            return paged_prefill_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
+                                           x["qsl"], x["max_q"], DIM**-0.5, gate=x["gate"], longest_first=False)
+
         def hybrid():
             return paged_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"],
                                    x["max_q"], x["max_s"], DIM**-0.5, groups=x["kind_groups"],
@@ -135,15 +142,18 @@ def main() -> None:
 
         row = {"step": name, "tokens": int(x["q"].shape[0]), "requests": len(reqs),
                "groups": 0 if x["groups"] is None else len(x["groups"])}
-        for label, fn in (("sdpa", sdpa), ("triton", triton_varlen), ("lamina", hybrid)):
+        for label, fn in (("sdpa", sdpa), ("triton", triton_varlen), ("triton_first_block_first", triton_first_block_first),
+                          ("lamina", hybrid)):
             row[f"{label}_first_ms"] = call_ms(fn)
             row[f"{label}_ms"] = min(call_ms(fn) for _ in range(5))
         diff = (sdpa().float() - triton_varlen().float()).abs().max().item()
         row["max_abs_diff"] = diff
         row["lamina_max_abs_diff"] = (sdpa().float() - hybrid().float()).abs().max().item()
+        row["orders_equal"] = bool(torch.equal(triton_varlen(), triton_first_block_first()))
         records.append(row)
         print(f"{name:22s} {row['tokens']:6d} tok, {row['groups']} groups: sdpa first {row['sdpa_first_ms']:8.1f} "
               f"then {row['sdpa_ms']:7.2f} ms | triton first {row['triton_first_ms']:8.1f} then {row['triton_ms']:7.2f} ms"
+              f" | first block first {row['triton_first_block_first_ms']:7.2f} ms (equal {row['orders_equal']})"
               f" | lamina first {row['lamina_first_ms']:8.1f} then {row['lamina_ms']:7.2f} ms | max diff {diff:.3g}")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

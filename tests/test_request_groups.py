@@ -128,6 +128,33 @@ def test_paged_attention_by_kind_groups_on_a_step_padding_keeps_whole(monkeypatc
                  d**-0.5, fast_groups=True, gate=gate[rows], varlen=True)
     assert calls["decode"] == [3, 3] and calls["varlen"] == [5, 3]  # the varlen kernel took it
     close(out, ref[rows])
+    # fresh prompts on the varlen kernel too (LAMINA_FRESH_PROMPT_ATTENTION=varlen): the same step,
+    # the fresh prompt's group no longer on the causal rule
+    fresh_too = single(*args, groups=groups, fast_groups=True, gate=gate, varlen=True, fresh_varlen=True)
+    close(fresh_too, ref)
+    assert calls["varlen"] == [5, 3, 5, 6] and calls["causal"] == [6]
+    fresh_rows = slice(int(qsl[1]), int(qsl[2]))  # the fresh prompt, alone, on the varlen kernel: its rows
+    alone = single(q[fresh_rows], k_cache, v_cache, block_tables[1:2], seq_lens[1:2], make_qsl([6]), 6, 6, d**-0.5,
+                   fast_groups=True, gate=gate[fresh_rows], varlen=True, causal_from_start=True, fresh_varlen=True)
+    assert torch.equal(alone, fresh_too[fresh_rows]) and calls["causal"] == [6]
+
+
+def test_fresh_prompt_attention_switch(monkeypatch):
+    """`LAMINA_FRESH_PROMPT_ATTENTION`: SDPA's causal rule by default, the varlen kernel with `varlen`
+    (only where the varlen kernel is on: the Triton set without LAMINA_PREFILL_ATTENTION=sdpa);
+    anything else is refused, naming the value."""
+    from lamina.kernels.selection import fresh_prompt_varlen_enabled
+
+    monkeypatch.delenv("LAMINA_FRESH_PROMPT_ATTENTION", raising=False)
+    monkeypatch.delenv("LAMINA_PREFILL_ATTENTION", raising=False)
+    assert not fresh_prompt_varlen_enabled("triton")
+    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "varlen")
+    assert fresh_prompt_varlen_enabled("triton") and not fresh_prompt_varlen_enabled("reference")
+    monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "sdpa")
+    assert not fresh_prompt_varlen_enabled("triton")
+    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="'flash'"):
+        fresh_prompt_varlen_enabled("triton")
 
 
 # ---- kernels: grouped == one call --------------------------------------------------------

@@ -134,6 +134,15 @@ def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
     other = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
                                     tile=(16, 16, 4, 2))
     torch.testing.assert_close(other, ref, atol=2e-5, rtol=2e-5)
+    # the launch order (longest query block first, or each head's blocks from the first) moves no sum:
+    # the same tile gives bitwise the same rows, every request's blocks covered either way
+    for tile in ((16, 16, 4, 2), None):
+        longest = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
+                                          gate=gate, tile=tile)
+        first = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
+                                        gate=gate, tile=tile, longest_first=False)
+        assert torch.equal(longest, first)
+    assert torch.equal(longest, gated)
 
 
 def test_paged_prefill_attention_falls_back_to_a_tile_that_fits(monkeypatch):

@@ -109,6 +109,7 @@ def paged_attention(
     gate: torch.Tensor | None = None,
     varlen: bool = False,
     decodes_only: bool = False,
+    fresh_varlen: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached context.
 
@@ -152,6 +153,8 @@ def paged_attention(
             at its first 4k shape), benchmarks/results/bench_varlen_attention_h200.json.
         decodes_only: the caller knows from the step's metadata (host ints) that every request has
             exactly one query; with `fast_groups` and no groups, the step runs the decode kernel.
+        fresh_varlen: with `varlen`, fresh prompts run the varlen kernel too instead of SDPA's
+            causal rule (`selection.fresh_prompt_varlen_enabled`).
 
     Query i of request b (q_len_b queries) sits at position seq_lens[b] - q_len_b + i and
     attends to keys 0..that position. Query head h reads kv head h // (Hq // Hkv).
@@ -161,13 +164,13 @@ def paged_attention(
     """
     if groups is not None:
         return _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start,
-                        fast_groups and key_mask is None, gate, varlen and key_mask is None)
+                        fast_groups and key_mask is None, gate, varlen and key_mask is None, fresh_varlen)
     if callable(key_mask):
         key_mask = key_mask(None)
     causal_from_start = causal_from_start and key_mask is None
     if fast_groups and key_mask is None and decodes_only:  # the decode steps' kernel
         return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, gate)
-    if varlen and key_mask is None and not causal_from_start:
+    if varlen and key_mask is None and (fresh_varlen or not causal_from_start):
         return _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, gate)
     total_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -237,7 +240,7 @@ def _varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_qu
 
 
 def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, groups, causal_from_start, fast_groups,
-             gate, varlen):
+             gate, varlen, fresh_varlen):
     """`paged_attention` once per request group; outputs scattered back in batch order."""
     out = torch.empty_like(q)  # [T, Hq, D]
     block_size = k_cache.shape[1]
@@ -249,7 +252,7 @@ def _grouped(q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, group
                              scale, group_gate)  # [Tg, Hq, D]
             out.index_copy_(0, group.tokens, result)
             continue
-        if varlen and not (causal_from_start or group.from_start):  # continued chunks: the varlen kernel
+        if varlen and (fresh_varlen or not (causal_from_start or group.from_start)):  # continued chunks: varlen
             result = _varlen(q.index_select(0, group.tokens), k_cache, v_cache,
                              block_tables.index_select(0, group.requests), seq_lens.index_select(0, group.requests),
                              group.query_start_loc, group.max_query_len, scale, group_gate)  # [Tg, Hq, D]

@@ -131,6 +131,17 @@ def triton_prefill_attention_enabled(kernels: str) -> bool:
     return kernels == "triton" and wanted == "triton"
 
 
+def fresh_prompt_varlen_enabled(kernels: str) -> bool:
+    """Whether fresh prompts (queries from position 0, no cached context) also run on lamina's
+    varlen paged kernel where `triton_prefill_attention_enabled` holds, rather than on SDPA's
+    causal rule (flash or cuDNN). `LAMINA_FRESH_PROMPT_ATTENTION=sdpa|varlen`, default `sdpa`.
+    Read at model build time."""
+    wanted = os.environ.get("LAMINA_FRESH_PROMPT_ATTENTION", "sdpa")
+    if wanted not in ("sdpa", "varlen"):
+        raise ValueError(f"LAMINA_FRESH_PROMPT_ATTENTION = {wanted!r} must be 'sdpa' or 'varlen'")
+    return triton_prefill_attention_enabled(kernels) and wanted == "varlen"
+
+
 def fused_gdn_decode_enabled(kernels: str) -> bool:
     """Whether the gated delta net's one-token decode on the Triton kernel set runs as one launch
     (`lamina.kernels.triton_gdn_decode`: conv, delta rule and gated norm fused) rather than the

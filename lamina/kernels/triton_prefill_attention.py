@@ -8,8 +8,12 @@ context copies or SDPA's backends: SDPA's choice for a mask with GQA on an H200 
 builds an execution plan for every new shape (70-95 ms, benchmarks/results/bench_sdpa_shapes_gqa_h200.json),
 and a mixed step brings new shapes every step.
 
-Grid (request, query block of BLOCK_M, query head); a block past its request's queries returns at
-once. Each program streams its request's keys in BLOCK_N tiles through the block table, with the
+Grid (query head, request, query block of BLOCK_M), launched longest block first: the first axis
+varies fastest, and with `longest_first` the last axis counts query blocks down from the last, so
+the blocks that read the most keys (the causal rule's last rows) start in the first wave and the
+last wave holds the shortest ones, rather than a tail of long blocks of the last head; the heads of
+one block run side by side and share their KV head's tiles in L2. A block past its request's
+queries returns at once. Each program streams its request's keys in BLOCK_N tiles through the block table, with the
 online softmax in float32, and stops at the block's last query position (the causal rule skips
 the rest). A row's result depends on its request only, never on the step's other requests.
 
@@ -59,10 +63,13 @@ def _paged_prefill_attention_kernel(
     stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    m_block = tl.program_id(1)
-    head = tl.program_id(2)
+    head = tl.program_id(0)
+    req = tl.program_id(1)
+    m_block = tl.program_id(2)
+    if LONGEST_FIRST:
+        m_block = tl.num_programs(2) - 1 - m_block
     kv_head = head // GROUP
     q_start = tl.load(qsl_ptr + req).to(tl.int64)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -116,13 +123,16 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
     gate: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
+    longest_first: bool = True,
 ) -> torch.Tensor:
     """q `[T, Hq, D]` (unit last stride); caches `[num_blocks, block_size, Hkv, D]` holding this
     step's keys; block_tables `[B, >= pages]`; seq_lens `[B]` (each >= its query count);
     query_start_loc `[B+1]`; max_query_len: host int; gate: optional `[T, Hq, D]`, the output
     becomes attn * sigmoid(gate); tile: (BLOCK_M, BLOCK_N, warps, stages), for
     benchmarks/bench_varlen_attention.py's sweep (default: `prefill_tiles(head_dim)`'s first that
-    fits the device). Returns `[T, Hq, D]` in q's dtype."""
+    fits the device); longest_first: query blocks launched from the last (default) or the first,
+    for the benchmark's comparison (each program's sums are the same either way). Returns
+    `[T, Hq, D]` in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -136,14 +146,15 @@ def paged_prefill_attention(
     gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
 
     def launch(block_m: int, block_n: int, warps: int, stages: int | None) -> None:
-        _paged_prefill_attention_kernel[(bsz, triton.cdiv(max(1, max_query_len), block_m), num_q_heads)](
+        grid = (num_q_heads, bsz, triton.cdiv(max(1, max_query_len), block_m))  # bsz, blocks <= 65535: y and z
+        _paged_prefill_attention_kernel[grid](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0),
             gate.stride(1), out.stride(0), out.stride(1),
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-            GATED=gated, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
+            GATED=gated, LONGEST_FIRST=longest_first, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
         )
 
     key = (q.device, head_dim, q.dtype)

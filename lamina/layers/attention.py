@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from lamina.kernels.paged_attention import paged_attention, write_kv_cache
-from lamina.kernels.selection import decode_query_len, kernel_set, triton_prefill_attention_enabled
+from lamina.kernels.selection import (
+    decode_query_len, fresh_prompt_varlen_enabled, kernel_set, triton_prefill_attention_enabled,
+)
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import RMSNorm
@@ -64,6 +66,7 @@ class GatedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.kernels = kernel_set(device if device is not None else ctx.device)
         self.triton_prefill_attention = triton_prefill_attention_enabled(self.kernels)
+        self.fresh_prompt_varlen = fresh_prompt_varlen_enabled(self.kernels)
         self.qkv_rows = None if attention_bias else share_weight_storage(self.q_proj, self.k_proj, self.v_proj)
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
@@ -116,6 +119,7 @@ class GatedAttention(nn.Module):
             # chunks that continue cached context: lamina's varlen kernel rather than SDPA's masked call
             varlen=self.triton_prefill_attention,
             decodes_only=meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs,  # one query per request
+            fresh_varlen=self.fresh_prompt_varlen,  # fresh prompts on the varlen kernel too (off by default)
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if not fast:
