@@ -3,7 +3,10 @@ the shared expert fused), one GPU: where a call's time goes, kernel by kernel, a
 launch orders and tiles against today's defaults, all in one run, with cuBLAS on the same FLOPs as
 a ceiling.
 
-    python benchmarks/bench_moe_prefill.py [--tokens 256,1024,2048,8192] --out bench_moe_prefill.json
+    python benchmarks/bench_moe_prefill.py [--tokens 256,1024,2048,8192] [--quick] --out bench_moe_prefill.json
+
+`--quick`: today's tiles in both launch orders and the down-K 128 variants only (fewer compiles:
+for timing two trees of lamina with this same script).
 
 Per token count: `default` (today's tiles), its kernels under the torch profiler (alignment,
 gate/up, down, slot sum), each config's time (`triton.testing.do_bench`, ms) and TFLOP/s, and the
@@ -31,7 +34,7 @@ from lamina.kernels.grouped_mm_moe import grouped_mm_moe  # noqa: E402
 from lamina.kernels.triton_moe import DEFAULT_CONFIG_LARGE, default_config, fused_moe  # noqa: E402
 
 
-def variants(default: dict) -> list[tuple[str, dict]]:
+def variants(default: dict, quick: bool = False) -> list[tuple[str, dict]]:
     """Today's tiles as they are and in the other launch order (`_rowfirst` / `_nfirst`), then a few
     larger / differently split tiles, column tiles first (session 27 measured row blocks first
     slower for every tile at 2k and 8k tokens, bench_moe_prefill_h100_s27.json)."""
@@ -55,7 +58,8 @@ def variants(default: dict) -> list[tuple[str, dict]]:
         "decode_large_m16": dict(DEFAULT_CONFIG_LARGE),
         "m32_n64_k128_w4_s3": dict(block_m=32, up_n=64, up_k=128, down_n=64, down_k=128, warps=4, stages=3),
     }
-    out += [(name + "_nfirst", dict(cfg, n_fastest=True)) for name, cfg in tiles.items()]
+    out += [(name + "_nfirst", dict(cfg, n_fastest=True)) for name, cfg in tiles.items()
+            if not quick or "down_k128" in name]
     return out
 
 
@@ -87,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,2048,8192")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="today's tiles and the down-K 128 variants only")
     args = ap.parse_args()
     hidden, inter, experts, top_k = 2048, 512, 256, 8
     dev = "cuda"
@@ -117,7 +122,7 @@ def main() -> None:
                   "default_kernels_us": kernel_breakdown(
                       lambda: fused_moe(x, w13, w2, weights, ids, shared=shared, config=default)),
                   "configs": []}
-        for name, cfg in variants(default):
+        for name, cfg in variants(default, args.quick):
             try:
                 call = lambda: fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg)  # noqa: E731
                 same = bool(torch.equal(call(), reference)) if name.startswith("default") else None  # same tiles: bitwise

@@ -911,20 +911,36 @@ def test_gemv_moe_config_errors():
         fused_moe_gemv(x, w13, w2, weights, ids, config=dict(down_slots=0))
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sum_slots_adds_in_slot_order(dtype):
-    """The fused MoE's slot sum: float32 partials added in slot order, rounded once to the output dtype."""
+def test_sum_slots_adds_in_slot_order(dtype, shared):
+    """The fused MoE's slot sum: each part (in the parts' dtype) times its routing weight, the shared
+    expert's part times the sigmoid of its logit, added in float32 in slot order and rounded once."""
     from lamina.kernels.triton_moe import sum_slots
 
-    parts = _rand(3, 5, 40, seed=1)  # [T, S, H]
-    ref = parts[:, 0].clone()
-    for slot in range(1, 5):
-        ref += parts[:, slot]
-    if dtype == torch.float32:
-        assert torch.equal(sum_slots(parts, dtype), ref)
+    top_k = 4
+    parts = _rand(3, top_k + shared, 40, seed=1).to(dtype)  # [T, S, H]
+    weights = _rand(3, top_k, seed=2).to(dtype)
+    logit = _rand(3, seed=3).to(dtype) if shared else None
+    factors = [weights[:, s].float() for s in range(top_k)] + ([torch.sigmoid(logit.float())] if shared else [])
+    ref = factors[0][:, None] * parts[:, 0].float()
+    for slot in range(1, top_k + shared):
+        ref += factors[slot][:, None] * parts[:, slot].float()
+    got = sum_slots(parts, weights, logit)
+    assert got.dtype == dtype
+    if dtype == torch.float32:  # the sigmoid: Triton's exp against torch's, within an ulp or two
+        torch.testing.assert_close(got, ref, atol=0, rtol=4 * torch.finfo(dtype).eps)
+        if not shared:
+            assert torch.equal(got, ref)
     else:  # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest: one step apart
-        torch.testing.assert_close(sum_slots(parts, dtype), ref.to(dtype), atol=0, rtol=2 * torch.finfo(dtype).eps)
-    assert sum_slots(parts[:0], dtype).shape == (0, 40)
+        torch.testing.assert_close(got, ref.to(dtype), atol=0, rtol=2 * torch.finfo(dtype).eps)
+    # strided weights (a view of a wider tensor) read as their values
+    wide = torch.stack([weights, -weights], dim=2).reshape(3, 2 * top_k)[:, ::2]  # [T, k], stride 2
+    assert wide.stride(-1) == 2 and torch.equal(wide, weights)
+    assert torch.equal(sum_slots(parts, wide, logit), got)
+    assert sum_slots(parts[:0], weights[:0], None if logit is None else logit[:0]).shape == (0, 40)
+    with pytest.raises(ValueError, match="parts hold 5 slots, weights 4, shared expert False"):
+        sum_slots(_rand(3, 5, 40, seed=1), weights)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4])

@@ -5,9 +5,11 @@ multiple of BLOCK_M rows (`align_pairs`), so every row block of the sorted list 
 expert. Two grouped GEMM kernels then read each routed expert's weights once per output tile:
 
 1. gate/up: `act[pair] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T)` (SiLU-and-mul fused);
-2. down: `out[pair] = weight[pair] * act[pair] @ down_e^T`, in float32,
+2. down: `part[pair] = act[pair] @ down_e^T`, accumulated in float32 and stored in x's dtype (as
+   the torch path's grouped GEMM rounds it),
 
-and the k pairs of a token are summed in float32 (one rounding, no atomics: deterministic). The
+and the slot sum adds a token's k parts times their routing weights (and the shared expert's part
+times its sigmoid gate) in float32 in slot order (one rounding, no atomics: deterministic). The
 number of row blocks is bounded by host ints (pairs + min(pairs, experts) * (BLOCK_M - 1)), blocks
 past the real ones exit at once, and nothing syncs: a decode step stays capturable in a CUDA graph.
 At batch 1 this is a GEMV over the 8 chosen experts' weights (the regime where `index_select` +
@@ -302,9 +304,9 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=COUNT_ARGS)
 def _down_kernel(
-    act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, shared_logit_ptr, out_ptr,
+    act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, out_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-    stride_ap, stride_we, stride_wn, stride_swn, stride_sl, stride_op,
+    stride_ap, stride_we, stride_wn, stride_swn, stride_op,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -327,12 +329,8 @@ def _down_kernel(
         a = tl.load(act_ptr + slots[:, None] * stride_ap + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
-    if expert == -2:  # the shared expert's gate: sigmoid of its logit, in float32
-        logit = tl.load(shared_logit_ptr + tokens * stride_sl, mask=row_ok, other=0.0).to(tl.float32)
-        weight = 1.0 / (1.0 + tl.exp(-logit))
-    else:
-        weight = tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + slots[:, None] * stride_op + offs_n[None, :], acc * weight[:, None],
+    # unweighted, in the parts' dtype (x's): the slot sum applies the weights in float32
+    tl.store(out_ptr + slots[:, None] * stride_op + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -401,19 +399,20 @@ def fused_moe(
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
         N_FASTEST=n_fastest, **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
-    # Every slot is written when all experts are local and the shared rows are in; else zeros first.
+    # Every slot is written when all experts are local and the shared rows are in; else zeros first
+    # (other ranks' experts: a zero part, whatever its weight).
     alloc = torch.empty if shared is not None else torch.zeros
-    out = alloc(num_tokens * slots, hidden, dtype=torch.float32, device=x.device)  # [T*slots, H]
-    pair_weights = topk_weights.reshape(-1)
+    parts = alloc(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
     _down_kernel[grid(triton.cdiv(hidden, cfg["down_n"]))](
-        act, w2, shared_w2, sorted_pairs, block_expert, pair_weights, shared_logit, out,
+        act, w2, shared_w2, sorted_pairs, block_expert, parts,
         num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), parts.stride(0),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         PRECISION=precision, N_FASTEST=n_fastest, **pdl_kwargs(x.device),
         num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
-    return sum_slots(out.view(num_tokens, slots, hidden), x.dtype)  # [T, H]
+    return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights,
+                     shared_logit if shared is not None else None)  # [T, H] in x's dtype
 
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -425,26 +424,42 @@ def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor)
 
 
 @triton.jit
-def _sum_slots_kernel(parts_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, out_ptr, hidden, stride_wt, stride_sl,
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
+    slots: tl.constexpr = TOP_K + SHARED
     total = tl.zeros([BLOCK], tl.float32)
-    for slot in range(0, SLOTS):  # in slot order: deterministic
-        total += tl.load(parts_ptr + (token * SLOTS + slot) * hidden + offs, mask=ok, other=0.0)
+    for slot in range(0, TOP_K):  # in slot order: deterministic
+        weight = tl.load(weights_ptr + token * stride_wt + slot).to(tl.float32)
+        part = tl.load(parts_ptr + (token * slots + slot) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
+        total += weight * part
+    if SHARED:  # the shared expert's part, gated by the sigmoid of its logit in float32
+        logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
+        part = tl.load(parts_ptr + (token * slots + TOP_K) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
+        total += (1.0 / (1.0 + tl.exp(-logit))) * part
     tl.store(out_ptr + token * hidden + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_slots(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """parts `[T, S, H]` float32 (contiguous) -> their sum over S in slot order, `[T, H]` in `dtype`:
-    one launch for what `.sum(dim=1).to(dtype)` does in two."""
+def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """parts `[T, S, H]` (contiguous; S = k, or k + 1 with the shared expert's part last), weights
+    `[T, k]` (routing weights), shared_logit `[T]` or None -> sum over the slots in slot order of
+    weight * part, the shared part weighted by sigmoid(shared_logit), all in float32, rounded once
+    to the parts' dtype: `[T, H]`."""
     num_tokens, slots, hidden = parts.shape
-    out = torch.empty(num_tokens, hidden, dtype=dtype, device=parts.device)  # [T, H]
+    top_k = weights.shape[1]
+    if slots != top_k + (shared_logit is not None):
+        raise ValueError(f"parts hold {slots} slots, weights {top_k}, shared expert {shared_logit is not None}")
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=parts.dtype, device=parts.device)  # [T, H]
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
+        logit = weights if shared_logit is None else shared_logit  # unused without the shared expert
         _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            parts, out, hidden, SLOTS=slots, BLOCK=block, **pdl_kwargs(parts.device)
+            parts, weights, logit, out, hidden, weights.stride(0), logit.stride(0), TOP_K=top_k,
+            SHARED=shared_logit is not None, BLOCK=block, **pdl_kwargs(parts.device)
         )
     return out
 
