@@ -142,7 +142,7 @@ def test_paged_prefill_attention_matches_reference(hq, hkv, head_dim, page):
         first = paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, max(q_lens), scale,
                                         gate=gate, tile=tile, longest_first=False)
         assert torch.equal(longest, first)
-    assert torch.equal(longest, gated)
+        torch.testing.assert_close(first, ref * torch.sigmoid(gate), atol=2e-5, rtol=2e-5)
 
 
 def test_paged_prefill_attention_falls_back_to_a_tile_that_fits(monkeypatch):
@@ -620,6 +620,39 @@ def test_fused_moe_with_the_shared_expert(num_tokens):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_parts_are_unweighted_in_the_activations_dtype(dtype, bf16_dots, monkeypatch):
+    """The grouped path's down kernel stores each (token, slot) part unweighted, in x's dtype (as the
+    torch path's grouped GEMM rounds it), and the slot sum applies the routing weights and the shared
+    expert's sigmoid gate: the parts handed to `sum_slots` are each pair's down(act) (a weighted part
+    would be off by its weight, 0.1-0.6 here), and the call returns their slot sum."""
+    from lamina.kernels import triton_moe
+
+    x, w13, w2, weights, ids, shared, _ = _moe_case(5, 0, 8, True, dtype=dtype)
+    seen = {}
+    real = triton_moe.sum_slots
+
+    def spy(parts, w, logit=None):
+        seen.update(parts=parts.clone(), weights=w, logit=logit)
+        return real(parts, w, logit)
+
+    monkeypatch.setattr(triton_moe, "sum_slots", spy)
+    out = triton_moe.fused_moe(x, w13, w2, weights, ids, shared=shared, config=dict(triton_moe.DEFAULT_CONFIG_FP32))
+    parts = seen["parts"]  # [T, k + 1, H]
+    assert parts.dtype == dtype and parts.shape == (5, 4, 48)
+    assert seen["weights"] is weights and seen["logit"] is shared[2]
+    f = torch.nn.functional
+    for t in range(5):
+        for slot in range(4):
+            gate_up, down = (shared[0], shared[1]) if slot == 3 else (w13[ids[t, slot]], w2[ids[t, slot]])
+            gate, up = f.linear(x[t].float(), gate_up.float()).chunk(2)
+            act = (f.silu(gate) * up).to(dtype).float()  # the gate/up kernel stores x's dtype
+            want = f.linear(act, down.float())  # [H], unweighted
+            torch.testing.assert_close(parts[t, slot].float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                       rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(out, real(parts, weights, shared[2]))
+
+
 @pytest.mark.parametrize("tiles", ["DEFAULT_CONFIG_PREFILL", "DEFAULT_CONFIG_LONG_PREFILL"])
 def test_fused_moe_prefill_tiles(tiles):
     """The prefill chunks' row blocks of 64 / 128 pairs (tiles larger than the whole tiny problem:
@@ -928,16 +961,19 @@ def test_sum_slots_adds_in_slot_order(dtype, shared):
         ref += factors[slot][:, None] * parts[:, slot].float()
     got = sum_slots(parts, weights, logit)
     assert got.dtype == dtype
-    if dtype == torch.float32:  # the sigmoid: Triton's exp against torch's, within an ulp or two
-        torch.testing.assert_close(got, ref, atol=0, rtol=4 * torch.finfo(dtype).eps)
-        if not shared:
+    if dtype == torch.float32:  # a GPU fuses each weight x part into the add (FMA); the sigmoid's exp
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=4 * torch.finfo(dtype).eps)
+        if DEVICE == "cpu" and not shared:  # the interpreter: a product, then the add, as the reference
             assert torch.equal(got, ref)
     else:  # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest: one step apart
         torch.testing.assert_close(got, ref.to(dtype), atol=0, rtol=2 * torch.finfo(dtype).eps)
-    # strided weights (a view of a wider tensor) read as their values
+    # weights with a last stride of 2 (copied) and with a row stride of their own (read in place)
     wide = torch.stack([weights, -weights], dim=2).reshape(3, 2 * top_k)[:, ::2]  # [T, k], stride 2
     assert wide.stride(-1) == 2 and torch.equal(wide, weights)
     assert torch.equal(sum_slots(parts, wide, logit), got)
+    rows = torch.cat([weights, -weights], dim=1)[:, :top_k]  # [T, k], row stride 2k
+    assert rows.stride() == (2 * top_k, 1) and torch.equal(rows, weights)
+    assert torch.equal(sum_slots(parts, rows, logit), got)
     assert sum_slots(parts[:0], weights[:0], None if logit is None else logit[:0]).shape == (0, 40)
     with pytest.raises(ValueError, match="parts hold 5 slots, weights 4, shared expert False"):
         sum_slots(_rand(3, 5, 40, seed=1), weights)
@@ -1072,9 +1108,10 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_short_dir, graph
 
 
 def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
-    """`LAMINA_PREFILL_ATTENTION=triton` (the default) and `=sdpa`: prompts chunked over several steps
-    (an 8-token budget), so steps mix continued chunks, fresh prompts and decodes, give the
-    reference kernels' tokens."""
+    """`LAMINA_PREFILL_ATTENTION=triton` (the default; with `LAMINA_FRESH_PROMPT_ATTENTION=varlen`
+    fresh prompts on the varlen kernel too) and `=sdpa`: prompts chunked over several steps (an
+    8-token budget), so steps mix continued chunks, fresh prompts and decodes, give the reference
+    kernels' tokens."""
     from lamina.kernels import triton_prefill_attention
 
     calls = []
@@ -1091,6 +1128,15 @@ def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_shor
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+    continued_only = list(calls)
+    calls.clear()
+    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "varlen")  # fresh prompts on the varlen kernel too
+    fresh_too = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
+    assert len(calls) > len(continued_only)  # the first step's fresh prompts (3 + 5 tokens) took it
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, fresh_too):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+    monkeypatch.delenv("LAMINA_FRESH_PROMPT_ATTENTION")
     calls.clear()
     monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "sdpa")  # continued chunks on SDPA's masked call
     masked = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)

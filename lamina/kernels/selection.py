@@ -28,7 +28,8 @@ Attention of prefill and mixed steps (`triton_prefill_attention_enabled`), per r
 (`lamina.kernels.paged_attention`): fresh prompts on SDPA's causal rule, decodes on the paged decode
 kernel, chunks that continue cached context on lamina's varlen paged kernel
 (`lamina.kernels.triton_prefill_attention`), or on SDPA's masked call with
-`LAMINA_PREFILL_ATTENTION=sdpa` (read at model build time).
+`LAMINA_PREFILL_ATTENTION=sdpa` (read at model build time). `LAMINA_FRESH_PROMPT_ATTENTION=varlen`
+(`fresh_prompt_varlen_enabled`) puts fresh prompts on the varlen kernel too (default `sdpa`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ expert. Two grouped GEMM kernels then read each routed expert's weights once per
    the torch path's grouped GEMM rounds it),
 
 and the slot sum adds a token's k parts times their routing weights (and the shared expert's part
-times its sigmoid gate) in float32 in slot order (one rounding, no atomics: deterministic). The
+times its sigmoid gate) in float32 in slot order (no atomics: deterministic; each part is rounded
+to x's dtype once, the sum once). The
 number of row blocks is bounded by host ints (pairs + min(pairs, experts) * (BLOCK_M - 1)), blocks
 past the real ones exit at once, and nothing syncs: a decode step stays capturable in a CUDA graph.
 At batch 1 this is a GEMV over the 8 chosen experts' weights (the regime where `index_select` +
@@ -385,7 +386,7 @@ def fused_moe(
         block_expert = torch.cat([block_expert, shared_blocks])
         shared_w13, shared_w2, shared_logit = shared
     else:
-        shared_w13, shared_w2, shared_logit = w13, w2, topk_weights  # unused
+        shared_w13, shared_w2, shared_logit = w13, w2, None  # the kernels' shared pointers: unused
     num_blocks = block_expert.shape[0]
     n_fastest = bool(cfg.get("n_fastest")) and num_blocks <= MAX_GRID_Y
 
@@ -411,8 +412,7 @@ def fused_moe(
         PRECISION=precision, N_FASTEST=n_fastest, **pdl_kwargs(x.device),
         num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
-    return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights,
-                     shared_logit if shared is not None else None)  # [T, H] in x's dtype
+    return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype
 
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -450,6 +450,8 @@ def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Te
     to the parts' dtype: `[T, H]`."""
     num_tokens, slots, hidden = parts.shape
     top_k = weights.shape[1]
+    if not parts.is_contiguous():
+        raise ValueError(f"parts must be contiguous, got strides {parts.stride()}")
     if slots != top_k + (shared_logit is not None):
         raise ValueError(f"parts hold {slots} slots, weights {top_k}, shared expert {shared_logit is not None}")
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()

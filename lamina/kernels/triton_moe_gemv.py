@@ -2,8 +2,8 @@
 
 At batch 1 the routed experts are a GEMV over 8 of 256 weight matrices. The grouped-GEMM path of
 `lamina.kernels.triton_moe` sorts the (token, expert) pairs by expert first (one launch), runs
-16-row `tl.dot` tiles of which one row is real, writes `[T, slots, H]` in float32 and sums the
-slots in torch (two more launches). Here, for `T <= GEMV_MAX_TOKENS`:
+16-row `tl.dot` tiles of which one row is real, writes `[T, slots, H]` unweighted parts and sums
+them, weighted, in one more launch. Here, for `T <= GEMV_MAX_TOKENS`:
 
 1. gate/up: one program per (token, slot, tile of BLOCK_N intermediate rows) reads its expert id
    straight from `topk_ids` (slot k = the shared expert when it rides along) and writes

@@ -8,22 +8,23 @@ context copies or SDPA's backends: SDPA's choice for a mask with GQA on an H200 
 builds an execution plan for every new shape (70-95 ms, benchmarks/results/bench_sdpa_shapes_gqa_h200.json),
 and a mixed step brings new shapes every step.
 
-Grid (query head, request, query block of BLOCK_M), launched longest block first: the first axis
-varies fastest, and with `longest_first` the last axis counts query blocks down from the last, so
-the blocks that read the most keys (the causal rule's last rows) start in the first wave and the
-last wave holds the shortest ones, rather than a tail of long blocks of the last head; the heads of
-one block run side by side and share their KV head's tiles in L2. A block past its request's
-queries returns at once. Each program streams its request's keys in BLOCK_N tiles through the block table, with the
-online softmax in float32, and stops at the block's last query position (the causal rule skips
-the rest). A row's result depends on its request only, never on the step's other requests.
+Grid (query head x request, the head varying fastest; query block of BLOCK_M), launched longest
+block first: with `longest_first` the second axis counts query blocks down from the last (at most
+65,535 of them: 4M queries at 64 a block), so the blocks that read the most keys (the causal rule's
+last rows) start in the first wave and the last wave holds the shortest ones, rather than a tail of
+long blocks of the last head; the heads of one block run side by side and share their KV head's
+tiles in L2. A block past its request's queries returns at once. Each program streams its request's
+keys in BLOCK_N tiles through the block table, with the online softmax in float32, and stops at the
+block's last query position (the causal rule skips the rest). A row's result depends on its request
+only, never on the step's other requests, nor on the launch order.
 
 Where it runs (`paged_attention(varlen=True)`, the default on the Triton kernel set; off with
 `LAMINA_PREFILL_ATTENTION=sdpa`): queries that continue cached context, i.e. prompt chunks after the
 first and verification chunks riding a prefill step. Fresh prompts stay on SDPA's causal rule (flash
-on an H200: 2.45 ms at 8k, against 2.32 here with the wide-head tile, 5.3 with the earlier one; not
-compared inside the engine) and decodes on the paged decode kernel of decode steps,
-so a decode computes the same way whatever shares its step. Tested against the reference under
-Triton's interpreter in CI (float32) and on a GPU in bf16. Untimed design points: one program per
+on an H200: 2.45 ms at 8k, against 2.32 here with the wide-head tile, 5.3 with the earlier one)
+unless `LAMINA_FRESH_PROMPT_ATTENTION=varlen` puts them here too, and decodes on the paged decode
+kernel of decode steps, so a decode computes the same way whatever shares its step. Tested against
+the reference under Triton's interpreter in CI (float32) and on a GPU in bf16. Untimed design points: one program per
 query head (K/V read once per head of a GQA group), no split over long contexts.
 """
 
@@ -63,13 +64,13 @@ def _paged_prefill_attention_kernel(
     stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    NUM_HEADS: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    req = tl.program_id(1)
-    m_block = tl.program_id(2)
+    head = tl.program_id(0) % NUM_HEADS
+    req = tl.program_id(0) // NUM_HEADS
+    m_block = tl.program_id(1)
     if LONGEST_FIRST:
-        m_block = tl.num_programs(2) - 1 - m_block
+        m_block = tl.num_programs(1) - 1 - m_block
     kv_head = head // GROUP
     q_start = tl.load(qsl_ptr + req).to(tl.int64)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -146,7 +147,7 @@ def paged_prefill_attention(
     gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
 
     def launch(block_m: int, block_n: int, warps: int, stages: int | None) -> None:
-        grid = (num_q_heads, bsz, triton.cdiv(max(1, max_query_len), block_m))  # bsz, blocks <= 65535: y and z
+        grid = (num_q_heads * bsz, triton.cdiv(max(1, max_query_len), block_m))  # (head, request) fastest
         _paged_prefill_attention_kernel[grid](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, gate, out, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -154,7 +155,7 @@ def paged_prefill_attention(
             gate.stride(1), out.stride(0), out.stride(1),
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-            GATED=gated, LONGEST_FIRST=longest_first, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
+            GATED=gated, NUM_HEADS=num_q_heads, LONGEST_FIRST=longest_first, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
         )
 
     key = (q.device, head_dim, q.dtype)
