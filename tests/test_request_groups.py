@@ -66,6 +66,12 @@ def test_plan_by_kind_separates_decodes_continued_chunks_and_fresh_prompts():
     assert rg.plan_groups([5, 7], [50, 70], by_kind=True) is None
     assert rg.plan_groups([1], [1], by_kind=True) is None
     assert rg.plan_groups([30, 60], [30, 60], by_kind=True) is None  # fresh, similar lengths
+    # fresh prompts on the varlen kernel (LAMINA_FRESH_PROMPT_ATTENTION=varlen): with the continued chunks,
+    # whatever their lengths; a step of prompts alone, of any lengths, is one call
+    assert rg.plan_groups(q, s, by_kind=True, fresh_with_continued=True) == [[0, 2, 6], [1, 3, 4, 5, 7]]
+    prompts = [30, 30, 200000, 30, 30]
+    assert rg.plan_groups(prompts, prompts, by_kind=True) == [[0, 1, 3, 4], [2]]
+    assert rg.plan_groups(prompts, prompts, by_kind=True, fresh_with_continued=True) is None
 
 
 def test_paged_attention_by_kind_groups_on_a_step_padding_keeps_whole(monkeypatch):

@@ -78,6 +78,7 @@ def _greedy(order: list[int], size: Sequence[int], slack: int, cap: int | None =
 
 def plan_groups(
     query_lens: Sequence[int], seq_lens: Sequence[int] | None = None, by_kind: bool = False,
+    fresh_with_continued: bool = False,
 ) -> list[list[int]] | None:
     """Request indices per group, each in batch order; None when one call over the whole batch
     pads little enough. Without `seq_lens`: groups by query length (delta rule, conv). With
@@ -85,14 +86,16 @@ def plan_groups(
     (attention). With them and `by_kind` (attention on the Triton set, whose decode and varlen
     kernels pad nothing): one group of one-token decodes, one of queries that continue cached
     context, and fresh prompts (context = queries) by context length, for SDPA's causal call;
-    None only when the step holds one group."""
+    None only when the step holds one group. `fresh_with_continued` (fresh prompts on the varlen
+    kernel too, `LAMINA_FRESH_PROMPT_ATTENTION=varlen`): the fresh prompts join the continued
+    chunks' group, so a step is at most two calls."""
     n = len(query_lens)
     if by_kind and seq_lens is not None:
         decodes = [r for r in range(n) if query_lens[r] == 1]
         fresh = [r for r in range(n) if query_lens[r] > 1 and seq_lens[r] == query_lens[r]]
         continued = [r for r in range(n) if query_lens[r] > 1 and seq_lens[r] != query_lens[r]]
-        groups = [decodes, continued]
-        if fresh:
+        groups = [decodes, continued + fresh] if fresh_with_continued else [decodes, continued]
+        if fresh and not fresh_with_continued:
             groups += _greedy(sorted(fresh, key=lambda r: seq_lens[r]), seq_lens, CONTEXT_SLACK, CONTEXT_ROWS_CAP)
         groups = [sorted(g) for g in groups if g]
         return groups if len(groups) > 1 else None

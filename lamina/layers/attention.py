@@ -108,7 +108,8 @@ class GatedAttention(nn.Module):
             query, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, key_mask=key_mask,
             # with the varlen kernel, groups by kind: decodes, continued chunks, fresh prompts
-            groups=meta.request_groups(by_context=True, by_kind=self.triton_prefill_attention and key_mask is None),
+            groups=meta.request_groups(by_context=True, by_kind=self.triton_prefill_attention and key_mask is None,
+                                       fresh_with_continued=self.fresh_prompt_varlen),
             # SDPA's own causal rule for fresh prompts (the whole step, or per request group; or the
             # varlen kernel with LAMINA_FRESH_PROMPT_ATTENTION=varlen, `fresh_varlen` below) and the
             # paged decode kernel for groups of decodes, on the fast kernel set (CUDA, or Triton's

@@ -138,18 +138,20 @@ class ForwardMetadata:
         return (self.query_lens_host is not None and self.seq_lens_host is not None
                 and tuple(self.query_lens_host) == tuple(self.seq_lens_host))
 
-    def request_groups(self, by_context: bool = False, by_kind: bool = False):
+    def request_groups(self, by_context: bool = False, by_kind: bool = False, fresh_with_continued: bool = False):
         """Groups of similar requests for the padded kernels (by query length, or for attention by
-        context length too; `by_kind`: decodes, continued chunks and fresh prompts apart, see
+        context length too; `by_kind`: decodes, continued chunks and fresh prompts apart, or with
+        `fresh_with_continued` fresh prompts with the continued chunks, see
         `request_groups.plan_groups`), or None when one call over the whole step will do."""
-        key = (by_context, by_kind and by_context)
+        key = (by_context, by_kind and by_context, fresh_with_continued and by_kind and by_context)
         if key in self._groups:
             return self._groups[key]
         from lamina.kernels import request_groups as rg
 
         groups = None
         if self.allow_groups and self.query_lens_host is not None and self.seq_lens_host is not None:
-            plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None, by_kind=key[1])
+            plan = rg.plan_groups(self.query_lens_host, self.seq_lens_host if by_context else None, by_kind=key[1],
+                                  fresh_with_continued=key[2])
             if plan is not None:
                 capture = None if by_context or self.state_capture is None else self.state_capture.host
                 groups = rg.build_groups(
