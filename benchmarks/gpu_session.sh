@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28g|s28m|s28t ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -658,6 +658,20 @@ for n in ('8k', '8x1k'):
         tests/test_request_groups.py 2>&1 | grep -v "^$" | tail -6 | cut -c1-220
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_engine.py \
         tests/test_batch_invariance.py tests/test_sampler.py 2>&1 | grep -v "^$" | tail -10 | cut -c1-220 ;;
+    s28c)  # session 28 in one short call: the prefill MoE's parts against .baseline's (bench_moe_prefill --quick at 8k
+      # from each tree, an 8k prompt's TTFT from each), the varlen attention's launch order, then part s28g's tests
+      for tree in base new; do
+        root=$PWD; [ $tree = base ] && root=$PWD/.baseline
+        (cd $root && PYTHONPATH=/tmp/site:$root timeout 75 python3 benchmarks/bench_moe_prefill.py --quick \
+          --tokens 8192 --out $OUT/moe_parts_$tree.json 2>&1 | grep -E "tokens|default|grouped" | cut -c1-200)
+        (cd $root && PYTHONPATH=/tmp/site:$root timeout 50 $L --batch-size 1 --input-len 8192 --output-len 2 \
+          --max-num-batched-tokens 8192 --output-json $OUT/s28_ttft8k_$tree.json > /tmp/s28_t.log 2>&1)
+        python3 -c "import json; r=json.load(open('$OUT/s28_ttft8k_$tree.json')); r=r[0] if isinstance(r, list) else r; print('$tree 8k', r['ttft_ms'])" \
+          || tail -3 /tmp/s28_t.log
+      done
+      timeout 60 python3 benchmarks/bench_varlen_attention.py --out $OUT/bench_varlen_attention.json 2>&1 | tail -6 \
+        | cut -c1-420
+      TESTS_TIMEOUT=130 bash $0 s28g ;;
     s28t)  # session 28: every GPU-marked test (one GPU: the two-GPU tests skip)
       timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=10 tests/ 2>&1 | grep -v "^$" | tail -30 | cut -c1-220 ;;
