@@ -147,13 +147,15 @@ def test_paged_attention_by_kind_groups_on_a_step_padding_keeps_whole(monkeypatc
 
 
 def test_fresh_prompt_attention_switch(monkeypatch):
-    """`LAMINA_FRESH_PROMPT_ATTENTION`: SDPA's causal rule by default, the varlen kernel with `varlen`
-    (only where the varlen kernel is on: the Triton set without LAMINA_PREFILL_ATTENTION=sdpa);
-    anything else is refused, naming the value."""
+    """`LAMINA_FRESH_PROMPT_ATTENTION`: the varlen kernel by default and with `varlen` (only where
+    the varlen kernel is on: the Triton set without LAMINA_PREFILL_ATTENTION=sdpa), SDPA's causal
+    rule with `sdpa`; anything else is refused, naming the value."""
     from lamina.kernels.selection import fresh_prompt_varlen_enabled
 
     monkeypatch.delenv("LAMINA_FRESH_PROMPT_ATTENTION", raising=False)
     monkeypatch.delenv("LAMINA_PREFILL_ATTENTION", raising=False)
+    assert fresh_prompt_varlen_enabled("triton") and not fresh_prompt_varlen_enabled("reference")
+    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "sdpa")
     assert not fresh_prompt_varlen_enabled("triton")
     monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "varlen")
     assert fresh_prompt_varlen_enabled("triton") and not fresh_prompt_varlen_enabled("reference")

@@ -1108,10 +1108,10 @@ def test_engine_on_triton_kernels_matches_reference(qwen3_5_moe_short_dir, graph
 
 
 def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
-    """`LAMINA_PREFILL_ATTENTION=triton` (the default; with `LAMINA_FRESH_PROMPT_ATTENTION=varlen`
-    fresh prompts on the varlen kernel too) and `=sdpa`: prompts chunked over several steps (an
-    8-token budget), so steps mix continued chunks, fresh prompts and decodes, give the reference
-    kernels' tokens."""
+    """`LAMINA_PREFILL_ATTENTION=triton` (the default: fresh prompts and continued chunks on the varlen
+    kernel; with `LAMINA_FRESH_PROMPT_ATTENTION=sdpa` fresh prompts on SDPA's causal rule) and `=sdpa`:
+    prompts chunked over several steps (an 8-token budget), so steps mix continued chunks, fresh
+    prompts and decodes, give the reference kernels' tokens."""
     from lamina.kernels import triton_prefill_attention
 
     calls = []
@@ -1123,17 +1123,18 @@ def test_engine_with_triton_prefill_attention_matches_reference(qwen3_5_moe_shor
     options = dict(max_num_seqs=4, max_num_batched_tokens=8)
     ref = _greedy(path, prompts, graphs=False, kernels="reference", monkeypatch=monkeypatch, **options)
     monkeypatch.setenv("LAMINA_PREFILL_ATTENTION", "triton")
+    monkeypatch.delenv("LAMINA_FRESH_PROMPT_ATTENTION", raising=False)
     ours = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
-    assert calls  # the varlen kernel ran
+    assert calls and calls[0] == 8  # the varlen kernel ran, the first step's fresh prompts (3 + 5 tokens) too
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
-    continued_only = list(calls)
+    with_fresh = list(calls)
     calls.clear()
-    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "varlen")  # fresh prompts on the varlen kernel too
-    fresh_too = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
-    assert len(calls) > len(continued_only)  # the first step's fresh prompts (3 + 5 tokens) took it
-    for (ref_ids, ref_lp), (ids, lp) in zip(ref, fresh_too):
+    monkeypatch.setenv("LAMINA_FRESH_PROMPT_ATTENTION", "sdpa")  # fresh prompts on SDPA's causal rule
+    causal = _greedy(path, prompts, graphs=False, kernels="triton", monkeypatch=monkeypatch, **options)
+    assert calls and len(calls) < len(with_fresh) and 8 not in calls  # continued chunks only
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, causal):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
     monkeypatch.delenv("LAMINA_FRESH_PROMPT_ATTENTION")

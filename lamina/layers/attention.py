@@ -110,8 +110,8 @@ class GatedAttention(nn.Module):
             # with the varlen kernel, groups by kind: decodes, continued chunks, fresh prompts
             groups=meta.request_groups(by_context=True, by_kind=self.triton_prefill_attention and key_mask is None,
                                        fresh_with_continued=self.fresh_prompt_varlen),
-            # SDPA's own causal rule for fresh prompts (the whole step, or per request group; or the
-            # varlen kernel with LAMINA_FRESH_PROMPT_ATTENTION=varlen, `fresh_varlen` below) and the
+            # fresh prompts: the varlen kernel (`fresh_varlen` below) or, with
+            # LAMINA_FRESH_PROMPT_ATTENTION=sdpa, SDPA's own causal rule (the whole step, or per group); the
             # paged decode kernel for groups of decodes, on the fast kernel set (CUDA, or Triton's
             # interpreter in CI); the reference set keeps the built mask
             causal_from_start=fast and meta.prompts_from_start, fast_groups=fast,
@@ -121,7 +121,7 @@ class GatedAttention(nn.Module):
             # chunks that continue cached context: lamina's varlen kernel rather than SDPA's masked call
             varlen=self.triton_prefill_attention,
             decodes_only=meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs,  # one query per request
-            fresh_varlen=self.fresh_prompt_varlen,  # fresh prompts on the varlen kernel too (off by default)
+            fresh_varlen=self.fresh_prompt_varlen,  # fresh prompts on the varlen kernel too (the default)
         )  # [T, H, D]
         attn = attn.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if not fast:
