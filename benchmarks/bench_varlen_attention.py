@@ -7,9 +7,11 @@ call (a backend that builds a plan per shape pays it there) and at a repeat, in 
 - `triton`: `triton_prefill_attention.paged_prefill_attention`, the whole flat step in one launch,
   its query blocks launched longest first (the default since session 28); `triton_first_block_first`:
   the same launch in the order before (each head's blocks from the first; bitwise the same output);
-- `lamina`: `paged_attention(varlen=True)` on groups planned by kind (`plan_groups(by_kind=True)`),
-  the attention layer's default: decodes on the decode kernel, fresh prompts on the causal rule,
-  chunks that continue cached context on the varlen kernel instead of the masked call.
+- `lamina`: `paged_attention(varlen=True, fresh_varlen=True)` on groups planned by kind
+  (`plan_groups(by_kind=True, fresh_with_continued=True)`), the attention layer's default since
+  session 28: decodes on the decode kernel, every prompt chunk on the varlen kernel;
+- `lamina_fresh_on_sdpa`: the plan before (`LAMINA_FRESH_PROMPT_ATTENTION=sdpa`; the `lamina` column
+  of earlier results): fresh prompts on the causal rule, grouped by length.
 
 Steps: one fresh 8k prompt; a 4k chunk continuing 4k of cached context; a concurrency-64 mixed step
 (56 decodes at ~1.1k context and 8 fresh 1k prompts); the same with one prompt continued instead.
@@ -60,9 +62,11 @@ def step_inputs(reqs, gen):
     plan = rg.plan_groups(q_lens, seq)
     groups = rg.build_groups(plan, q_lens, seq, "cuda") if plan is not None else None
     fresh = all(c == 0 for c, _ in reqs)
-    kinds = rg.plan_groups(q_lens, seq, by_kind=True)  # the attention layer's plan with the varlen kernel
+    kinds = rg.plan_groups(q_lens, seq, by_kind=True, fresh_with_continued=True)  # the attention layer's plan
     kind_groups = rg.build_groups(kinds, q_lens, seq, "cuda") if kinds is not None else None
-    return dict(kind_groups=kind_groups, q=q, gate=gate, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+    sdpa_kinds = rg.plan_groups(q_lens, seq, by_kind=True)  # with LAMINA_FRESH_PROMPT_ATTENTION=sdpa
+    sdpa_kind_groups = rg.build_groups(sdpa_kinds, q_lens, seq, "cuda") if sdpa_kinds is not None else None
+    return dict(kind_groups=kind_groups, sdpa_kind_groups=sdpa_kind_groups, q=q, gate=gate, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                 seq_lens=torch.tensor(seq, device="cuda"), qsl=qsl, max_q=max(q_lens), max_s=max(seq),
                 groups=groups, fresh=fresh)
 
@@ -138,12 +142,18 @@ def main() -> None:
         def hybrid():
             return paged_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"],
                                    x["max_q"], x["max_s"], DIM**-0.5, groups=x["kind_groups"],
+                                   causal_from_start=x["fresh"], fast_groups=True, gate=x["gate"], varlen=True,
+                                   fresh_varlen=True)
+
+        def hybrid_fresh_on_sdpa():
+            return paged_attention(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"],
+                                   x["max_q"], x["max_s"], DIM**-0.5, groups=x["sdpa_kind_groups"],
                                    causal_from_start=x["fresh"], fast_groups=True, gate=x["gate"], varlen=True)
 
         row = {"step": name, "tokens": int(x["q"].shape[0]), "requests": len(reqs),
                "groups": 0 if x["groups"] is None else len(x["groups"])}
         for label, fn in (("sdpa", sdpa), ("triton", triton_varlen), ("triton_first_block_first", triton_first_block_first),
-                          ("lamina", hybrid)):
+                          ("lamina", hybrid), ("lamina_fresh_on_sdpa", hybrid_fresh_on_sdpa)):
             row[f"{label}_first_ms"] = call_ms(fn)
             row[f"{label}_ms"] = min(call_ms(fn) for _ in range(5))
         diff = (sdpa().float() - triton_varlen().float()).abs().max().item()
@@ -154,7 +164,8 @@ def main() -> None:
         print(f"{name:22s} {row['tokens']:6d} tok, {row['groups']} groups: sdpa first {row['sdpa_first_ms']:8.1f} "
               f"then {row['sdpa_ms']:7.2f} ms | triton first {row['triton_first_ms']:8.1f} then {row['triton_ms']:7.2f} ms"
               f" | first block first {row['triton_first_block_first_ms']:7.2f} ms (equal {row['orders_equal']})"
-              f" | lamina first {row['lamina_first_ms']:8.1f} then {row['lamina_ms']:7.2f} ms | max diff {diff:.3g}")
+              f" | lamina first {row['lamina_first_ms']:8.1f} then {row['lamina_ms']:7.2f} ms"
+              f" (fresh on sdpa {row['lamina_fresh_on_sdpa_ms']:7.2f} ms) | max diff {diff:.3g}")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "command": "python benchmarks/bench_varlen_attention.py",

@@ -120,9 +120,10 @@ def triton_prefill_attention_enabled(kernels: str) -> bool:
     continue cached context (prompt chunks after the first; verification chunks riding a prefill
     step) on lamina's varlen paged kernel (`lamina.kernels.triton_prefill_attention`: reads the
     paged cache, no per-shape plan) rather than SDPA's masked call per request group (fresh prompts:
-    see `fresh_prompt_varlen_enabled`); decode groups take the paged decode kernel either way. On an H200 (benchmarks/results/bench_varlen_attention_h200.json)
-    a 4k chunk over 4k of context took 4.2 against 20.9 ms, and SDPA's masked call (cuDNN with GQA)
-    builds a plan for every new shape (70-195 ms). On by default; `LAMINA_PREFILL_ATTENTION=sdpa`
+    see `fresh_prompt_varlen_enabled`); decode groups take the paged decode kernel either way. On
+    an H200 (benchmarks/results/bench_varlen_attention_h200.json) a 4k chunk over 4k of context
+    took 4.2 against 20.9 ms, and SDPA's masked call (cuDNN with GQA) builds a plan for every new
+    shape (70-195 ms). On by default; `LAMINA_PREFILL_ATTENTION=sdpa`
     keeps the masked SDPA call. Sparse (indexed) attention keeps SDPA. Read at model build time."""
     wanted = os.environ.get("LAMINA_PREFILL_ATTENTION", "triton")
     if wanted not in ("sdpa", "triton"):

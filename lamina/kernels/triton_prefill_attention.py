@@ -19,12 +19,13 @@ block's last query position (the causal rule skips the rest). A row's result dep
 only, never on the step's other requests, nor on the launch order.
 
 Where it runs (`paged_attention(varlen=True)`, the default on the Triton kernel set; off with
-`LAMINA_PREFILL_ATTENTION=sdpa`): queries that continue cached context, i.e. prompt chunks after the
-first and verification chunks riding a prefill step, and fresh prompts (on an H100 a fresh 8k prompt
-takes 2.07 ms here against 2.45 on SDPA's causal rule, flash; `LAMINA_FRESH_PROMPT_ATTENTION=sdpa`
-keeps them there); decodes run the paged decode kernel of decode steps, so a decode computes the same way whatever shares its step. Tested against
-the reference under Triton's interpreter in CI (float32) and on a GPU in bf16. Untimed design points: one program per
-query head (K/V read once per head of a GQA group), no split over long contexts.
+`LAMINA_PREFILL_ATTENTION=sdpa`): prompt chunks, fresh (on an H100 a fresh 8k prompt takes 2.07 ms
+here against 2.45 on SDPA's causal rule, flash; `LAMINA_FRESH_PROMPT_ATTENTION=sdpa` keeps them
+there) or continuing cached context, and verification chunks riding a prefill step. Decodes run
+the paged decode kernel of decode steps, so a decode computes the same way whatever shares its
+step. Tested against the reference under Triton's interpreter in CI (float32) and on a GPU in
+bf16. Untimed design points: one program per query head (K/V read once per head of a GQA group),
+no split over long contexts.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def paged_prefill_attention(
             gate.stride(1), out.stride(0), out.stride(1),
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-            GATED=gated, NUM_HEADS=num_q_heads, LONGEST_FIRST=longest_first, num_warps=warps, **({} if stages is None else {"num_stages": stages}),
+            GATED=gated, NUM_HEADS=num_q_heads, LONGEST_FIRST=longest_first, num_warps=warps,
+            **({} if stages is None else {"num_stages": stages}),
         )
 
     key = (q.device, head_dim, q.dtype)
