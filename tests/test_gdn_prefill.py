@@ -185,6 +185,52 @@ def test_prefill_selection_on_cuda(monkeypatch, caplog, fla_error):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer without CUDA")
+@pytest.mark.parametrize("lens,chunk", [([5, 64, 1, 0, 200, 63, 65], 64), ([0], 64), ([], 64), ([7, 0, 3], 2)])
+def test_chunk_indices_host(lens, chunk):
+    """(request, chunk within the request) of every chunk, request by request, none for a request
+    without tokens: the grid fla derives from cu_seqlens on the device."""
+    from lamina.kernels.varlen import chunk_indices_host
+
+    expected = [[b, i] for b, n in enumerate(lens) for i in range(-(-n // chunk))]
+    indices = chunk_indices_host(lens, chunk)
+    assert indices.dtype.name == "int64" and indices.shape == (len(expected), 2)
+    assert indices.tolist() == expected
+    with pytest.raises(ValueError, match=r"query lengths must be >= 0, got \[3, -1\]"):
+        chunk_indices_host([3, -1], chunk)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        chunk_indices_host(lens, 0)
+
+
+def test_metadata_chunk_indices_once_per_step():
+    """ForwardMetadata uploads a step's chunk indices once per chunk size (every delta-net layer of
+    the step shares them), refuses host lengths that are not this step's, and has none without them."""
+    from lamina.layers.metadata import ForwardMetadata
+
+    lens = (70, 0, 3)
+    qsl = _qsl(list(lens))
+
+    def meta(query_lens_host, num_tokens=sum(lens)):
+        return ForwardMetadata(
+            num_tokens=num_tokens, num_reqs=len(lens), max_query_len=max(lens), max_seq_len=max(lens),
+            positions=torch.zeros(num_tokens, dtype=torch.long), query_start_loc=qsl, seq_lens=qsl[1:] - qsl[:-1],
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long), block_tables=torch.zeros(3, 1, dtype=torch.long),
+            state_slots=torch.arange(3), has_initial_state=torch.zeros(3, dtype=torch.bool),
+            query_lens_host=query_lens_host,
+        )
+
+    step = meta(lens)
+    first = step.chunk_indices(64)
+    assert first.device == qsl.device and first.dtype == torch.long
+    assert first.tolist() == [[0, 0], [0, 1], [2, 0]]
+    assert step.chunk_indices(64) is first
+    assert step.chunk_indices(16).tolist() == [[0, i] for i in range(5)] + [[2, 0]]
+    assert meta(None).chunk_indices(64) is None
+    with pytest.raises(ValueError, match=r"query_lens_host \(70, 3, 1\) does not describe .* 3 requests and 73"):
+        meta((70, 3, 1)).chunk_indices(64)
+    with pytest.raises(ValueError, match=r"query_lens_host \(70, 3\) does not describe"):
+        meta((70, 3)).chunk_indices(64)
+
+
 def test_fla_is_not_imported_without_cuda():
     from lamina.kernels.fla_prefill import fla_import_error
 
@@ -283,6 +329,34 @@ def test_fla_prefill_matches_reference(lens, hk, hv, dk, dv, dtype):
     others = [s for s in range(pool.shape[0]) if s not in slots.tolist()]
     assert torch.equal(ours_pool[others], pool[others])
     assert ours_pool.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_fla_prefill_with_host_chunk_indices_never_syncs():
+    """Chunk indices built from the host lengths are fla's own (`prepare_chunk_indices`), give the
+    same bits as fla deriving them, and the call then never waits for the device (with fla deriving
+    them, `repeat_interleave` reads their count back)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from lamina.host_to_device import to_device
+    from lamina.kernels.fla_prefill import FLA_CHUNK_SIZE, gated_delta_rule_prefill_fla
+    from lamina.kernels.varlen import chunk_indices_host
+
+    lens = [5, 64, 1, 0, 200, 63, 65]
+    q, k, v, g, beta, pool, slots, keep = _gdr_case(lens, 2, 4, 64, 64, seed=7, dtype=torch.bfloat16)
+    qsl = _qsl(lens)
+    indices = to_device(chunk_indices_host(lens, FLA_CHUNK_SIZE), DEVICE)  # [NT, 2]
+    assert torch.equal(indices, prepare_chunk_indices(qsl.clone(), FLA_CHUNK_SIZE))
+    derived_pool, given_pool = pool.clone(), pool.clone()
+    derived = gated_delta_rule_prefill_fla(q, k, v, g, beta, derived_pool, slots, keep, qsl.clone())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        given = gated_delta_rule_prefill_fla(q, k, v, g, beta, given_pool, slots, keep, qsl, chunk_indices=indices)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(given, derived)
+    assert torch.equal(given_pool, derived_pool)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,9 @@ import os
 
 import torch
 
-__all__ = ["fla_import_error", "gated_delta_rule_prefill_fla"]
+__all__ = ["fla_import_error", "gated_delta_rule_prefill_fla", "FLA_CHUNK_SIZE"]
+
+FLA_CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk (its `chunk_size`), what `chunk_indices` count in
 
 
 @functools.cache
@@ -59,6 +61,7 @@ def gated_delta_rule_prefill_fla(
     keep: torch.Tensor,
     query_start_loc: torch.Tensor,
     use_qk_l2norm: bool = True,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a flat varlen batch on fla-core, states in the pool.
 
@@ -66,7 +69,11 @@ def gated_delta_rule_prefill_fla(
         q, k: `[T, Hk, Dk]`; v: `[T, Hv, Dv]`; g (log decay, <= 0), beta: `[T, Hv]`;
         state_pool: `[num_slots, Hv, Dk, Dv]` float32: request b starts from `state_pool[slots[b]]`
             (zeros where `keep[b]` is False) and its final state is written back there;
-        slots: `[B]` long; keep: `[B]` bool; query_start_loc: `[B+1]` cumulative query lengths.
+        slots: `[B]` long; keep: `[B]` bool; query_start_loc: `[B+1]` cumulative query lengths;
+        chunk_indices: `[NT, 2]` long on the device, (request, chunk) of every FLA_CHUNK_SIZE chunk
+            (`ForwardMetadata.chunk_indices`, built from the host lengths). Without it fla derives
+            them from `query_start_loc` with `repeat_interleave`, which waits for the device to read
+            their count (once per step: fla caches them by tensor identity across the layers).
 
     Returns:
         out `[T, Hv, Dv]` in v's dtype. Same results as `gated_delta_rule_varlen` (up to rounding).
@@ -88,6 +95,8 @@ def gated_delta_rule_prefill_fla(
         output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=query_start_loc.long(),
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK_SIZE,
     )  # out [1, T, Hv, Dv], final_state [B, Hv, Dk, Dv] float32
     state_pool.index_copy_(0, slots, final_state.to(state_pool.dtype))
     return out[0].to(v.dtype)  # [T, Hv, Dv]

@@ -11,15 +11,36 @@ Everything here stays on the device: the host ints a helper needs (`max_len`,
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
-__all__ = ["padded_index", "flat_positions", "to_padded", "from_padded", "query_lens"]
+__all__ = ["padded_index", "flat_positions", "to_padded", "from_padded", "query_lens", "chunk_indices_host"]
 
 
 def query_lens(query_start_loc: torch.Tensor) -> torch.Tensor:
     """Per-request token counts `[B]` (long) from the cumulative offsets `[B+1]`."""
     starts = query_start_loc.long()
     return starts[1:] - starts[:-1]
+
+
+def chunk_indices_host(query_lens: Sequence[int], chunk_size: int) -> np.ndarray:
+    """`[NT, 2]` int64 on the host: (request, chunk within the request) of every chunk of
+    `chunk_size` query tokens, request by request (a request of n tokens has ceil(n / chunk_size)
+    chunks, none when n is 0). The chunked kernels' grid over a varlen batch (fla-core's
+    `chunk_indices`), built from the plan's host lengths so that no kernel has to derive it from
+    `query_start_loc` on the device (which reads a count back to the host)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lens = np.asarray(query_lens, dtype=np.int64)  # [B]
+    if (lens < 0).any():
+        raise ValueError(f"query lengths must be >= 0, got {list(query_lens)}")
+    chunks = -(-lens // chunk_size)  # [B]
+    request = np.repeat(np.arange(lens.shape[0], dtype=np.int64), chunks)  # [NT]
+    first = np.repeat(np.cumsum(chunks) - chunks, chunks)  # [NT]: each chunk's request's first chunk
+    within = np.arange(request.shape[0], dtype=np.int64) - first  # [NT]
+    return np.stack([request, within], axis=1)  # [NT, 2]
 
 
 def padded_index(query_start_loc: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

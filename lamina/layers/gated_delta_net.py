@@ -171,10 +171,11 @@ class GatedDeltaNet(nn.Module):
         g, beta = self._gates(b, a)
 
         if fast and self.prefill_kernels.delta_rule == "fla":
-            from lamina.kernels.fla_prefill import gated_delta_rule_prefill_fla
+            from lamina.kernels.fla_prefill import FLA_CHUNK_SIZE, gated_delta_rule_prefill_fla
 
             core = gated_delta_rule_prefill_fla(
                 query, key, value, g, beta, self.ssm_state, slots, keep, meta.query_start_loc,
+                chunk_indices=meta.chunk_indices(FLA_CHUNK_SIZE),
             )  # [T, Hv, Dv]; the pool's recurrent states updated
             return self._output(core, z, num_tokens)
         state_in = torch.where(keep[:, None, None, None], self.ssm_state[slots], 0.0)  # [B, Hv, Dk, Dv]

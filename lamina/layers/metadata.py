@@ -130,6 +130,7 @@ class ForwardMetadata:
     # LAMINA_REQUEST_GROUPS once, when it is built; nothing in the forward reads the environment).
     allow_groups: bool = True
     _groups: dict = field(default_factory=dict, repr=False)
+    _chunk_indices: dict = field(default_factory=dict, repr=False)
 
     @property
     def prompts_from_start(self) -> bool:
@@ -137,6 +138,26 @@ class ForwardMetadata:
         copies: a context length equal to the query length (an upper bound never makes it so)."""
         return (self.query_lens_host is not None and self.seq_lens_host is not None
                 and tuple(self.query_lens_host) == tuple(self.seq_lens_host))
+
+    def chunk_indices(self, chunk_size: int) -> torch.Tensor | None:
+        """`[NT, 2]` long on the step's device: (request, chunk within the request) of every chunk of
+        `chunk_size` query tokens (`varlen.chunk_indices_host`), from the host query lengths and
+        uploaded once per step and chunk size, for the chunked kernels' grid (fla-core's
+        `chunk_indices`); None without host lengths."""
+        if self.query_lens_host is None:
+            return None
+        if chunk_size not in self._chunk_indices:
+            from lamina.host_to_device import to_device
+            from lamina.kernels.varlen import chunk_indices_host
+
+            if len(self.query_lens_host) != self.num_reqs or sum(self.query_lens_host) != self.num_tokens:
+                raise ValueError(
+                    f"query_lens_host {self.query_lens_host} does not describe this step's {self.num_reqs} "
+                    f"requests and {self.num_tokens} tokens"
+                )
+            indices = chunk_indices_host(self.query_lens_host, chunk_size)  # [NT, 2]
+            self._chunk_indices[chunk_size] = to_device(indices, self.query_start_loc.device)
+        return self._chunk_indices[chunk_size]
 
     def request_groups(self, by_context: bool = False, by_kind: bool = False, fresh_with_continued: bool = False):
         """Groups of similar requests for the padded kernels (by query length, or for attention by
