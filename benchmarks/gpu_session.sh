@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -672,6 +672,30 @@ for n in ('8k', '8x1k'):
       timeout 60 python3 benchmarks/bench_varlen_attention.py --out $OUT/bench_varlen_attention.json 2>&1 | tail -6 \
         | cut -c1-420
       TESTS_TIMEOUT=130 bash $0 s28g ;;
+    s29)  # session 29 in one call: the GPU tests that cover the engine's default paths first (bf16 against fp32 CPU
+      # for every family, graphs against eager, MTP and Qwen4 graphs, fla prefill in the engine, the real-width MoE
+      # and prefill attention), one line per test in $OUT/s29_tests.log; then an 8k prompt's and eight 1k prompts'
+      # TTFT with fresh prompts on the varlen kernel or on SDPA's causal rule, alternating
+      timeout ${TESTS_TIMEOUT:-280} python3 -m pytest -v -p no:cacheprovider -m gpu --timeout=150 \
+        tests/test_gpu_engine.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill tests/test_mtp_triton.py \
+        tests/test_qwen4_graphs.py tests/test_sampler.py tests/test_batch_invariance.py \
+        tests/test_triton_kernels.py tests/test_kernels.py > $OUT/s29_tests.log 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/s29_tests.log | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150
+      for i in 1 2; do for m in varlen sdpa; do
+        LAMINA_FRESH_PROMPT_ATTENTION=$m timeout 90 $L --batch-size 1 --input-len 8192 --output-len 2 \
+          --max-num-batched-tokens 8192 --output-json /tmp/s29_ttft8k_${m}_$i.json > /tmp/s29_p.log 2>&1
+        LAMINA_FRESH_PROMPT_ATTENTION=$m timeout 60 $L --batch-size 8 --input-len 1024 --output-len 2 \
+          --max-num-batched-tokens 8192 --output-json /tmp/s29_ttft8x1k_${m}_$i.json >> /tmp/s29_p.log 2>&1
+        python3 -c "
+import json
+for n in ('8k', '8x1k'):
+    r = json.load(open('/tmp/s29_ttft' + n + '_${m}_$i.json')); r = r[0] if isinstance(r, list) else r
+    print('$m', n, round(r['ttft_ms'], 2))" || tail -3 /tmp/s29_p.log
+      done; done
+      python3 -c "
+import json, glob
+json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/s29_ttft*.json'))},
+          open('$OUT/s29_ttft.json', 'w'), indent=1)" ;;
     s28t)  # session 28: every GPU-marked test (one GPU: the two-GPU tests skip)
       timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=10 tests/ 2>&1 | grep -v "^$" | tail -30 | cut -c1-220 ;;
