@@ -681,7 +681,7 @@ for n in ('8k', '8x1k'):
         tests/test_qwen4_graphs.py tests/test_sampler.py tests/test_batch_invariance.py \
         tests/test_triton_kernels.py tests/test_kernels.py > $OUT/s29_tests.log 2>&1
       grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/s29_tests.log | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-150
-      for i in 1 2; do for m in varlen sdpa; do
+      for i in $(seq ${S29_ROUNDS:-2}); do for m in varlen sdpa; do
         LAMINA_FRESH_PROMPT_ATTENTION=$m timeout 90 $L --batch-size 1 --input-len 8192 --output-len 2 \
           --max-num-batched-tokens 8192 --output-json /tmp/s29_ttft8k_${m}_$i.json > /tmp/s29_p.log 2>&1
         LAMINA_FRESH_PROMPT_ATTENTION=$m timeout 60 $L --batch-size 8 --input-len 1024 --output-len 2 \
