@@ -1,6 +1,7 @@
 """The engine on a GPU (run there with `pytest -m gpu`; skipped without CUDA): bf16 greedy output
 agrees with transformers in float32 on the CPU (near-tie rule) for every family, and CUDA-graph
-decode gives exactly the tokens of eager decode on the same kernels."""
+decode gives exactly the tokens of eager decode on the same kernels; prefill and mixed steps never
+sync the host."""
 
 from __future__ import annotations
 
@@ -62,3 +63,39 @@ def test_cuda_graph_decode_equals_eager_decode(qwen3_5_moe_dir, num_prompts, dty
     eager, no_graphs = _generate(qwen3_5_moe_dir, prompts, dtype=dtype, enforce_eager=True)
     assert graphs and not no_graphs
     assert graphed == eager
+
+
+def test_prefill_and_mixed_steps_never_sync_the_host(qwen3_5_moe_dir):
+    """The model's forward in prompt chunks and mixed steps (decodes beside a chunk) reads nothing
+    back from the device (decode-only steps replay graphs): bf16 on the Triton kernel set, fla-core's prefill
+    (chunk indices from the host), the varlen attention for fresh and continued chunks, the fused
+    MoE on prefill chunks. Each forward runs under `torch.cuda.set_sync_debug_mode("error")`. The
+    first pass runs unchecked (fla-core autotunes at its first shapes, which synchronises); the
+    checked pass repeats those shapes with other prompts. The one read of the sampled ids happens
+    after the forward and is not checked."""
+    rng = random.Random(5)
+    lengths = (40, 9, 23, 1, 70)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(qwen3_5_moe_dir), device="cuda", dtype="bfloat16", show_progress=False,
+             max_num_batched_tokens=32, max_num_seqs=8) as llm:
+        model = llm.engine.executor.runner.model
+        forward = model.forward
+        checked = {"on": False, "calls": 0}
+
+        def forward_without_syncs(*args, **kwargs):
+            if not checked["on"]:
+                return forward(*args, **kwargs)
+            checked["calls"] += 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        model.forward = forward_without_syncs  # the runner calls model(...), which calls this
+        for check in (False, True):
+            checked["on"] = check
+            prompts = [[rng.randrange(0, 990) for _ in range(n)] for n in lengths]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        assert checked["calls"] >= 5  # 143 prompt tokens at 32 a step: prompt chunks, some beside decodes
