@@ -150,7 +150,8 @@ def test_warm_up_steps_reach_the_token_budget():
     requests than max_num_seqs, never a prompt longer than max_model_len - 1."""
     from types import SimpleNamespace
 
-    from lamina.engine.llm_engine import LLMEngine, _cut_prompt_lengths
+    from lamina.engine.llm_engine import LLMEngine
+    from lamina.engine.warm_up import _cut_prompt_lengths
 
     def steps(budget, model_len, seqs, num_tokens=256):
         engine = SimpleNamespace(max_num_batched_tokens=budget, max_model_len=model_len, max_num_seqs=seqs)

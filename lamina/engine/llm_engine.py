@@ -15,11 +15,13 @@ from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from lamina.engine.setup import resolve_setup
 from lamina.engine.spec_policy import SpecDecodePolicy
+from lamina.engine.warm_up import WarmUp
 from lamina.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import RequestOutputKind, SamplingParams
@@ -32,36 +34,6 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-WARM_UP_PROMPT_TOKENS = 256  # several 64-token chunks of the delta-net prefill kernels
-WARM_UP_SHORT_PROMPT_TOKENS = 32  # a short prompt's step (the fused MoE's decode-sized tiles)
-# With 32 and 256, every power of two from 8 to 512 tokens: the fused MoE's alignment compiles once per
-# power-of-two bucket of (token, expert) pairs, and mixed steps of any size between decode and a long
-# chunk come (a 281-token step of an offline run compiled it for 4.3 s before these were warmed).
-WARM_UP_SIZE_CLASSES = (8, 16, 64, 128, 512)
-WARM_UP_REQUEST_ID = "lamina-warm-up"
-
-
-def _cut_prompt_lengths(budget: int, seqs: int, per_request: int) -> list[int]:
-    """The warm-up's last prompts (lengths), of which the token budget cuts one so that the next
-    step continues it over its cached context: the varlen attention kernel and fla's chunked delta
-    rule from an initial state compile on their first such chunk (~1.5 s at head dim 256 once
-    landed in a 16k prompt's TTFT). Triton specialises integer arguments equal to 1 or divisible
-    by 16, so the rest is as long as real prompts' continued chunks: with prompts longer than the
-    budget, one of min(2 x budget, per_request) tokens (up to a whole budget continues); otherwise
-    whole prompts up to 16 tokens short of the budget (never ending exactly on it), then one of
-    per_request tokens that the budget cuts after its first 16 (more, when only seqs - 1 prompts
-    fit before it). None when `seqs` prompts of `per_request` fit one budget: then no prompt is
-    ever cut."""
-    if per_request < 2 or per_request * seqs <= budget:
-        return []
-    if per_request > budget:
-        return [min(2 * budget, per_request)]
-    first = min(per_request - 1, max(16, budget - (seqs - 1) * per_request))  # the cut prompt's first chunk
-    head = budget - first  # whole prompts before it: at most seqs - 1 of per_request tokens
-    count = -(-head // per_request)
-    return [head // count + (i < head % count) for i in range(count)] + [per_request]
-
-
 def _steady_decode(chunk, num_drafts: int) -> bool:
     """A chunk that verifies `num_drafts` drafts and proposes as many (no prompt tokens): the
     steps the auto policy times."""
@@ -87,7 +59,7 @@ class _RequestState:
         self.waiting_since: float | None = self.metrics.arrival_time  # None while in the running batch
 
 
-class LLMEngine:
+class LLMEngine(RequestValidation, WarmUp):
     def __init__(self, args: EngineArgs):
         setup = resolve_setup(args)  # every config error is raised here, before any weight is read
         self.setup = setup
@@ -209,55 +181,6 @@ class LLMEngine:
         self.num_generation_tokens_processed = 0
         self.step_token_counts.clear()
 
-    def warm_up(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> None:
-        """Throwaway requests (prompts of ids, one greedy token each) through the normal path, so the
-        first real request does not pay for compiling the prefill kernels (Triton's JIT, fla-core's
-        autotuning: seconds to minutes on a cold cache; the decode steps were compiled by the graph
-        capture). Kernels are compiled per step size class: the fused MoE picks its tiles by the
-        step's token count (an 8k chunk's tiles once cost the first 8k request 11 s of compiling),
-        and Triton specialises integer arguments divisible by 16 and equal to 1 (fla-core's kernels;
-        lamina's leave their step-size counts unspecialised). So the warm-up runs steps of a short
-        prompt (WARM_UP_SHORT_PROMPT_TOKENS), of `num_tokens` and of the whole token budget
-        (`max_num_batched_tokens`, in as many requests as `max_model_len` needs), each once as one
-        step of that many tokens and once one token short over two requests, and one step of each
-        of WARM_UP_SIZE_CLASSES below the budget, and prompts of which the budget cuts one, so the
-        next step continues it over its cached context (`warm_up_steps`). Leaves
-        the engine as it found it: no request, every cache block free, the statistics reset. Run by
-        the constructor on CUDA."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("warm_up() runs on an idle engine only")
-        vocab = self.model_config.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for step, lengths in enumerate(self.warm_up_steps(num_tokens)):
-            for replica in range(self.num_replicas):  # one set each: a new request goes to the least busy replica
-                for index, length in enumerate(lengths):
-                    prompt = [(7 * i + 3 * index + 1) % vocab for i in range(length)]
-                    request_id = f"{WARM_UP_REQUEST_ID}-{step}-{index}-{replica}"
-                    self.add_request({"prompt_token_ids": prompt}, params, request_id=request_id)
-            while self.has_unfinished_requests():
-                self.step()
-        self._reset_statistics()
-
-    def warm_up_steps(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> list[list[int]]:
-        """The warm-up's steps, each the prompt lengths of the requests added together."""
-        per_request = max(1, self.max_model_len - 1)  # the longest prompt that still samples a token
-        budget = min(self.max_num_batched_tokens, per_request * self.max_num_seqs)  # the largest step there can be
-        steps: list[list[int]] = []
-        both = {min(t, budget) for t in (WARM_UP_SHORT_PROMPT_TOKENS, max(1, num_tokens), budget)}
-        size_classes = {t for t in WARM_UP_SIZE_CLASSES if t < budget} - both
-        for total in sorted(both | size_classes):
-            for tokens, fewest in ((total, 1), (total - 1, 2))[:2 if total in both else 1]:
-                count = min(max(fewest, -(-tokens // per_request)), self.max_num_seqs)
-                if tokens < count:
-                    continue
-                lengths = [tokens // count + (i < tokens % count) for i in range(count)]
-                if lengths not in steps and max(lengths) <= per_request:
-                    steps.append(lengths)
-        cut = _cut_prompt_lengths(self.max_num_batched_tokens, self.max_num_seqs, per_request)
-        if cut:
-            steps.append(cut)
-        return steps
-
     def _num_kv_blocks(self, max_num_seqs: int) -> int:
         args = self.args
         blocks_per_seq = -(-self.max_model_len // args.block_size)
@@ -325,134 +248,6 @@ class LLMEngine:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", self.no_graphs_reason)
 
     # ---- requests ------------------------------------------------------------------------
-    @property
-    def no_tokenizer_reason(self) -> str:
-        """Why there is no tokenizer, for error messages (empty when there is one)."""
-        if self.tokenizer is not None:
-            return ""
-        if self.args.skip_tokenizer_init:
-            return "the engine runs without a tokenizer (skip_tokenizer_init)"
-        return "this model has no tokenizer"
-
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.no_tokenizer_reason}: text prompts cannot be tokenized; pass token ids "
-                             "({'prompt_token_ids': [...]}, or a list of ints)")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as a string, a token-id list, or a dict with
-        `prompt_token_ids` or `prompt`."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
-            raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
-
-    def prepare_request_prompt(self, prompt: str | list[int] | dict, keep: int | None) -> tuple[str | None, list[int]]:
-        """`prepare_prompt`, then vLLM's truncate_prompt_tokens `keep`: only the last k tokens (-1: the
-        last max_model_len; None: all) are kept; a truncated prompt has no text."""
-        text, token_ids = self.prepare_prompt(prompt)
-        kept = self.truncate_prompt(token_ids, keep)
-        return (text if len(kept) == len(token_ids) else None), kept
-
-    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The last `keep` prompt tokens (-1: the last max_model_len; None: all)."""
-        if keep is None:
-            return token_ids
-        keep = self.max_model_len if keep == -1 else keep
-        return token_ids[-keep:] if len(token_ids) > keep else token_ids
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request before it is queued; returns its resolved max_tokens."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer ({self.no_tokenizer_reason}): use stop_token_ids instead")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len = {self.max_model_len}"
-            )
-        self._check_logprobs(params)
-        self._check_token_options(params, vocab)
-        room = self.max_model_len - len(prompt_token_ids)
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
-    @property
-    def max_logprobs(self) -> int:
-        """The most logprobs a request may ask a token (max_logprobs; -1 there: the vocabulary)."""
-        return self.model_config.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
-
-    def logprobs_limit_error(self, name: str, asked: int | None) -> str | None:
-        """Why `name` = `asked` (logprobs or prompt_logprobs; -1: the vocabulary) is more than the
-        engine allows (vLLM's max_logprobs), or None."""
-        count = self.model_config.vocab_size if asked == -1 else asked
-        if count is None or count <= self.max_logprobs:
-            return None
-        return (f"{name} = {asked} asks {count} logprobs a token, more than max_logprobs = {self.max_logprobs} allows "
-                f"(start the engine with a larger max_logprobs, or -1 for the whole vocabulary)")
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        for name in ("logprobs", "prompt_logprobs"):
-            error = self.logprobs_limit_error(name, getattr(params, name))
-            if error is not None:
-                raise ValueError(error)
-
-    # Sampling options the speculative (MTP) verification path does not apply yet.
-    _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "allowed_token_ids", "bad_words", "prompt_logprobs", "structured_outputs")
-
-    def _check_token_options(self, params: SamplingParams, vocab: int) -> None:
-        """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized;
-        options that speculative decoding cannot honour refused when it is on."""
-        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
-        bad_allowed = [t for t in (params.allowed_token_ids or []) if t >= vocab]
-        if bad_allowed:
-            raise ValueError(f"allowed_token_ids {bad_allowed[:5]} are outside the vocabulary [0, {vocab})")
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer, and this model has none")
-            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # a bad schema / regex fails here
-        if self.spec_config is not None:
-            defaults = SamplingParams()
-            used = [name for name in self._NOT_WITH_MTP if getattr(params, name) != getattr(defaults, name)]
-            if used:
-                raise ValueError(
-                    f"{', '.join(used)} cannot be combined with speculative decoding (MTP) yet: the verification "
-                    "path applies temperature, top-k, top-p, min-p and min_tokens only; start the engine without "
-                    "speculative_config to use them"
-                )
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as tokens, as written without a leading space and, when that tokenizes
-        differently in its first token but to as many tokens, with one (vLLM's rule)."""
-        sequences: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            if plain:
-                sequences.append(list(plain))
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
-                sequences.append(list(spaced))
-        return sequences
-
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the generation config's defaults (vLLM's get_default_sampling_params)."""
         return SamplingParams(**self.default_sampling)
