@@ -102,7 +102,7 @@ def main() -> None:
     # the top-k / top-p cut itself, the same run: the whole vocabulary sorted (apply_top_k_top_p,
     # the reference) against the sampler's path (filter_top_k_top_p: a top-k of TOP_K_WINDOW for rows
     # with top_k <= it), Qwen3.5's defaults
-    from lamina.worker.sampler import apply_top_k_top_p, filter_top_k_top_p
+    from lamina.worker.top_k_top_p import apply_top_k_top_p, filter_top_k_top_p
 
     for batch in (1, 16, 64, 256):
         logits = torch.randn(batch, vocab, device=device)

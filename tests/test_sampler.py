@@ -5,12 +5,8 @@ import math
 import pytest
 import torch
 
-from lamina.worker.sampler import (
-    Sampler,
-    SamplingBatch,
-    apply_min_p,
-    apply_top_k_top_p,
-)
+from lamina.worker.sampler import Sampler, SamplingBatch
+from lamina.worker.top_k_top_p import apply_min_p, apply_top_k_top_p
 from lamina.sampling_params import SamplingParams
 
 V = 64
@@ -164,7 +160,7 @@ def test_window_path_keeps_the_reference_set_per_row_whatever_the_batch():
     rounded to bfloat16, so many tie, also with the k-th beyond the window and at top-p's last
     token; -inf logits (bans); a row alone or in a batch mixing both paths and unfiltered rows keeps
     the same set."""
-    from lamina.worker.sampler import TOP_K_WINDOW, filter_top_k_top_p
+    from lamina.worker.top_k_top_p import TOP_K_WINDOW, filter_top_k_top_p
 
     vocab = 700
     gen = torch.Generator().manual_seed(5)
@@ -334,7 +330,7 @@ def test_window_path_keeps_the_reference_set_on_the_gpu():
     """On CUDA at the 248k vocabulary: the window path (topk, scans) keeps the sort's set for
     bfloat16-rounded logits with the Qwen3.5 defaults and others, and each row's set is the same
     alone as in the batch."""
-    from lamina.worker.sampler import filter_top_k_top_p
+    from lamina.worker.top_k_top_p import filter_top_k_top_p
 
     vocab = 248320
     gen = torch.Generator().manual_seed(1)

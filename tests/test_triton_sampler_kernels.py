@@ -131,7 +131,7 @@ def test_window_cut_kernel_keeps_the_reference_set():
     sort (apply_top_k_top_p) and of the torch window_cut: bfloat16 ties, ties of the k-th beyond
     the window (the branch that counts the whole row), -inf logits, top-p 1 and tiny."""
     from lamina.kernels.triton_window_cut import window_cut_triton
-    from lamina.worker.sampler import TOP_K_WINDOW, apply_top_k_top_p, filter_top_k_top_p, window_cut
+    from lamina.worker.top_k_top_p import TOP_K_WINDOW, apply_top_k_top_p, filter_top_k_top_p, window_cut
 
     vocab = 3000
     gen = torch.Generator().manual_seed(2)

@@ -1,5 +1,5 @@
 """The top-k / top-p cut of rows whose top-k fits a fixed window, in one launch (the torch form and
-its meaning: `lamina.worker.sampler.window_cut`). The torch form is ~30 small launches after the
+its meaning: `lamina.worker.top_k_top_p.window_cut`). The torch form is ~30 small launches after the
 `topk`, which made it slower than sorting the vocabulary at batch 1 on an H100 (0.47 against 0.36
 ms, benchmarks/results/sampler_window_ab_h100_s26.json); here one program per row reads its W
 sorted logits and does the rest in registers: the k-th value, top-p's renormalised running mass
@@ -49,7 +49,7 @@ def _window_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values
 
 
 def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
-    """`lamina.worker.sampler.window_cut` in one launch after the `topk`: logits `[B, V]` float32
+    """`lamina.worker.top_k_top_p.window_cut` in one launch after the `topk`: logits `[B, V]` float32
     (unit column stride), top_k `[B]` int64, top_p `[B]` float32; returns the cut `[B, 1]`."""
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "

@@ -26,7 +26,6 @@ common path syncs the device with the host.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -37,15 +36,13 @@ from lamina.outputs import Logprob
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.kernels.seeded_noise import fill_seeded_exponential, seed_key
+from lamina.worker.top_k_top_p import TOP_K_WINDOW, apply_min_p, filter_top_k_top_p
 
 __all__ = [
     "SamplingBatch",
     "Sampler",
     "SamplerOutput",
     "LogprobsTensors",
-    "apply_top_k_top_p",
-    "apply_min_p",
-    "filter_top_k_top_p",
 ]
 
 
@@ -308,132 +305,6 @@ class SamplerOutput:
             return [None] * len(self.num_logprobs)
         ranks = self.logprobs.sampled_ranks.tolist()
         return [None if n is None else ranks[i] for i, n in enumerate(self.num_logprobs)]
-
-
-# ---------------------------------------------------------------------- #
-# Masking helpers (functional, usable on their own)
-# ---------------------------------------------------------------------- #
-# Rows whose top-k is at most this take the top-k of this fixed width instead of sorting the
-# vocabulary (`window_cut`); a fixed width, so that a row's arithmetic never depends on its batch.
-TOP_K_WINDOW = 128
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to ``-inf``, sorting the whole vocabulary
-    (the reference; the sampler takes `filter_top_k_top_p`, which computes the same set).
-
-    Args:
-        logits: ``[B, V]`` float logits (already temperature-scaled).
-        top_k: ``[B]`` int64; values ``>= V`` mean disabled. ``None`` skips.
-        top_p: ``[B]`` float in (0, 1]; ``1`` means disabled. ``None`` skips.
-
-    Top-k keeps the ``k`` likeliest tokens and every token tied with the
-    k-th (as vLLM and transformers do).  Top-p is applied after top-k, on the
-    renormalised distribution, and keeps the smallest prefix of the sorted
-    tokens whose cumulative probability reaches ``top_p`` (the most likely
-    token always), again with every token tied with the last one kept.  So
-    the kept set is a threshold on the logits, whatever order the sort gave
-    tied tokens in (a sort's tie order may differ between devices and batch
-    shapes).  Returns a new tensor.
-    """
-    if top_k is None and top_p is None:
-        return logits
-    return logits.masked_fill(logits < sorted_cut(logits, top_k, top_p), float("-inf"))  # [B, V]
-
-
-def sorted_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Each row's lowest kept logit `[B, 1]` under top-k then top-p (`apply_top_k_top_p`), from
-    the whole vocabulary sorted."""
-    vocab = logits.shape[1]
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [B, V]
-    cut = sorted_logits[:, :1]  # [B, 1]: the lowest logit kept so far (the top one is always kept)
-    if top_k is not None:
-        k = top_k.clamp(min=1, max=vocab).unsqueeze(1)  # [B, 1]
-        cut = sorted_logits.gather(1, k - 1)  # [B, 1]: the k-th largest
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < cut, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)  # [B, V]
-        # Probability mass strictly before each position; a position is kept
-        # while the mass before it is still short of top_p. In float64: a CUDA
-        # scan's order follows the number of rows (CUB for one row, tiles sized
-        # by the row count for more), so a float32 sum could flip a near-tie with
-        # the batch; in float64 only a tie within ~1e-16 of top_p could. (One float64
-        # [B, V], the bytes of the float32 sum and difference it replaces.)
-        mass_before = probs.cumsum(dim=-1, dtype=torch.float64).sub_(probs)  # [B, V]
-        keep = mass_before < top_p.double().unsqueeze(1)  # [B, V]
-        keep |= (top_p >= 1.0).unsqueeze(1)  # rows with top_p == 1 keep everything
-        keep[:, 0] = True  # the most likely token always survives
-        last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position
-        cut_p = sorted_logits.gather(1, last)  # [B, 1]
-        cut = cut_p if top_k is None else torch.maximum(cut, cut_p)
-    return cut
-
-
-def window_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int = TOP_K_WINDOW) -> torch.Tensor:
-    """`sorted_cut` for rows whose `top_k` is at most `width`, from their `width` likeliest logits
-    (`topk`, no sort of the vocabulary): the same kept set. Tokens tied with the k-th logit beyond
-    the window still count in top-p's normaliser (the threshold keeps them), by their number.
-    logits `[B, V]`, top_k `[B]` int64 in [1, width], top_p `[B]` (1: no top-p). Returns `[B, 1]`."""
-    width = min(width, logits.shape[1])
-    values = logits.topk(width, dim=-1).values  # [B, W], best first
-    k = top_k.clamp(min=1, max=width).unsqueeze(1)  # [B, 1]
-    cut = values.gather(1, k - 1)  # [B, 1]: the k-th largest
-    kept = values.masked_fill(values < cut, float("-inf"))  # [B, W]
-    # ties with the k-th logit outside the window: in the kept set, at the end of the sorted order
-    beyond = (logits == cut).sum(dim=1, keepdim=True) - (values == cut).sum(dim=1, keepdim=True)  # [B, 1]
-    top = values[:, :1]  # [B, 1]
-    weights = (kept - top).exp()  # [B, W]
-    # running sums in an order that is each row's own: a scan along the outer dimension (one
-    # sequential pass per column); along the inner one, a CUDA scan's order follows the number of rows
-    running = weights.t().contiguous().cumsum(dim=0).t()  # [B, W]
-    total = running[:, -1:] + beyond * (cut - top).exp()  # [B, 1]
-    mass_before = (running - weights) / total  # [B, W]
-    keep = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)  # [B, W]
-    keep[:, 0] = True  # the most likely token always survives
-    last = keep.sum(dim=-1, keepdim=True) - 1  # [B, 1]: the last kept position in the window
-    return torch.maximum(cut, kept.gather(1, last))  # [B, 1]
-
-
-def filter_top_k_top_p(logits: torch.Tensor, batch: "SamplingBatch") -> torch.Tensor:
-    """`apply_top_k_top_p` over the batch's filtered rows, each by its own group (`window_rows`:
-    `window_cut`, in one Triton launch after the `topk` when the batch's `sampler_kernels` say so
-    and the vocabulary is at least the window; `sorted_rows`: `sorted_cut`); other rows are left
-    whole. Returns a new tensor."""
-    cut = None  # [B, 1]
-    window = window_cut
-    if batch.sampler_kernels == "triton" and logits.shape[1] >= TOP_K_WINDOW and logits.dtype == torch.float32:
-        from lamina.kernels.triton_window_cut import window_cut_triton
-
-        window = functools.partial(window_cut_triton, width=TOP_K_WINDOW)
-    groups = ((batch.window_rows, batch.window_index, window), (batch.sorted_rows, batch.sorted_index, sorted_cut))
-    for rows, index, cut_of in groups:
-        if not rows:
-            continue
-        if index is None:  # the whole batch
-            cut = cut_of(logits, batch.top_k, batch.top_p)
-        else:
-            if cut is None:  # rows of neither group are left whole
-                cut = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)
-            cut.index_copy_(0, index, cut_of(logits.index_select(0, index), batch.top_k.index_select(0, index),
-                                             batch.top_p.index_select(0, index)))
-    if cut is None:  # no row filters
-        return logits
-    return logits.masked_fill(logits < cut, float("-inf"))  # [B, V]
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero probabilities below ``min_p * max(prob)`` per row (in place).
-
-    Args:
-        probs: ``[B, V]`` probabilities (need not be normalised).
-        min_p: ``[B]`` in [0, 1]; ``0`` disables the row's filter.
-    """
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
-    return probs.masked_fill_(probs < threshold, 0.0)
 
 
 # ---------------------------------------------------------------------- #
