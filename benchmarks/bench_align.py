@@ -1,4 +1,4 @@
-"""MoE pair alignment (`lamina.kernels.triton_moe.align_pairs`) on one GPU: the one-program sort
+"""MoE pair alignment (`lamina.kernels.triton_align.align_pairs`) on one GPU: the one-program sort
 kernel against the kernel it replaced (copied below as `_align_kernel_v0`: [64, E] one-hot tiles
 with a cumsum per chunk, a 64-lane padding fill) and the torch reference, per call, at decode-like
 pair counts (default 8, 128, 512, 2048 pairs = batch 1, 16, 64, 256 at top-8 over 256 experts,
@@ -32,7 +32,7 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lamina.kernels.triton_align import align_pairs_blocked  # noqa: E402
-from lamina.kernels.triton_moe import _align_one_program, _align_torch, _align_warps, _max_rows  # noqa: E402
+from lamina.kernels.triton_align import _align_one_program, _align_torch, _align_warps, _max_rows  # noqa: E402
 
 
 # The kernel before the sort-based one (lamina commit 0835e6a), kept here as the baseline.

@@ -26,13 +26,8 @@ from lamina.kernels.triton_decode import (  # noqa: E402
     gated_delta_rule_decode,
     paged_decode_attention,
 )
-from lamina.kernels.triton_moe import (  # noqa: E402
-    _align_one_program,
-    _align_torch,
-    align_pairs,
-    fused_moe,
-    route_softmax_topk,
-)
+from lamina.kernels.triton_align import _align_one_program, _align_torch, align_pairs  # noqa: E402
+from lamina.kernels.triton_moe import fused_moe, route_softmax_topk  # noqa: E402
 from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from lamina.kernels.triton_prefill_attention import PREFILL_BLOCK_M, paged_prefill_attention  # noqa: E402
 from lamina.kernels.triton_norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
@@ -395,7 +390,7 @@ def test_blocked_alignment_equals_the_torch_one(num_pairs, num_local, expert_sta
     """The three-launch alignment of prefill chunks (`triton_align`), bitwise against `_align_torch`
     (and what `align_pairs` returns above 4,096 pairs)."""
     from lamina.kernels.triton_align import align_pairs_blocked
-    from lamina.kernels.triton_moe import _max_rows
+    from lamina.kernels.triton_align import _max_rows
 
     gen = _gen(num_pairs * 31 + num_local)
     ids = torch.randint(0, expert_start + num_local + 8, (num_pairs,), generator=gen).to(DEVICE, dtype)
@@ -411,7 +406,7 @@ def test_blocked_alignment_equals_the_torch_one(num_pairs, num_local, expert_sta
 @pytest.mark.parametrize("kind", ["one_expert", "none_local", "half_on_one"])
 def test_blocked_alignment_of_skewed_routings(kind):
     from lamina.kernels.triton_align import align_pairs_blocked
-    from lamina.kernels.triton_moe import _max_rows
+    from lamina.kernels.triton_align import _max_rows
 
     ids = _skewed_ids(kind)[:1100].to(DEVICE)  # over several blocks of pairs (none_local: 512 pairs, two)
     num_local, block_m = (8, 64) if kind == "one_expert" else (256, 16)
@@ -425,7 +420,7 @@ def test_blocked_alignment_at_prefill_sizes(num_tokens, block_m):
     """A 2k and an 8k prompt chunk of the Qwen3.5-35B-A3B shape (top-8 of 256 experts, the
     prefill tiles' row blocks) through `align_pairs`, bitwise against the torch form."""
     from lamina.kernels.triton_align import align_pairs_blocked
-    from lamina.kernels.triton_moe import _max_rows
+    from lamina.kernels.triton_align import _max_rows
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     ids = torch.rand(num_tokens, 256, device="cuda", generator=gen).topk(8, dim=-1).indices  # [T, 8]
@@ -444,7 +439,7 @@ def test_blocked_alignment_of_ep_ranks_on_gpu(num_tokens, num_global, num_local,
     """The compiled kernels (with PDL on sm90+) where the interpreter tests are: ids of other EP
     ranks, few and many local experts, a pair count that is not a multiple of the blocks."""
     from lamina.kernels.triton_align import align_pairs_blocked
-    from lamina.kernels.triton_moe import _max_rows
+    from lamina.kernels.triton_align import _max_rows
 
     gen = torch.Generator(device="cuda").manual_seed(num_local)
     ids = torch.rand(num_tokens, num_global, device="cuda", generator=gen).topk(8, dim=-1).indices  # [T, 8]
