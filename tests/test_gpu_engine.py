@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from lamina import LLM, SamplingParams
+from lamina.kernels.selection import GdnPrefillKernels
+from lamina.layers.gated_delta_net import GatedDeltaNet
 from tests import tiny_checkpoints as tc
 from tests.reference import load_reference, reference_logits
 
@@ -79,6 +81,8 @@ def test_prefill_and_mixed_steps_never_sync_the_host(qwen3_5_moe_dir):
     with LLM(str(qwen3_5_moe_dir), device="cuda", dtype="bfloat16", show_progress=False,
              max_num_batched_tokens=32, max_num_seqs=8) as llm:
         model = llm.engine.executor.runner.model
+        delta_nets = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        assert delta_nets and all(m.prefill_kernels == GdnPrefillKernels("fla", "triton") for m in delta_nets)
         forward = model.forward
         checked = {"on": False, "calls": 0}
 

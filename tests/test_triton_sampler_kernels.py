@@ -6,7 +6,7 @@ there is no GPU (tests/conftest.py turns it on):
   lose the noise's precision), written into the given rows only, and the sampler drawing the same
   tokens with either;
 - the top-k window's cut in one launch (lamina.kernels.triton_window_cut) against the torch
-  window_cut and the sort (lamina.worker.sampler)."""
+  window_cut and the sort (lamina.worker.top_k_top_p)."""
 
 from __future__ import annotations
 
