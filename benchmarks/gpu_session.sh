@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -701,6 +701,17 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout ${AB_TIMEOUT:-300} python3 benchmarks/bench_ttft_ab.py --attr fresh_prompt_varlen --values True,False \
         --batch-size 1,8 --input-len 8192,1024 --rounds ${AB_ROUNDS:-8} --out $OUT/ttft_ab_fresh_varlen.json 2>&1 \
         | grep -v Warning | tail -4 ;;
+    s30)  # next session, one call: session 29's unrun GPU tests (the no-sync prefill guard, the flash timing test
+      # warmed at another length, fla's host chunk indices), then the fresh-prompt TTFT A/B in one process (part
+      # ttftab), then batch 1 against transformers (part compare25) on an H200 only (on an H100 host 40x is above
+      # the roofline)
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -m gpu --timeout=150 \
+        tests/test_gpu_engine.py::test_prefill_and_mixed_steps_never_sync_the_host \
+        "tests/test_kernels.py::test_fresh_prompts_on_cuda_take_flash_and_match_the_mask" \
+        tests/test_gdn_prefill.py::test_fla_prefill_with_host_chunk_indices_never_syncs > $OUT/s30_tests.log 2>&1
+      grep -E "PASSED|FAILED|ERROR|^E |passed|failed" $OUT/s30_tests.log | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-200
+      AB_ROUNDS=${AB_ROUNDS:-16} bash $0 ttftab
+      if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
     s28t)  # session 28: every GPU-marked test (one GPU: the two-GPU tests skip)
       timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
         --durations=10 tests/ 2>&1 | grep -v "^$" | tail -30 | cut -c1-220 ;;
