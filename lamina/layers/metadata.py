@@ -150,11 +150,10 @@ class ForwardMetadata:
             from lamina.host_to_device import to_device
             from lamina.kernels.varlen import chunk_indices_host
 
-            if (len(self.query_lens_host) != self.num_reqs or sum(self.query_lens_host) != self.num_tokens
-                    or self.query_start_loc.shape[0] != self.num_reqs + 1):
+            if len(self.query_lens_host) != self.num_reqs or sum(self.query_lens_host) != self.num_tokens:
                 raise ValueError(
                     f"query_lens_host {self.query_lens_host} does not describe this step's {self.num_reqs} "
-                    f"requests and {self.num_tokens} tokens (query_start_loc of {self.query_start_loc.shape[0]})"
+                    f"requests and {self.num_tokens} tokens"
                 )
             indices = chunk_indices_host(self.query_lens_host, chunk_size)  # [NT, 2]
             self._chunk_indices[chunk_size] = to_device(indices, self.query_start_loc.device)
