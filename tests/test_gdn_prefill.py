@@ -296,17 +296,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+_RAGGED = ([5, 64, 1, 0, 200, 63, 65], 2, 4, 64, 64)  # ragged, chunk boundaries, a request without tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "lens,hk,hv,dk,dv",
+    "lens,hk,hv,dk,dv,dtype",
     [
-        ([1], 2, 4, 64, 64),  # T = 1
-        ([1, 1, 1], 2, 2, 32, 64),  # decodes only
-        ([5, 64, 1, 0, 200, 63, 65], 2, 4, 64, 64),  # ragged, chunk boundaries, a request without tokens
-        ([700, 1, 129], 16, 32, 128, 128),  # Qwen3.5-35B-A3B heads (GQA 16 -> 32)
+        ([1], 2, 4, 64, 64, torch.bfloat16),  # T = 1
+        ([1, 1, 1], 2, 2, 32, 64, torch.bfloat16),  # decodes only
+        (*_RAGGED, torch.bfloat16),
+        ([700, 1, 129], 16, 32, 128, 128, torch.bfloat16),  # Qwen3.5-35B-A3B heads (GQA 16 -> 32)
+        # float32 at one shape only: the engine sends fla bfloat16 / float16 (selection.gdn_prefill_kernels
+        # refuses float32), and each new shape and dtype costs fla-core ~45-65 s of autotuning on a cold
+        # machine (session 30); the tighter tolerance still checks the wrapper's slots, keep and chunking
+        (*_RAGGED, torch.float32),
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_prefill_matches_reference(lens, hk, hv, dk, dv, dtype):
     from lamina.kernels.fla_prefill import fla_import_error, gated_delta_rule_prefill_fla
 
