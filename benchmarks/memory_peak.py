@@ -30,7 +30,7 @@ def _gib(n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=DEFAULT_PRESET)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="0: the engine's default (its memory plan may lower it)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=None)
@@ -38,7 +38,7 @@ def main() -> None:
     dev = torch.device("cuda")
     start_allocated = torch.cuda.memory_allocated(dev)
     llm = LLM(str(preset_dir(args.preset)), device="cuda", dtype="bfloat16", load_format="dummy",
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs or None, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, show_progress=False)
     engine = llm.engine
     runner = engine.executor.runner
@@ -56,6 +56,7 @@ def main() -> None:
         "reserved_after_init_gib": _gib(torch.cuda.memory_reserved(dev)),
         # the warm-up's and the graph capture's peak over what stays allocated after them
         "init_peak_over_allocated_gib": _gib(torch.cuda.max_memory_allocated(dev) - after_init),
+        "memory_plan": None if engine.memory_plan is None else engine.memory_plan.describe(engine.args.block_size),
     }
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -66,7 +67,7 @@ def main() -> None:
         # one prompt as long as max_model_len allows, in budget-sized chunks
         "long_prompt": [[(j * 31) % vocab for j in range(args.max_model_len - 8)]],
         # max_num_seqs decodes (CUDA graphs), sampled with top-k / top-p (the sampler's temporaries)
-        "decode_full": [[(i * 13 + j) % vocab for j in range(64)] for i in range(args.max_num_seqs)],
+        "decode_full": [[(i * 13 + j) % vocab for j in range(64)] for i in range(engine.max_num_seqs)],
     }
     for name, prompts in workloads.items():
         torch.cuda.synchronize()

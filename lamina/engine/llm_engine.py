@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -14,6 +15,7 @@ from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_sched
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
+from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
@@ -121,21 +123,23 @@ class LLMEngine(RequestValidation, WarmUp):
                 )
             self.executor = MultiprocExecutor(worker_spec(setup), setup.node_ranks())
             token_history_len = model_cls.token_history_len_for(cfg) if hasattr(model_cls, "token_history_len_for") else 0
+        self.memory_plan = None  # CUDA without a given KV size: lamina.engine.memory_plan's MemoryPlan
         try:
-            num_blocks = self._num_kv_blocks(max_num_seqs)
+            num_blocks, max_num_seqs = self._num_kv_blocks(max_num_seqs, max_batched)
             self.executor.allocate(num_blocks, args.block_size, max_num_seqs)
         except BaseException:
             self.executor.shutdown()
             raise
         self.cuda_graphs = False
         self.no_graphs_reason: str | None = None  # several ranks: why they decode eagerly
-        if self.parallel_config.is_single_rank and not args.enforce_eager:
-            k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
-            self.cuda_graphs = self.executor.runner.capture_decode_graphs(
-                max_num_seqs, self.max_model_len, num_speculative_tokens=k,
-            )
-        elif not args.enforce_eager and self.device.type == "cuda":
-            self._capture_multirank_graphs(max_num_seqs)
+        with self._out_of_memory_explained("capturing the decode graphs"):
+            if self.parallel_config.is_single_rank and not args.enforce_eager:
+                k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+                self.cuda_graphs = self.executor.runner.capture_decode_graphs(
+                    max_num_seqs, self.max_model_len, num_speculative_tokens=k,
+                )
+            elif not args.enforce_eager and self.device.type == "cuda":
+                self._capture_multirank_graphs(max_num_seqs)
         self.num_replicas = self.plan.dp
         self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
         self.schedulers = [
@@ -162,7 +166,22 @@ class LLMEngine(RequestValidation, WarmUp):
         self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
         self._reset_statistics()
         if self.device.type == "cuda":
-            self.warm_up()
+            with self._out_of_memory_explained("warming up (a step of max_num_batched_tokens tokens)"):
+                self.warm_up()
+
+    @contextlib.contextmanager
+    def _out_of_memory_explained(self, what: str):
+        """Start-up on CUDA: an out-of-memory error shuts the executor down and says which plan
+        left too little room for the steps and what to change (the plan's headroom is an estimate)."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            self.executor.shutdown()
+            plan = "" if self.memory_plan is None else f" (memory plan: {self.memory_plan.describe(self.args.block_size)})"
+            raise RuntimeError(
+                f"out of GPU memory while {what}{plan}: lower max_num_seqs, max_num_batched_tokens or "
+                f"gpu_memory_utilization (= {self.args.gpu_memory_utilization}), or set kv_cache_memory_bytes"
+            ) from e
 
     def _reset_statistics(self) -> None:
         """Speculative decoding's K policy and counters, and the token counters for metrics (as
@@ -181,40 +200,57 @@ class LLMEngine(RequestValidation, WarmUp):
         self.num_generation_tokens_processed = 0
         self.step_token_counts.clear()
 
-    def _num_kv_blocks(self, max_num_seqs: int) -> int:
+    def _num_kv_blocks(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        """(KV blocks, max_num_seqs): on CUDA without a given KV size, lamina.engine.memory_plan's
+        plan (which may lower a default max_num_seqs); else the given size, less speculation's reserve."""
         args = self.args
         blocks_per_seq = -(-self.max_model_len // args.block_size)
+        bytes_per_block = self.executor.bytes_per_block(args.block_size)
         if args.num_gpu_blocks_override is not None:
             num_blocks = args.num_gpu_blocks_override
+        elif args.kv_cache_memory_bytes is None and self.device.type == "cuda":
+            free = self.executor.min_free_bytes()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+            per_slot = self.executor.state_bytes_per_slot()
+            plan = plan_gpu_memory(
+                usable_bytes=int(max(0, free - total * (1.0 - args.gpu_memory_utilization))),
+                bytes_per_block=bytes_per_block, block_size=args.block_size, max_model_len=self.max_model_len,
+                max_num_seqs=max_num_seqs, max_num_seqs_is_default=args.max_num_seqs is None,
+                state_bytes_per_slot=per_slot,
+                speculation_bytes=lambda n: self._speculation_reserve(n, per_slot),
+                activation_bytes=lambda n: activation_headroom_bytes(
+                    self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k),
+            )
+            self.memory_plan = plan
+            if plan.lowered_from is not None:
+                logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests do "
+                               "not fit beside the KV cache (%s); set max_num_seqs to choose", plan.lowered_from,
+                               plan.max_num_seqs, plan.lowered_from, plan.describe(args.block_size))
+            else:
+                logger.info("GPU memory: %s", plan.describe(args.block_size))
+            num_blocks, max_num_seqs = plan.num_kv_blocks, plan.max_num_seqs
         else:
-            bytes_per_block = self.executor.bytes_per_block(args.block_size)
-            wanted = blocks_per_seq * max_num_seqs
-            budget = args.kv_cache_memory_bytes
-            if budget is None and self.device.type == "cuda":
-                free = self.executor.min_free_bytes()
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                reserve = total * (1.0 - args.gpu_memory_utilization)
-                budget = int(max(0, free - reserve) * 0.8)  # leave room for activations
-            elif budget is None:
-                budget = CPU_KV_CACHE_BYTES
+            budget = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
             budget -= self._speculation_reserve(max_num_seqs)
-            num_blocks = min(wanted, max(0, budget) // max(1, bytes_per_block))
+            num_blocks = min(blocks_per_seq * max_num_seqs, max(0, budget) // max(1, bytes_per_block))
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than one sequence of "
                 f"max_model_len = {self.max_model_len} needs ({blocks_per_seq}); lower max_model_len or give the "
                 f"cache more memory"
             )
-        return num_blocks
+        return num_blocks, max_num_seqs
 
-    def _speculation_reserve(self, max_num_seqs: int) -> int:
+    def _speculation_reserve(self, max_num_seqs: int, state_bytes_per_slot: int | None = None) -> int:
         """Memory speculative decoding holds besides the caches: per request, the recurrent states
-        after each of K draft positions (for rollback) and K float32 draft distributions."""
+        after each of K draft positions (for rollback) and K float32 draft distributions.
+        `state_bytes_per_slot`: the executor's figure, when the caller has it (one ask per rank)."""
         spec = getattr(self, "spec_config", None)
         if spec is None:
             return 0
         k = spec.num_speculative_tokens
-        per_slot = self.executor.state_bytes_per_slot()
+        per_slot = self.executor.state_bytes_per_slot() if state_bytes_per_slot is None else state_bytes_per_slot
         per_request = k * per_slot + k * self.model_config.vocab_size * 4
         # CUDA graphs of verification steps keep their captured states in persistent buffers
         # besides (lamina.worker.verify_graphs): max_verify_batch * K more states.

@@ -1,0 +1,141 @@
+"""How a CUDA engine divides the GPU memory left after the weights (`plan_gpu_memory`), and the
+activation headroom it keeps for steps (`activation_headroom_bytes`).
+
+Of each rank's free memory, `gpu_memory_utilization` (vLLM's flag) says how much of the device
+lamina may fill: what the weights left, less the (1 - utilization) share of the device, is usable.
+From the usable bytes come, in order:
+- the recurrent-state pool: (max_num_seqs + 1) request slots (the spare one takes graph padding
+  rows) of every delta-net layer's conv and recurrent state. At the Qwen3.5-35B-A3B shape a slot is
+  ~62 MiB, so 256 slots are 15.5 GiB: more than an 80 GB GPU has left after the model's 64.6 GiB of
+  bf16 weights. Counting them here turns what was an out-of-memory error at start-up (session 30,
+  H100) into a plan, or a clear error;
+- speculative decoding's per-request states and draft distributions (`LLMEngine._speculation_reserve`);
+- the activation headroom of the largest step (below);
+- the KV cache: the rest, at most max_num_seqs sequences of max_model_len tokens.
+It must leave the KV cache at least one max_model_len sequence. If it cannot and max_num_seqs was
+left to its default, the plan lowers max_num_seqs (the engine logs it) so that the states take at
+most half of what the headroom leaves, the KV cache the rest; if the user set max_num_seqs, or not
+even one request fits, it raises a ValueError naming every figure.
+
+Off CUDA, or with `kv_cache_memory_bytes` / `num_gpu_blocks_override` set, the KV cache's size is
+given and this plan is not used (lamina.engine.llm_engine, `_num_kv_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory"]
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Activation headroom (session 30, H100, benchmarks/memory_peak.py, memory_peak_h100_s30.json):
+# - a prefill step's peak over what stays allocated grew by 121 KiB a token at the Qwen3.5-35B-A3B
+#   shape (0.24 / 0.95 / 1.89 GiB at 2k / 8k / 16k tokens): ~62k bf16 elements, which is what the
+#   fused MoE's (top_k + 1) slots of parts and activations (both live at the slot sum) and ~8
+#   hidden-sized rows (residual, norm, projections, fla-core's chunk states) add up to;
+# - decode steps at max_num_seqs (graphs, top-k / top-p sampling): 0.18 / 0.36 / 0.51 GiB at 16 / 32 /
+#   64 sequences, plus graph pools and static buffers of ~4 MiB a sequence: ~12-15 MiB a sequence,
+#   13-16 float32 rows of the 248k vocabulary;
+# - 0.1-0.2 GiB allocated besides, whatever the sizes.
+# The estimates below keep a margin over each (1.2-1.3x), since the caching allocator's reserve
+# runs above the allocated peak, and a fixed part besides.
+PREFILL_HIDDEN_ROWS = 8  # hidden-sized rows per prefill token besides the MoE's slots
+PREFILL_MARGIN = 1.3
+DECODE_VOCAB_ROWS = 16  # float32 vocabulary rows per decode row (logits, sampler temporaries, graph buffers)
+FIXED_HEADROOM_BYTES = 512 * MIB
+
+
+def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                              num_speculative_tokens: int = 0) -> int:
+    """Bytes a step may allocate above the weights and caches: the larger of a whole-budget prefill
+    step and a decode step of max_num_seqs requests (each (K + 1) rows under MTP), plus a fixed part."""
+    hidden = model_config.hidden_size
+    slots = model_config.num_experts_per_tok + (model_config.shared_expert_intermediate_size > 0)
+    moe_inter = model_config.moe_intermediate_size or model_config.intermediate_size
+    streams = getattr(model_config, "hc_count", 1) or 1  # Qwen4-Exp's hyper-connections widen the residual
+    per_token = dtype_bytes * (2 * max(1, slots) * (hidden + moe_inter) + PREFILL_HIDDEN_ROWS * streams * hidden)
+    prefill = int(PREFILL_MARGIN * per_token * max_num_batched_tokens)
+    decode = DECODE_VOCAB_ROWS * 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)
+    return FIXED_HEADROOM_BYTES + max(prefill, decode)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    max_num_seqs: int
+    num_kv_blocks: int
+    usable_bytes: int
+    state_bytes: int  # the (max_num_seqs + 1) state slots
+    speculation_bytes: int
+    activation_bytes: int
+    kv_cache_bytes: int  # num_kv_blocks' bytes
+    lowered_from: int | None = None  # the default max_num_seqs, when the plan lowered it
+
+    def describe(self, block_size: int) -> str:
+        return (f"{self.usable_bytes / GIB:.2f} GiB usable: recurrent states {self.state_bytes / GIB:.2f} GiB "
+                f"({self.max_num_seqs} requests + 1 spare slot), speculation {self.speculation_bytes / GIB:.2f} GiB, "
+                f"activation headroom {self.activation_bytes / GIB:.2f} GiB, KV cache {self.kv_cache_bytes / GIB:.2f} GiB "
+                f"({self.num_kv_blocks} blocks, {self.num_kv_blocks * block_size} tokens)")
+
+
+def plan_gpu_memory(
+    *,
+    usable_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_seqs_is_default: bool,
+    state_bytes_per_slot: int,
+    speculation_bytes: Callable[[int], int],
+    activation_bytes: Callable[[int], int],
+) -> MemoryPlan:
+    """The plan for `max_num_seqs` requests, or (default only) for the most that fit; see the module
+    docstring. `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    min_kv = blocks_per_seq * bytes_per_block
+
+    def fixed_bytes(n: int) -> int:  # everything but the KV cache, for n requests
+        return (n + 1) * state_bytes_per_slot + speculation_bytes(n) + activation_bytes(n)
+
+    def plan(n: int, lowered_from: int | None = None) -> MemoryPlan:
+        kv_budget = usable_bytes - fixed_bytes(n)
+        num_blocks = min(blocks_per_seq * n, kv_budget // max(1, bytes_per_block))
+        return MemoryPlan(n, num_blocks, usable_bytes, (n + 1) * state_bytes_per_slot, speculation_bytes(n),
+                          activation_bytes(n), num_blocks * bytes_per_block, lowered_from)
+
+    if fixed_bytes(max_num_seqs) + min_kv <= usable_bytes:
+        return plan(max_num_seqs)
+    fits = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + min_kv <= usable_bytes)
+    if max_num_seqs_is_default and fits > 0:
+        # not the most that fit, which would leave the KV cache one sequence: the states take at most
+        # half of what the steps' headroom leaves, the KV cache the rest
+        def balanced(n: int) -> bool:
+            states = (n + 1) * state_bytes_per_slot + speculation_bytes(n)
+            return 2 * states <= usable_bytes - activation_bytes(n) and fixed_bytes(n) + min_kv <= usable_bytes
+
+        return plan(max(1, _most_requests_that_fit(fits + 1, balanced)), lowered_from=max_num_seqs)
+    need = plan(max_num_seqs)
+    what = (f"max_num_seqs = {max_num_seqs} needs {state_bytes_per_slot / MIB:.1f} MiB of recurrent state per request "
+            f"({need.state_bytes / GIB:.2f} GiB for {max_num_seqs} + 1 slots), speculation {need.speculation_bytes / GIB:.2f} "
+            f"GiB and an activation headroom of {need.activation_bytes / GIB:.2f} GiB, and the KV cache must hold one "
+            f"sequence of max_model_len = {max_model_len} tokens ({min_kv / GIB:.2f} GiB); the GPU has "
+            f"{usable_bytes / GIB:.2f} GiB usable after the weights at this gpu_memory_utilization")
+    if fits > 0:
+        raise ValueError(f"{what}. At most max_num_seqs = {fits} fit: lower max_num_seqs to {fits} or less, lower "
+                         "max_model_len or max_num_batched_tokens, or raise gpu_memory_utilization")
+    raise ValueError(f"{what}. Not even one request fits: lower max_model_len or max_num_batched_tokens, raise "
+                     "gpu_memory_utilization, or spread the model over more GPUs (tensor / pipeline parallelism)")
+
+
+def _most_requests_that_fit(limit: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [0, limit) with fits(n) (fits is monotone: more requests, more bytes)."""
+    low, high = 0, limit  # fits(low) holds (n = 0 by convention); fits(high) does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,150 @@
+"""The GPU memory plan (lamina.engine.memory_plan) and its use by the engine: recurrent states,
+speculation and activations counted before the KV cache, a default max_num_seqs lowered to what
+fits, an explicit one refused with every figure. CPU only: the engine's CUDA branch runs against a
+stand-in executor that reports an H100's figures."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from lamina.engine import llm_engine
+from lamina.engine.llm_engine import LLMEngine
+from lamina.engine.memory_plan import GIB, MIB, activation_headroom_bytes, plan_gpu_memory
+from lamina.entrypoints.presets import DEFAULT_PRESET, preset_dir
+from lamina.models.registry import resolve_model_class
+from lamina.worker.model_loader import read_model_config
+
+STATE = 61 * MIB + 410 * 1024  # a Qwen3.5-35B-A3B request's states (30 delta-net layers, session 30: 1.979 GiB / 33 slots)
+BLOCK = 10 * 2 * 2 * 256 * 16 * 2  # its 10 attention layers' K and V, 2 KV heads of 256, 16 tokens, bf16
+
+
+def _plan(**over):
+    args = dict(usable_bytes=6 * GIB, bytes_per_block=BLOCK, block_size=16, max_model_len=2048, max_num_seqs=256,
+                max_num_seqs_is_default=True, state_bytes_per_slot=STATE, speculation_bytes=lambda n: 0,
+                activation_bytes=lambda n: GIB + n * 16 * MIB)
+    args.update(over)
+    return plan_gpu_memory(**args)
+
+
+def test_everything_fits_takes_the_kv_cache_the_sequences_need():
+    plan = _plan(usable_bytes=60 * GIB, max_num_seqs=64)
+    assert (plan.max_num_seqs, plan.lowered_from) == (64, None)
+    assert plan.num_kv_blocks == 64 * 2048 // 16  # capped at max_num_seqs full sequences, not the rest of the memory
+    assert plan.state_bytes == 65 * STATE and plan.activation_bytes == GIB + 64 * 16 * MIB
+    tight = _plan(usable_bytes=8 * GIB, max_num_seqs=64)  # the rest of 8 GiB goes to the KV cache
+    assert tight.num_kv_blocks == (8 * GIB - 65 * STATE - GIB - 64 * 16 * MIB) // BLOCK < 64 * 128
+    assert tight.state_bytes + tight.activation_bytes + tight.kv_cache_bytes <= 8 * GIB
+
+
+def test_a_default_max_num_seqs_is_lowered_so_states_and_kv_cache_share_the_memory():
+    plan = _plan()  # 256 requests' states alone are 15.4 GiB of 6 usable (an H100 after the weights)
+    assert plan.lowered_from == 256 and 1 <= plan.max_num_seqs < 256
+    left = 6 * GIB - plan.activation_bytes
+    assert 2 * plan.state_bytes <= left  # the states take at most half of what the headroom leaves ...
+    bigger = plan.max_num_seqs + 1
+    assert 2 * (bigger + 1) * STATE > 6 * GIB - (GIB + bigger * 16 * MIB)  # ... and one more request would pass it
+    # the KV cache: the rest, or the requests' whole lengths if less
+    assert plan.num_kv_blocks == min(plan.max_num_seqs * 128, (left - plan.state_bytes) // BLOCK) >= 128
+
+
+def test_an_explicit_max_num_seqs_that_does_not_fit_names_the_most_that_do():
+    with pytest.raises(ValueError) as err:
+        _plan(max_num_seqs=128, max_num_seqs_is_default=False)
+    message = str(err.value)
+    assert "max_num_seqs = 128 needs 61.4 MiB of recurrent state per request" in message
+    most = int(message.split("At most max_num_seqs = ")[1].split(" ")[0])
+    assert _plan(max_num_seqs=most, max_num_seqs_is_default=False).max_num_seqs == most
+    with pytest.raises(ValueError, match="At most"):
+        _plan(max_num_seqs=most + 1, max_num_seqs_is_default=False)
+    assert _plan(max_num_seqs=most, max_num_seqs_is_default=False).num_kv_blocks >= 128  # one whole sequence
+
+
+def test_nothing_fits_says_so_default_or_not():
+    for default in (True, False):
+        with pytest.raises(ValueError, match="Not even one request fits: lower max_model_len"):
+            _plan(max_model_len=262144, max_num_seqs_is_default=default)  # 5 GiB of KV for one sequence, 6 usable
+
+
+def test_speculation_counts_per_request():
+    plain = _plan(max_num_seqs=32, max_model_len=8192)  # the KV cache takes what is left (2.5 of 5 GiB wanted)
+    spec = _plan(max_num_seqs=32, max_model_len=8192, speculation_bytes=lambda n: n * 8 * MIB)
+    assert spec.speculation_bytes == 32 * 8 * MIB
+    assert abs(plain.kv_cache_bytes - spec.kv_cache_bytes - 32 * 8 * MIB) < BLOCK
+
+
+def _preset_config():
+    hf = read_model_config(preset_dir(DEFAULT_PRESET))
+    architecture, model_cls = resolve_model_class(hf)
+    return model_cls.parse_config(hf, architecture)
+
+
+def test_headroom_covers_the_activation_peaks_measured_on_an_h100():
+    """benchmarks/results/memory_peak_h100_s30.json, bf16: the peak over what stays allocated of a
+    whole-budget prefill step (0.24 / 0.95 / 1.89 GiB at 2k / 8k / 16k tokens) and of decode at
+    max_num_seqs (0.51 GiB at 64, plus 0.27 GiB of graph pools and buffers allocated at start)."""
+    cfg = _preset_config()
+    for tokens, peak in ((2048, 0.237), (8192, 0.947), (16384, 1.894)):
+        assert activation_headroom_bytes(cfg, 2, tokens, 1) > 1.2 * peak * GIB
+    assert activation_headroom_bytes(cfg, 2, 2048, 64) > 1.2 * (0.51 + 0.27) * GIB
+    fixed = 512 * MIB  # MTP: (K + 1) rows a request, where decode's rows are the larger part
+    assert activation_headroom_bytes(cfg, 2, 2048, 64, 3) - fixed == 4 * (activation_headroom_bytes(cfg, 2, 2048, 64) - fixed)
+    assert activation_headroom_bytes(cfg, 2, 8192, 256) < 5 * GIB  # not so wide that an H200 loses its KV cache
+
+
+class _FakeExecutor:
+    """An H100 after the Qwen3.5-35B-A3B weights: 13.9 GiB free of 79.2."""
+
+    def min_free_bytes(self):
+        return int(13.9 * GIB)
+
+    def bytes_per_block(self, block_size):
+        return BLOCK * block_size // 16
+
+    def state_bytes_per_slot(self):
+        return STATE
+
+
+def _fake_engine(max_num_seqs=None, **over):
+    args = dict(block_size=16, num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
+                max_num_seqs=max_num_seqs, enforce_eager=True)
+    args.update(over)
+    engine = types.SimpleNamespace(
+        args=types.SimpleNamespace(**args),
+        max_model_len=2048, device=torch.device("cuda"), spec_config=None, executor=_FakeExecutor(),
+        model_config=_preset_config(), dtype=torch.bfloat16,
+    )
+    engine._speculation_reserve = types.MethodType(LLMEngine._speculation_reserve, engine)
+    return engine
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    props = types.SimpleNamespace(total_memory=int(79.18 * GIB))
+    monkeypatch.setattr(llm_engine.torch.cuda, "get_device_properties", lambda device: props)
+
+
+def test_engine_plans_an_h100_default_instead_of_running_out(h100, caplog):
+    engine = _fake_engine()
+    with caplog.at_level("WARNING"):
+        num_blocks, seqs = LLMEngine._num_kv_blocks(engine, 256, 8192)
+    assert 16 <= seqs < 64 and engine.memory_plan.lowered_from == 256
+    assert "max_num_seqs lowered from its default 256" in caplog.text
+    usable = 13.9 * GIB - 0.1 * 79.18 * GIB
+    assert engine.memory_plan.state_bytes + engine.memory_plan.activation_bytes + num_blocks * BLOCK <= usable
+    assert num_blocks >= seqs * 128 // 2  # the KV cache holds half of the requests' full lengths at least
+
+
+def test_engine_refuses_an_explicit_max_num_seqs_the_gpu_cannot_hold(h100):
+    with pytest.raises(ValueError, match=r"max_num_seqs = 256 needs .* At most max_num_seqs = \d+ fit"):
+        LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=256), 256, 8192)
+    num_blocks, seqs = LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=32), 32, 8192)
+    assert seqs == 32 and num_blocks == 32 * 128  # 32 fit with their whole lengths
+
+
+def test_a_given_kv_size_skips_the_plan(h100):
+    engine = _fake_engine(max_num_seqs=256, kv_cache_memory_bytes=1024 * BLOCK)
+    assert LLMEngine._num_kv_blocks(engine, 256, 8192) == (1024, 256)
+    assert not hasattr(engine, "memory_plan")
