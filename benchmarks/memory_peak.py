@@ -56,7 +56,8 @@ def main() -> None:
         "reserved_after_init_gib": _gib(torch.cuda.memory_reserved(dev)),
         # the warm-up's and the graph capture's peak over what stays allocated after them
         "init_peak_over_allocated_gib": _gib(torch.cuda.max_memory_allocated(dev) - after_init),
-        "memory_plan": None if engine.memory_plan is None else engine.memory_plan.describe(engine.args.block_size),
+        "memory_plan": (None if engine.memory_plan is None
+                        else engine.memory_plan.describe(engine.args.block_size, engine.max_model_len)),
     }
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

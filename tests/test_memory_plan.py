@@ -148,3 +148,29 @@ def test_a_given_kv_size_skips_the_plan(h100):
     engine = _fake_engine(max_num_seqs=256, kv_cache_memory_bytes=1024 * BLOCK)
     assert LLMEngine._num_kv_blocks(engine, 256, 8192) == (1024, 256)
     assert not hasattr(engine, "memory_plan")
+
+
+def test_out_of_memory_at_start_up_names_the_plan_and_shuts_down():
+    shut = []
+    engine = _fake_engine()
+    engine.executor.shutdown = lambda: shut.append(True)
+    engine.memory_plan = _plan()
+    with pytest.raises(RuntimeError, match=r"out of GPU memory while warming up \(memory plan: 6.00 GiB usable: "
+                                           r"recurrent states .*requests of max_model_len = 2048 at once\)\): lower "
+                                           r"max_num_seqs, max_num_batched_tokens or gpu_memory_utilization \(= 0.9\)"):
+        with LLMEngine._out_of_memory_explained(engine, "warming up"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 130.00 MiB")
+    assert shut == [True]
+    with pytest.raises(KeyError):  # other errors pass through untouched
+        with LLMEngine._out_of_memory_explained(engine, "warming up"):
+            raise KeyError("x")
+
+
+def test_bench_latency_warns_when_its_batch_does_not_fit_the_kv_cache(capsys):
+    from lamina.entrypoints.bench import _warn_if_preempting
+
+    engine = types.SimpleNamespace(args=types.SimpleNamespace(block_size=16), num_kv_blocks=130)
+    _warn_if_preempting(engine, 10, 208)  # 10 x 13 blocks: fits
+    assert capsys.readouterr().err == ""
+    _warn_if_preempting(engine, 64, 208)
+    assert "the KV cache holds 2080 tokens, fewer than batch 64 x 208 tokens" in capsys.readouterr().err

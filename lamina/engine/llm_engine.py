@@ -177,7 +177,8 @@ class LLMEngine(RequestValidation, WarmUp):
             yield
         except torch.OutOfMemoryError as e:
             self.executor.shutdown()
-            plan = "" if self.memory_plan is None else f" (memory plan: {self.memory_plan.describe(self.args.block_size)})"
+            plan = self.memory_plan
+            plan = "" if plan is None else f" (memory plan: {plan.describe(self.args.block_size, self.max_model_len)})"
             raise RuntimeError(
                 f"out of GPU memory while {what}{plan}: lower max_num_seqs, max_num_batched_tokens or "
                 f"gpu_memory_utilization (= {self.args.gpu_memory_utilization}), or set kv_cache_memory_bytes"
@@ -226,9 +227,9 @@ class LLMEngine(RequestValidation, WarmUp):
             if plan.lowered_from is not None:
                 logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests do "
                                "not fit beside the KV cache (%s); set max_num_seqs to choose", plan.lowered_from,
-                               plan.max_num_seqs, plan.lowered_from, plan.describe(args.block_size))
+                               plan.max_num_seqs, plan.lowered_from, plan.describe(args.block_size, self.max_model_len))
             else:
-                logger.info("GPU memory: %s", plan.describe(args.block_size))
+                logger.info("GPU memory: %s", plan.describe(args.block_size, self.max_model_len))
             num_blocks, max_num_seqs = plan.num_kv_blocks, plan.max_num_seqs
         else:
             budget = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES

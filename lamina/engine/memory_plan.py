@@ -72,11 +72,13 @@ class MemoryPlan:
     kv_cache_bytes: int  # num_kv_blocks' bytes
     lowered_from: int | None = None  # the default max_num_seqs, when the plan lowered it
 
-    def describe(self, block_size: int) -> str:
+    def describe(self, block_size: int, max_model_len: int) -> str:
+        tokens = self.num_kv_blocks * block_size
         return (f"{self.usable_bytes / GIB:.2f} GiB usable: recurrent states {self.state_bytes / GIB:.2f} GiB "
                 f"({self.max_num_seqs} requests + 1 spare slot), speculation {self.speculation_bytes / GIB:.2f} GiB, "
                 f"activation headroom {self.activation_bytes / GIB:.2f} GiB, KV cache {self.kv_cache_bytes / GIB:.2f} GiB "
-                f"({self.num_kv_blocks} blocks, {self.num_kv_blocks * block_size} tokens)")
+                f"({self.num_kv_blocks} blocks, {tokens} tokens: {tokens / max_model_len:.2f} requests of "
+                f"max_model_len = {max_model_len} at once)")
 
 
 def plan_gpu_memory(

@@ -178,6 +178,17 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
     return total
 
 
+def _warn_if_preempting(engine, batch: int, tokens_per_request: int) -> None:
+    """A latency run whose batch does not fit the KV cache preempts and recomputes requests, which
+    its TPOT and TTFT then include: say so (the GPU's memory plan may have left the cache small)."""
+    block = engine.args.block_size
+    need = batch * -(-tokens_per_request // block)
+    if engine.num_kv_blocks < need:
+        print(f"lamina bench: the KV cache holds {engine.num_kv_blocks * block} tokens, fewer than batch {batch} x "
+              f"{tokens_per_request} tokens; requests will be preempted and recomputed, and the figures include it "
+              "(raise --gpu-memory-utilization or lower the batch size)", file=sys.stderr)
+
+
 def _engine_kwargs(args) -> dict:
     from lamina.entrypoints.cli import engine_kwargs
 
@@ -201,6 +212,7 @@ def run_latency(args, model_path: str) -> list[dict]:
     kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16
     with LLM(model_path, **kwargs) as llm:
         engine = llm.engine
+        _warn_if_preempting(engine, max_batch, args.input_len + args.output_len)
         vocab = engine.model_config.vocab_size
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)
