@@ -174,3 +174,34 @@ def test_bench_latency_warns_when_its_batch_does_not_fit_the_kv_cache(capsys):
     assert capsys.readouterr().err == ""
     _warn_if_preempting(engine, 64, 208)
     assert "the KV cache holds 2080 tokens, fewer than batch 64 x 208 tokens" in capsys.readouterr().err
+
+
+def _plan_json(capsys, *flags):
+    import json
+
+    from lamina.entrypoints.cli import main as cli_main
+
+    assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--dtype", "bfloat16", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_lamina_plan_previews_the_memory_plan_on_a_given_gpu(capsys):
+    """`lamina plan --gpu-memory-gib`: the engine's plan from config.json alone. On the H100 of
+    session 30 the engine itself lowered the default to 32 with 5.77 GiB usable (memory_peak_h100_s30.json)."""
+    one = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-model-len", "2048")["ranks"][0]["gpu_memory"]
+    assert one["fits"] and (one["max_num_seqs"], one["max_num_seqs_lowered_from"]) == (32, 256)
+    assert 5.5 * GIB < one["usable_bytes"] < 5.9 * GIB and one["kv_cache_tokens"] == 32 * 2048
+    tp2 = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-model-len", "2048", "-tp", "2")["ranks"]
+    assert [r["gpu_memory"]["max_num_seqs"] for r in tp2] == [256, 256]  # half the weights and states a rank
+    refused = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-num-seqs", "128")["ranks"][0]["gpu_memory"]
+    assert not refused["fits"] and "At most max_num_seqs = " in refused["error"]
+    h200 = _plan_json(capsys, "--gpu-memory-gib", "139.8", "--max-model-len", "2048")["ranks"][0]["gpu_memory"]
+    assert h200["max_num_seqs"] == 256 and h200["max_num_seqs_lowered_from"] is None
+    assert "gpu_memory" not in _plan_json(capsys)["ranks"][0]
+
+
+def test_lamina_plan_refuses_a_bad_gpu_size(capsys):
+    from lamina.entrypoints.cli import main as cli_main
+
+    assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--gpu-memory-gib", "0"]) == 2
+    assert "--gpu-memory-gib must be positive, got 0.0" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_sched
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
-from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory
+from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory, speculation_bytes
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
@@ -252,9 +252,6 @@ class LLMEngine(RequestValidation, WarmUp):
             return 0
         k = spec.num_speculative_tokens
         per_slot = self.executor.state_bytes_per_slot() if state_bytes_per_slot is None else state_bytes_per_slot
-        per_request = k * per_slot + k * self.model_config.vocab_size * 4
-        # CUDA graphs of verification steps keep their captured states in persistent buffers
-        # besides (lamina.worker.verify_graphs): max_verify_batch * K more states.
         graph_rows = 0
         if not self.args.enforce_eager and self.device.type == "cuda":
             from lamina.worker.cuda_graphs import model_is_capturable, multirank_graphs_reason
@@ -266,7 +263,7 @@ class LLMEngine(RequestValidation, WarmUp):
                 graphs = multirank_graphs_reason(self.plan, speculative=True) is None
             if graphs:
                 graph_rows = max_verify_batch(max_num_seqs) * k
-        return max_num_seqs * per_request + graph_rows * per_slot
+        return speculation_bytes(max_num_seqs, k, per_slot, self.model_config.vocab_size, graph_rows)
 
     def _capture_multirank_graphs(self, max_num_seqs: int) -> None:
         """Several ranks (TP / PP / DP / EP): every rank captures its decode graphs

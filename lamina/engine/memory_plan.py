@@ -9,7 +9,7 @@ From the usable bytes come, in order:
   ~62 MiB, so 256 slots are 15.5 GiB: more than an 80 GB GPU has left after the model's 64.6 GiB of
   bf16 weights. Counting them here turns what was an out-of-memory error at start-up (session 30,
   H100) into a plan, or a clear error;
-- speculative decoding's per-request states and draft distributions (`LLMEngine._speculation_reserve`);
+- speculative decoding's per-request states and draft distributions (`speculation_bytes`);
 - the activation headroom of the largest step (below);
 - the KV cache: the rest, at most max_num_seqs sequences of max_model_len tokens.
 It must leave the KV cache at least one max_model_len sequence. If it cannot and max_num_seqs was
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory"]
+__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory", "speculation_bytes"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -59,6 +59,15 @@ def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_to
     prefill = int(PREFILL_MARGIN * per_token * max_num_batched_tokens)
     decode = DECODE_VOCAB_ROWS * 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)
     return FIXED_HEADROOM_BYTES + max(prefill, decode)
+
+
+def speculation_bytes(num_requests: int, num_speculative_tokens: int, state_bytes_per_slot: int, vocab_size: int,
+                      graph_rows: int = 0) -> int:
+    """What MTP holds besides the caches: per request, the recurrent states after each of K draft
+    positions (for rollback) and K float32 draft distributions; and the states that CUDA graphs of
+    verification steps keep in persistent buffers (lamina.worker.verify_graphs), `graph_rows` more."""
+    k = num_speculative_tokens
+    return num_requests * k * (state_bytes_per_slot + 4 * vocab_size) + graph_rows * state_bytes_per_slot
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """`lamina plan MODEL [flags] [--json]`: print the ParallelPlan of a model and layout, per rank.
 
 Reads config.json only; per-rank memory is estimated by building each rank's stage on the meta
-device (no memory, no weights), so the figures are what the loader would allocate.
+device (no memory, no weights), so the figures are what the loader would allocate. With
+`--gpu-memory-gib N` it also says what the engine's GPU memory plan would make of each rank on a
+GPU of N GiB (max_num_seqs, KV cache tokens), or why it would not start.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 from pathlib import Path
 
 from lamina.config import EngineArgs, resolve_dtype
+from lamina.engine.memory_plan import GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes
+from lamina.engine.setup import _max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
@@ -50,6 +54,47 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
     state = sum(m.bind_state(1, dtype, "meta") for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
             "state_bytes_per_request": state}
+
+
+# Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):
+# 0.75 GiB measured on an H100 with torch 2.11 (session 30, memory_peak_h100_s30.json), rounded up.
+CUDA_CONTEXT_BYTES = 1 << 30
+
+
+def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_gib: float, max_model_len: int,
+                       dtype: torch.dtype, num_speculative_tokens: int) -> dict:
+    """What the engine's memory plan (lamina.engine.memory_plan) would make of one rank on a GPU of
+    `gpu_memory_gib` GiB: its max_num_seqs and KV cache, or the error it would raise. Approximate: the
+    engine plans from the free memory it finds after loading; here that is the GPU's memory less the
+    rank's weights (PLE tables too with --ple-table-device gpu) and CUDA_CONTEXT_BYTES; MTP's reserve
+    counts its verification graphs' buffers."""
+    from lamina.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+    from lamina.worker.verify_graphs import max_verify_batch
+
+    total = int(gpu_memory_gib * GIB)
+    resident = estimate["weight_bytes"] + (estimate["ple_table_bytes"] if engine_args.ple_table_device == "gpu" else 0)
+    free = total - resident - CUDA_CONTEXT_BYTES
+    seqs = engine_args.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cuda"]
+    batched = engine_args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    per_slot, k = estimate["state_bytes_per_request"], num_speculative_tokens
+    graphs = not engine_args.enforce_eager
+    try:
+        plan = plan_gpu_memory(
+            usable_bytes=int(max(0, free - total * (1.0 - engine_args.gpu_memory_utilization))),
+            bytes_per_block=estimate["kv_bytes_per_token"] * engine_args.block_size, block_size=engine_args.block_size,
+            max_model_len=max_model_len, max_num_seqs=seqs, max_num_seqs_is_default=engine_args.max_num_seqs is None,
+            state_bytes_per_slot=per_slot,
+            speculation_bytes=lambda n: speculation_bytes(
+                n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
+            activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k),
+        )
+    except ValueError as e:
+        return {"gpu_memory_gib": gpu_memory_gib, "fits": False, "error": str(e)}
+    return {"gpu_memory_gib": gpu_memory_gib, "fits": True, "max_num_seqs": plan.max_num_seqs,
+            "max_num_seqs_lowered_from": plan.lowered_from, "kv_cache_tokens": plan.num_kv_blocks * engine_args.block_size,
+            "usable_bytes": plan.usable_bytes, "state_bytes": plan.state_bytes, "speculation_bytes": plan.speculation_bytes,
+            "activation_bytes": plan.activation_bytes, "kv_cache_bytes": plan.kv_cache_bytes,
+            "describe": plan.describe(engine_args.block_size, max_model_len)}
 
 
 def _boundary(model_cls, cfg, plan: ParallelPlan) -> dict:
@@ -95,6 +140,15 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
             f"  weights {_gib(est['weight_bytes'])}" + (f", PLE table {_gib(est['ple_table_bytes'])}" if est["ple_table_bytes"] else "")
             + f"; KV {est['kv_bytes_per_token']} B/token; state {_gib(est['state_bytes_per_request'])}/request"
         )
+        memory = r.get("gpu_memory")
+        if memory is not None:
+            head = f"  on a {memory['gpu_memory_gib']:g} GiB GPU: "
+            if not memory["fits"]:
+                lines.append(head + "does not fit: " + memory["error"])
+            else:
+                lowered = memory["max_num_seqs_lowered_from"]
+                lines.append(head + f"max_num_seqs {memory['max_num_seqs']}"
+                             + (f" (default {lowered} lowered)" if lowered else "") + f"; {memory['describe']}")
     return "\n".join(lines)
 
 
@@ -114,11 +168,20 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             dtype = resolve_dtype("auto", torch.device("cuda"), getattr(hf_config, "dtype", None))
         cache: dict = {}
         ranks = []
+        gib = getattr(args, "gpu_memory_gib", None)
+        if gib is not None and gib <= 0:
+            raise ValueError(f"--gpu-memory-gib must be positive, got {gib}")
+        max_model_len = _max_model_len(engine_args, cfg) if gib is not None else None
         for me in plan.ranks:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
-                cache[key] = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size)
-            ranks.append({"coords": me.__dict__ | {}, "estimate": cache[key]})
+                est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size)
+                memory = None if gib is None else gpu_memory_preview(
+                    est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0)
+                cache[key] = (est, memory)
+            est, memory = cache[key]
+            ranks.append({"coords": me.__dict__ | {}, "estimate": est}
+                         | ({} if memory is None else {"gpu_memory": memory}))
     except (ParallelConfigError, ValueError, OSError) as e:
         print(f"lamina plan: error: {e}", file=sys.stderr)
         return 2
