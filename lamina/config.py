@@ -24,6 +24,9 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    # a caller's own default for max_num_seqs (lamina eval's concurrency): used when max_num_seqs is
+    # None, and lowered like the engine's default when the GPU cannot hold it (lamina.engine.memory_plan)
+    default_max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     seed: int = 0
@@ -83,7 +86,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.ple_table_device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"ple_table_device must be one of auto, gpu, cpu; got {self.ple_table_device!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
+                     "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

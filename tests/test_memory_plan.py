@@ -39,15 +39,34 @@ def test_everything_fits_takes_the_kv_cache_the_sequences_need():
     assert tight.state_bytes + tight.activation_bytes + tight.kv_cache_bytes <= 8 * GIB
 
 
+def _balanced(n, usable=6 * GIB):  # _plan's defaults: states at most half of what the headroom leaves
+    return 2 * (n + 1) * STATE <= usable - (GIB + n * 16 * MIB)
+
+
+def _whole_lengths(n, usable=6 * GIB, blocks=128):  # n requests with KV for all of them at max_model_len
+    return (n + 1) * STATE + GIB + n * 16 * MIB + n * blocks * BLOCK <= usable
+
+
 def test_a_default_max_num_seqs_is_lowered_so_states_and_kv_cache_share_the_memory():
     plan = _plan()  # 256 requests' states alone are 15.4 GiB of 6 usable (an H100 after the weights)
     assert plan.lowered_from == 256 and 1 <= plan.max_num_seqs < 256
+    n = plan.max_num_seqs
+    assert _balanced(n) or _whole_lengths(n)  # one of the two rules holds ...
+    assert not _balanced(n + 1) and not _whole_lengths(n + 1)  # ... and neither would for one more request
     left = 6 * GIB - plan.activation_bytes
-    assert 2 * plan.state_bytes <= left  # the states take at most half of what the headroom leaves ...
-    bigger = plan.max_num_seqs + 1
-    assert 2 * (bigger + 1) * STATE > 6 * GIB - (GIB + bigger * 16 * MIB)  # ... and one more request would pass it
     # the KV cache: the rest, or the requests' whole lengths if less
-    assert plan.num_kv_blocks == min(plan.max_num_seqs * 128, (left - plan.state_bytes) // BLOCK) >= 128
+    assert plan.num_kv_blocks == min(n * 128, (left - plan.state_bytes) // BLOCK) >= 128
+    # short sequences: as many requests as fit with their whole lengths, past the balanced rule's
+    short = _plan(max_model_len=256)
+    assert short.max_num_seqs > n and _whole_lengths(short.max_num_seqs, blocks=16)
+    assert not _balanced(short.max_num_seqs) and short.num_kv_blocks == short.max_num_seqs * 16
+    # long ones: the balanced rule, the KV cache the rest
+    long = _plan(max_model_len=65536)
+    assert _balanced(long.max_num_seqs) and not _balanced(long.max_num_seqs + 1)
+    # when the balanced rule does not hold even for one request: one request, which fits
+    one = _plan(usable_bytes=GIB + 16 * MIB + 2 * STATE + 128 * BLOCK + MIB, activation_bytes=lambda n: GIB + n * 16 * MIB)
+    assert one.max_num_seqs == 1 and one.num_kv_blocks >= 128
+    assert _plan(max_num_seqs=1, max_num_seqs_is_default=False, usable_bytes=2 * GIB).max_num_seqs == 1
 
 
 def test_an_explicit_max_num_seqs_that_does_not_fit_names_the_most_that_do():
@@ -107,13 +126,13 @@ class _FakeExecutor:
         return STATE
 
 
-def _fake_engine(max_num_seqs=None, **over):
+def _fake_engine(max_num_seqs=None, spec_config=None, **over):
     args = dict(block_size=16, num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
                 max_num_seqs=max_num_seqs, enforce_eager=True)
     args.update(over)
     engine = types.SimpleNamespace(
         args=types.SimpleNamespace(**args),
-        max_model_len=2048, device=torch.device("cuda"), spec_config=None, executor=_FakeExecutor(),
+        max_model_len=2048, device=torch.device("cuda"), spec_config=spec_config, executor=_FakeExecutor(),
         model_config=_preset_config(), dtype=torch.bfloat16,
     )
     engine._speculation_reserve = types.MethodType(LLMEngine._speculation_reserve, engine)
@@ -148,6 +167,24 @@ def test_a_given_kv_size_skips_the_plan(h100):
     engine = _fake_engine(max_num_seqs=256, kv_cache_memory_bytes=1024 * BLOCK)
     assert LLMEngine._num_kv_blocks(engine, 256, 8192) == (1024, 256)
     assert not hasattr(engine, "memory_plan")
+    engine = _fake_engine(max_num_seqs=256, num_gpu_blocks_override=700)
+    assert LLMEngine._num_kv_blocks(engine, 256, 8192) == (700, 256) and not hasattr(engine, "memory_plan")
+
+
+def test_engine_plan_counts_mtp(h100):
+    from lamina.engine.spec_decode import SpeculativeConfig
+
+    plain = _fake_engine(max_num_seqs=16)
+    LLMEngine._num_kv_blocks(plain, 16, 8192)
+    spec = _fake_engine(max_num_seqs=16, spec_config=SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}))
+    LLMEngine._num_kv_blocks(spec, 16, 8192)
+    vocab = spec.model_config.vocab_size
+    assert spec.memory_plan.speculation_bytes == 16 * 2 * (STATE + 4 * vocab)  # eager: no verify graphs' rows
+    assert spec.memory_plan.activation_bytes > plain.memory_plan.activation_bytes  # (K + 1) rows a request
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=48), 48, 8192)  # fits without MTP ...
+    with pytest.raises(ValueError, match=r"max_num_seqs = 48 needs .* speculation 5.\d\d GiB"):  # ... not with it
+        LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=48, spec_config=SpeculativeConfig.parse(mtp)), 48, 8192)
 
 
 def test_out_of_memory_at_start_up_names_the_plan_and_shuts_down():
@@ -187,10 +224,10 @@ def _plan_json(capsys, *flags):
 
 def test_lamina_plan_previews_the_memory_plan_on_a_given_gpu(capsys):
     """`lamina plan --gpu-memory-gib`: the engine's plan from config.json alone. On the H100 of
-    session 30 the engine itself lowered the default to 32 with 5.77 GiB usable (memory_peak_h100_s30.json)."""
+    session 30 the engine itself found 5.77 GiB usable (memory_peak_h100_s30.json)."""
     one = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-model-len", "2048")["ranks"][0]["gpu_memory"]
-    assert one["fits"] and (one["max_num_seqs"], one["max_num_seqs_lowered_from"]) == (32, 256)
-    assert 5.5 * GIB < one["usable_bytes"] < 5.9 * GIB and one["kv_cache_tokens"] == 32 * 2048
+    assert one["fits"] and one["max_num_seqs_lowered_from"] == 256 and 32 <= one["max_num_seqs"] <= 48
+    assert 5.5 * GIB < one["usable_bytes"] < 5.9 * GIB and one["kv_cache_tokens"] == one["max_num_seqs"] * 2048
     tp2 = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-model-len", "2048", "-tp", "2")["ranks"]
     assert [r["gpu_memory"]["max_num_seqs"] for r in tp2] == [256, 256]  # half the weights and states a rank
     refused = _plan_json(capsys, "--gpu-memory-gib", "79.18", "--max-num-seqs", "128")["ranks"][0]["gpu_memory"]

@@ -172,3 +172,26 @@ def test_verify_graph_batch_cap(monkeypatch):
     monkeypatch.setenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", "lots")
     with pytest.raises(ValueError, match="LAMINA_VERIFY_GRAPH_MAX_BATCH"):
         max_verify_batch(4)
+
+
+def test_verify_graph_capture_lets_out_of_memory_through(mtp_dir, monkeypatch):
+    """A failed capture of the verification graphs is rewrapped with the --enforce-eager hint, except
+    out-of-memory, which reaches the engine unchanged (it names the memory plan that left too little)."""
+    from lamina.worker import verify_graphs
+
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with LLM(str(mtp_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True, max_num_seqs=2,
+             speculative_config=spec) as llm:
+        runner = llm.engine.executor.runner
+        for error, caught in ((torch.OutOfMemoryError("CUDA out of memory"), torch.OutOfMemoryError),
+                              (RuntimeError("operation not permitted when stream is capturing"), RuntimeError)):
+            def fail(self, error=error):
+                raise error
+
+            monkeypatch.setattr(verify_graphs.VerifyGraphs, "capture", fail)
+            with pytest.raises(caught) as info:
+                runner.capture_decode_graphs(2, llm.engine.max_model_len, num_speculative_tokens=1, static_off_cuda=True)
+            assert (info.value is error) == (caught is torch.OutOfMemoryError)
+            if caught is RuntimeError:
+                assert "--enforce-eager" in str(info.value) and info.value.__cause__ is error

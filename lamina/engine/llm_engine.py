@@ -79,7 +79,7 @@ class LLMEngine(RequestValidation, WarmUp):
             torch.manual_seed(args.seed)
         self.structured = StructuredOutputManager(self.tokenizer, setup.model_config.vocab_size, self.eos_token_ids)
         hf_config, model_cls, cfg = setup.hf_config, setup.model_cls, setup.model_config
-        max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
+        max_num_seqs = args.max_num_seqs or args.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
         max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.spec_config is not None and max_batched < self.spec_config.num_speculative_tokens + 1:
             raise ValueError(
@@ -126,7 +126,8 @@ class LLMEngine(RequestValidation, WarmUp):
         self.memory_plan = None  # CUDA without a given KV size: lamina.engine.memory_plan's MemoryPlan
         try:
             num_blocks, max_num_seqs = self._num_kv_blocks(max_num_seqs, max_batched)
-            self.executor.allocate(num_blocks, args.block_size, max_num_seqs)
+            with self._out_of_memory_explained("allocating the KV cache and the state slots"):
+                self.executor.allocate(num_blocks, args.block_size, max_num_seqs)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -172,7 +173,8 @@ class LLMEngine(RequestValidation, WarmUp):
     @contextlib.contextmanager
     def _out_of_memory_explained(self, what: str):
         """Start-up on CUDA: an out-of-memory error shuts the executor down and says which plan
-        left too little room for the steps and what to change (the plan's headroom is an estimate)."""
+        left too little room for the steps and what to change (the plan's headroom is an estimate).
+        In-process ranks only: a rank process's error arrives as the executor's WorkerError."""
         try:
             yield
         except torch.OutOfMemoryError as e:
@@ -225,9 +227,11 @@ class LLMEngine(RequestValidation, WarmUp):
             )
             self.memory_plan = plan
             if plan.lowered_from is not None:
-                logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests do "
-                               "not fit beside the KV cache (%s); set max_num_seqs to choose", plan.lowered_from,
-                               plan.max_num_seqs, plan.lowered_from, plan.describe(args.block_size, self.max_model_len))
+                logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests, the "
+                               "activation headroom and one max_model_len sequence of KV cache do not fit; the states "
+                               "now take at most half of what the headroom leaves (%s); set max_num_seqs to choose",
+                               plan.lowered_from, plan.max_num_seqs, plan.lowered_from,
+                               plan.describe(args.block_size, self.max_model_len))
             else:
                 logger.info("GPU memory: %s", plan.describe(args.block_size, self.max_model_len))
             num_blocks, max_num_seqs = plan.num_kv_blocks, plan.max_num_seqs

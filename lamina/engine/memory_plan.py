@@ -6,7 +6,7 @@ lamina may fill: what the weights left, less the (1 - utilization) share of the 
 From the usable bytes come, in order:
 - the recurrent-state pool: (max_num_seqs + 1) request slots (the spare one takes graph padding
   rows) of every delta-net layer's conv and recurrent state. At the Qwen3.5-35B-A3B shape a slot is
-  ~62 MiB, so 256 slots are 15.5 GiB: more than an 80 GB GPU has left after the model's 64.6 GiB of
+  ~61.4 MiB, so 257 slots are 15.4 GiB: more than an 80 GB GPU has left after the model's 64.6 GiB of
   bf16 weights. Counting them here turns what was an out-of-memory error at start-up (session 30,
   H100) into a plan, or a clear error;
 - speculative decoding's per-request states and draft distributions (`speculation_bytes`);
@@ -14,8 +14,9 @@ From the usable bytes come, in order:
 - the KV cache: the rest, at most max_num_seqs sequences of max_model_len tokens.
 It must leave the KV cache at least one max_model_len sequence. If it cannot and max_num_seqs was
 left to its default, the plan lowers max_num_seqs (the engine logs it) so that the states take at
-most half of what the headroom leaves, the KV cache the rest; if the user set max_num_seqs, or not
-even one request fits, it raises a ValueError naming every figure.
+most half of what the headroom leaves, the KV cache the rest, or (if more) to as many requests as
+fit with KV for all of them at max_model_len; if the user set max_num_seqs, or not even one request
+fits, it raises a ValueError naming every figure.
 
 Off CUDA, or with `kv_cache_memory_bytes` / `num_gpu_blocks_override` set, the KV cache's size is
 given and this plan is not used (lamina.engine.llm_engine, `_num_kv_blocks`).
@@ -36,29 +37,32 @@ MIB = 1 << 20
 #   fused MoE's (top_k + 1) slots of parts and activations (both live at the slot sum) and ~8
 #   hidden-sized rows (residual, norm, projections, fla-core's chunk states) add up to;
 # - decode steps at max_num_seqs (graphs, top-k / top-p sampling): 0.18 / 0.36 / 0.51 GiB at 16 / 32 /
-#   64 sequences, plus graph pools and static buffers of ~4 MiB a sequence: ~12-15 MiB a sequence,
-#   13-16 float32 rows of the 248k vocabulary;
+#   64 sequences (8-11 MiB a sequence, 8-12 float32 rows of the 248k vocabulary), besides graph pools
+#   and static buffers held from start-up of ~4 MiB a sequence (~4 rows);
 # - 0.1-0.2 GiB allocated besides, whatever the sizes.
 # The estimates below keep a margin over each (1.2-1.3x), since the caching allocator's reserve
 # runs above the allocated peak, and a fixed part besides.
 PREFILL_HIDDEN_ROWS = 8  # hidden-sized rows per prefill token besides the MoE's slots
 PREFILL_MARGIN = 1.3
-DECODE_VOCAB_ROWS = 16  # float32 vocabulary rows per decode row (logits, sampler temporaries, graph buffers)
+DECODE_VOCAB_ROWS = 12  # float32 vocabulary rows per decode row at a decode step's peak (logits, sampler temporaries)
+GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools and static buffers
 FIXED_HEADROOM_BYTES = 512 * MIB
 
 
 def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                               num_speculative_tokens: int = 0) -> int:
-    """Bytes a step may allocate above the weights and caches: the larger of a whole-budget prefill
-    step and a decode step of max_num_seqs requests (each (K + 1) rows under MTP), plus a fixed part."""
+    """Bytes allocated above the weights and caches: the decode graphs' pools (held from capture on),
+    plus the larger peak of a whole-budget prefill step and a decode step of max_num_seqs requests
+    (each (K + 1) rows under MTP), plus a fixed part. Unsharded sizes: under tensor or pipeline
+    parallelism this overestimates a rank's share (every rank counts the whole vocabulary's rows)."""
     hidden = model_config.hidden_size
     slots = model_config.num_experts_per_tok + (model_config.shared_expert_intermediate_size > 0)
     moe_inter = model_config.moe_intermediate_size or model_config.intermediate_size
     streams = getattr(model_config, "hc_count", 1) or 1  # Qwen4-Exp's hyper-connections widen the residual
     per_token = dtype_bytes * (2 * max(1, slots) * (hidden + moe_inter) + PREFILL_HIDDEN_ROWS * streams * hidden)
     prefill = int(PREFILL_MARGIN * per_token * max_num_batched_tokens)
-    decode = DECODE_VOCAB_ROWS * 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)
-    return FIXED_HEADROOM_BYTES + max(prefill, decode)
+    vocab_row = 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)  # one float32 row a decode row
+    return FIXED_HEADROOM_BYTES + GRAPH_POOL_VOCAB_ROWS * vocab_row + max(prefill, DECODE_VOCAB_ROWS * vocab_row)
 
 
 def speculation_bytes(num_requests: int, num_speculative_tokens: int, state_bytes_per_slot: int, vocab_size: int,
@@ -126,7 +130,11 @@ def plan_gpu_memory(
             states = (n + 1) * state_bytes_per_slot + speculation_bytes(n)
             return 2 * states <= usable_bytes - activation_bytes(n) and fixed_bytes(n) + min_kv <= usable_bytes
 
-        return plan(max(1, _most_requests_that_fit(fits + 1, balanced)), lowered_from=max_num_seqs)
+        def whole_lengths(n: int) -> bool:  # n requests and the KV cache for all of them at max_model_len
+            return fixed_bytes(n) + n * min_kv <= usable_bytes
+
+        chosen = max(_most_requests_that_fit(fits + 1, balanced), _most_requests_that_fit(fits + 1, whole_lengths))
+        return plan(chosen, lowered_from=max_num_seqs)  # >= 1: whole_lengths(1) is fits' own test at 1
     need = plan(max_num_seqs)
     what = (f"max_num_seqs = {max_num_seqs} needs {state_bytes_per_slot / MIB:.1f} MiB of recurrent state per request "
             f"({need.state_bytes / GIB:.2f} GiB for {max_num_seqs} + 1 slots), speculation {need.speculation_bytes / GIB:.2f} "
@@ -134,14 +142,17 @@ def plan_gpu_memory(
             f"sequence of max_model_len = {max_model_len} tokens ({min_kv / GIB:.2f} GiB); the GPU has "
             f"{usable_bytes / GIB:.2f} GiB usable after the weights at this gpu_memory_utilization")
     if fits > 0:
-        raise ValueError(f"{what}. At most max_num_seqs = {fits} fit: lower max_num_seqs to {fits} or less, lower "
-                         "max_model_len or max_num_batched_tokens, or raise gpu_memory_utilization")
+        raise ValueError(f"{what}. At most max_num_seqs = {fits} fit (the KV cache then holds about one sequence of "
+                         f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len or "
+                         "max_num_batched_tokens, or raise gpu_memory_utilization")
     raise ValueError(f"{what}. Not even one request fits: lower max_model_len or max_num_batched_tokens, raise "
                      "gpu_memory_utilization, or spread the model over more GPUs (tensor / pipeline parallelism)")
 
 
 def _most_requests_that_fit(limit: int, fits: Callable[[int], bool]) -> int:
-    """The largest n in [0, limit) with fits(n) (fits is monotone: more requests, more bytes)."""
+    """The largest n in [0, limit) with fits(n), 0 if none. `fits` must be monotone (true up to some
+    n, false after): every reserve here grows with n (states and speculation linearly, up to the
+    verification graphs' capped rows; the headroom as the larger of a constant and a linear term)."""
     low, high = 0, limit  # fits(low) holds (n = 0 by convention); fits(high) does not
     while high - low > 1:
         mid = (low + high) // 2

@@ -182,10 +182,11 @@ def _warn_if_preempting(engine, batch: int, tokens_per_request: int) -> None:
     """A latency run whose batch does not fit the KV cache preempts and recomputes requests, which
     its TPOT and TTFT then include: say so (the GPU's memory plan may have left the cache small)."""
     block = engine.args.block_size
-    need = batch * -(-tokens_per_request // block)
+    per_replica = -(-batch // getattr(engine, "num_replicas", 1))  # each data-parallel replica has its own cache
+    need = per_replica * -(-tokens_per_request // block)
     if engine.num_kv_blocks < need:
-        print(f"lamina bench: the KV cache holds {engine.num_kv_blocks * block} tokens, fewer than batch {batch} x "
-              f"{tokens_per_request} tokens; requests will be preempted and recomputed, and the figures include it "
+        print(f"lamina bench: the KV cache holds {engine.num_kv_blocks * block} tokens, fewer than batch {per_replica} x "
+              f"{tokens_per_request} tokens (per data-parallel replica); requests will be preempted and recomputed, and the figures include it "
               "(raise --gpu-memory-utilization or lower the batch size)", file=sys.stderr)
 
 

@@ -319,7 +319,8 @@ def run_eval(args: argparse.Namespace) -> int:
     items = load_eval_items(eval_file, args.limit)
     progress = not args.json and sys.stderr.isatty()
     kwargs = engine_kwargs(args)
-    kwargs["max_num_seqs"] = args.max_num_seqs or args.concurrency or DEFAULT_CONCURRENCY
+    kwargs["max_num_seqs"] = args.max_num_seqs or args.concurrency  # None: eval's default, which the GPU's memory
+    kwargs["default_max_num_seqs"] = DEFAULT_CONCURRENCY  # plan may lower like the engine's (lamina.engine.memory_plan)
     kwargs["show_progress"] = progress
     with LLM(model, **kwargs) as llm:
         record = evaluate(llm, items, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -74,7 +74,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     total = int(gpu_memory_gib * GIB)
     resident = estimate["weight_bytes"] + (estimate["ple_table_bytes"] if engine_args.ple_table_device == "gpu" else 0)
     free = total - resident - CUDA_CONTEXT_BYTES
-    seqs = engine_args.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cuda"]
+    seqs = engine_args.max_num_seqs or engine_args.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS["cuda"]
     batched = engine_args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     per_slot, k = estimate["state_bytes_per_request"], num_speculative_tokens
     graphs = not engine_args.enforce_eager

@@ -151,6 +151,8 @@ class ModelRunner:
             )
             try:
                 graphs.capture()
+            except torch.OutOfMemoryError:  # the engine says which memory plan left too little room
+                raise
             except (RuntimeError, MemoryError) as error:  # new on the GPU: say how to run without it
                 raise RuntimeError(
                     f"capturing the MTP verification CUDA graphs failed ({type(error).__name__}: {error}); "
