@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -701,6 +701,15 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout ${AB_TIMEOUT:-300} python3 benchmarks/bench_ttft_ab.py --attr fresh_prompt_varlen --values True,False \
         --batch-size 1,8 --input-len 8192,1024 --rounds ${AB_ROUNDS:-8} --out $OUT/ttft_ab_fresh_varlen.json 2>&1 \
         | grep -v Warning | tail -4 ;;
+    s31)  # next session, one call: the memory plan's lowered default on this GPU (memory_peak with the engine's default
+      # max_num_seqs: no out-of-memory, the peaks inside the headroom), offline throughput at the default, the
+      # memory plan's and MTP's GPU tests; then on two GPUs the TP2 / PP2 graphs, on an H200 batch 1 against transformers
+      timeout 200 python3 benchmarks/memory_peak.py --max-num-seqs 0 --out $OUT/memory_peak_default.json 2>&1 \
+        | grep -v Warn | tail -26 | cut -c1-400
+      timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
+        --output-len 256 --output-json $OUT/throughput_512x1024x256_default.json 2>&1 | grep -v Warn | tail -4
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
+      if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
     thr30)  # session 30: the kernels of a step prefilling eight 1k prompts (first: fla-core autotunes there on a fresh
       # machine), offline throughput (512 x 1024 / 256, 256 sequences), its steps split prompt-bearing / decode, then
       # the kernels of a batch-256 decode step (torch profiler)
