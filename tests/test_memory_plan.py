@@ -198,6 +198,18 @@ def test_out_of_memory_at_start_up_names_the_plan_and_shuts_down():
         with LLMEngine._out_of_memory_explained(engine, "warming up"):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 130.00 MiB")
     assert shut == [True]
+    from lamina.engine.mp_executor import WorkerError
+
+    rank_error = WorkerError("rank 1 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 514.00 MiB\n...")
+    with pytest.raises(RuntimeError, match="out of GPU memory while capturing") as info:  # from a rank process
+        with LLMEngine._out_of_memory_explained(engine, "capturing"):
+            raise rank_error
+    assert info.value.__cause__ is rank_error and shut == [True, True]
+    other = WorkerError("rank 1 failed: ValueError: bad")
+    with pytest.raises(WorkerError) as info:
+        with LLMEngine._out_of_memory_explained(engine, "capturing"):
+            raise other
+    assert info.value is other and shut == [True, True]
     with pytest.raises(KeyError):  # other errors pass through untouched
         with LLMEngine._out_of_memory_explained(engine, "warming up"):
             raise KeyError("x")

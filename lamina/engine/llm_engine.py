@@ -174,10 +174,14 @@ class LLMEngine(RequestValidation, WarmUp):
     def _out_of_memory_explained(self, what: str):
         """Start-up on CUDA: an out-of-memory error shuts the executor down and says which plan
         left too little room for the steps and what to change (the plan's headroom is an estimate).
-        In-process ranks only: a rank process's error arrives as the executor's WorkerError."""
+        A rank process's error arrives as the executor's WorkerError, whose message names its type."""
+        from lamina.engine.mp_executor import WorkerError
+
         try:
             yield
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, WorkerError) as e:
+            if isinstance(e, WorkerError) and "OutOfMemoryError: " not in str(e):
+                raise
             self.executor.shutdown()
             plan = self.memory_plan
             plan = "" if plan is None else f" (memory plan: {plan.describe(self.args.block_size, self.max_model_len)})"
