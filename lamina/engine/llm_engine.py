@@ -232,8 +232,8 @@ class LLMEngine(RequestValidation, WarmUp):
             self.memory_plan = plan
             if plan.lowered_from is not None:
                 logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests, the "
-                               "activation headroom and one max_model_len sequence of KV cache do not fit; the states "
-                               "now take at most half of what the headroom leaves (%s); set max_num_seqs to choose",
+                               "activation headroom and one max_model_len sequence of KV cache do not fit "
+                               "(lamina.engine.memory_plan; %s); set max_num_seqs to choose",
                                plan.lowered_from, plan.max_num_seqs, plan.lowered_from,
                                plan.describe(args.block_size, self.max_model_len))
             else:

@@ -106,8 +106,8 @@ def plan_gpu_memory(
     speculation_bytes: Callable[[int], int],
     activation_bytes: Callable[[int], int],
 ) -> MemoryPlan:
-    """The plan for `max_num_seqs` requests, or (default only) for the most that fit; see the module
-    docstring. `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests."""
+    """The plan for `max_num_seqs` requests, or (a default only) for fewer; see the module docstring.
+    `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests."""
     blocks_per_seq = -(-max_model_len // block_size)
     min_kv = blocks_per_seq * bytes_per_block
 
@@ -124,8 +124,8 @@ def plan_gpu_memory(
         return plan(max_num_seqs)
     fits = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + min_kv <= usable_bytes)
     if max_num_seqs_is_default and fits > 0:
-        # not the most that fit, which would leave the KV cache one sequence: the states take at most
-        # half of what the steps' headroom leaves, the KV cache the rest
+        # not the most that fit, which would leave the KV cache one sequence: the larger of the states
+        # taking at most half of what the steps' headroom leaves, and every request fitting at full length
         def balanced(n: int) -> bool:
             states = (n + 1) * state_bytes_per_slot + speculation_bytes(n)
             return 2 * states <= usable_bytes - activation_bytes(n) and fixed_bytes(n) + min_kv <= usable_bytes

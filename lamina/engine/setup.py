@@ -77,7 +77,7 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
-    max_model_len = _max_model_len(args, cfg)
+    max_model_len = resolve_max_model_len(args, cfg)
     # The model's own config (spellings normalised by read_model_config) so that transformers
     # does not re-read a config.json its version may refuse.
     if args.skip_tokenizer_init:
@@ -113,7 +113,8 @@ def load_tokenizer(path: str, config=None):
         return None
 
 
-def _max_model_len(args: EngineArgs, cfg) -> int:
+def resolve_max_model_len(args: EngineArgs, cfg) -> int:
+    """max_model_len: the asked one, which must not exceed the model's max_position_embeddings, else that."""
     limit = cfg.max_position_embeddings
     requested = args.max_model_len
     if requested is None:

@@ -186,8 +186,8 @@ def _warn_if_preempting(engine, batch: int, tokens_per_request: int) -> None:
     need = per_replica * -(-tokens_per_request // block)
     if engine.num_kv_blocks < need:
         print(f"lamina bench: the KV cache holds {engine.num_kv_blocks * block} tokens, fewer than batch {per_replica} x "
-              f"{tokens_per_request} tokens (per data-parallel replica); requests will be preempted and recomputed, and the figures include it "
-              "(raise --gpu-memory-utilization or lower the batch size)", file=sys.stderr)
+              f"{tokens_per_request} tokens (per data-parallel replica); requests will be preempted and recomputed, "
+              "and the figures include it (raise --gpu-memory-utilization or lower the batch size)", file=sys.stderr)
 
 
 def _engine_kwargs(args) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lamina.config import EngineArgs, resolve_dtype
 from lamina.engine.memory_plan import GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes
-from lamina.engine.setup import _max_model_len
+from lamina.engine.setup import resolve_max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
@@ -171,7 +171,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         gib = getattr(args, "gpu_memory_gib", None)
         if gib is not None and gib <= 0:
             raise ValueError(f"--gpu-memory-gib must be positive, got {gib}")
-        max_model_len = _max_model_len(engine_args, cfg) if gib is not None else None
+        max_model_len = resolve_max_model_len(engine_args, cfg) if gib is not None else None
         for me in plan.ranks:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
