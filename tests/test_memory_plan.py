@@ -254,3 +254,24 @@ def test_lamina_plan_refuses_a_bad_gpu_size(capsys):
 
     assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--gpu-memory-gib", "0"]) == 2
     assert "--gpu-memory-gib must be positive, got 0.0" in capsys.readouterr().err
+
+
+def test_bench_latency_says_where_a_refused_max_num_seqs_came_from(monkeypatch):
+    import argparse
+
+    from lamina.entrypoints import bench
+    import lamina
+
+    def refuse(model, **kwargs):
+        raise ValueError(f"max_num_seqs = {kwargs['max_num_seqs']} needs 61.4 MiB ... At most max_num_seqs = 60 fit")
+
+    monkeypatch.setattr(lamina, "LLM", refuse)
+    args = argparse.Namespace(batch_size=[1, 64], input_len=128, output_len=64, device="cpu")
+    monkeypatch.setattr(bench, "_engine_kwargs", lambda a: {"max_num_seqs": None})
+    with pytest.raises(ValueError, match=r"At most max_num_seqs = 60 fit \(bench latency sets max_num_seqs to the "
+                                         r"largest --batch-size, 64\)"):
+        bench.run_latency(args, "model")
+    monkeypatch.setattr(bench, "_engine_kwargs", lambda a: {"max_num_seqs": 64})  # the user's own: no note
+    with pytest.raises(ValueError) as info:
+        bench.run_latency(args, "model")
+    assert "bench latency sets" not in str(info.value)

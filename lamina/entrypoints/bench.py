@@ -209,9 +209,16 @@ def run_latency(args, model_path: str) -> list[dict]:
     rng = random.Random(0)
     max_batch = max(args.batch_size)
     kwargs = _engine_kwargs(args)
+    implicit_seqs = not kwargs.get("max_num_seqs")
     kwargs["max_num_seqs"] = kwargs.get("max_num_seqs") or max_batch
     kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16
-    with LLM(model_path, **kwargs) as llm:
+    try:
+        llm = LLM(model_path, **kwargs)
+    except ValueError as e:  # the GPU's memory plan refusing the batch: say where max_num_seqs came from
+        if implicit_seqs and f"max_num_seqs = {max_batch} " in str(e):
+            raise ValueError(f"{e} (bench latency sets max_num_seqs to the largest --batch-size, {max_batch})") from e
+        raise
+    with llm:
         engine = llm.engine
         _warn_if_preempting(engine, max_batch, args.input_len + args.output_len)
         vocab = engine.model_config.vocab_size
