@@ -15,7 +15,7 @@ from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_sched
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
-from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory, speculation_bytes
+from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory, speculation_bytes, usable_gpu_bytes
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
@@ -221,7 +221,7 @@ class LLMEngine(RequestValidation, WarmUp):
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
             plan = plan_gpu_memory(
-                usable_bytes=int(max(0, free - total * (1.0 - args.gpu_memory_utilization))),
+                usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),
                 bytes_per_block=bytes_per_block, block_size=args.block_size, max_model_len=self.max_model_len,
                 max_num_seqs=max_num_seqs, max_num_seqs_is_default=args.max_num_seqs is None,
                 state_bytes_per_slot=per_slot,

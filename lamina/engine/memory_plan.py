@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory", "speculation_bytes"]
+__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory", "speculation_bytes", "usable_gpu_bytes"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -47,6 +47,12 @@ PREFILL_MARGIN = 1.3
 DECODE_VOCAB_ROWS = 12  # float32 vocabulary rows per decode row at a decode step's peak (logits, sampler temporaries)
 GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools and static buffers
 FIXED_HEADROOM_BYTES = 512 * MIB
+
+
+def usable_gpu_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> int:
+    """What a rank may fill: its free memory after the weights, less the (1 - utilization) share of
+    the device that stays free."""
+    return int(max(0, free_bytes - total_bytes * (1.0 - gpu_memory_utilization)))
 
 
 def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,

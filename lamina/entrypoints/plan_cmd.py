@@ -17,7 +17,9 @@ import torch
 from pathlib import Path
 
 from lamina.config import EngineArgs, resolve_dtype
-from lamina.engine.memory_plan import GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes
+from lamina.engine.memory_plan import (
+    GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, usable_gpu_bytes,
+)
 from lamina.engine.setup import resolve_max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
@@ -80,7 +82,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     graphs = not engine_args.enforce_eager
     try:
         plan = plan_gpu_memory(
-            usable_bytes=int(max(0, free - total * (1.0 - engine_args.gpu_memory_utilization))),
+            usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),
             bytes_per_block=estimate["kv_bytes_per_token"] * engine_args.block_size, block_size=engine_args.block_size,
             max_model_len=max_model_len, max_num_seqs=seqs, max_num_seqs_is_default=engine_args.max_num_seqs is None,
             state_bytes_per_slot=per_slot,
