@@ -709,6 +709,8 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         | grep -v Warn | tail -26 | cut -c1-400
       timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 --input-len 1024 \
         --output-len 256 --output-json $OUT/throughput_512x1024x256_default.json 2>&1 | grep -v Warn | tail -4
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_mtp_triton.py \
+        tests/test_qwen4_graphs.py 2>&1 | tail -4  # the start-up path since session 30's memory plan
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
     thr30)  # session 30: the kernels of a step prefilling eight 1k prompts (first: fla-core autotunes there on a fresh
