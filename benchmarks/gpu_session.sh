@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -713,6 +713,24 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         tests/test_qwen4_graphs.py 2>&1 | tail -4  # the start-up path since session 30's memory plan
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
+    s31b)  # session 31: the recurrent state pool in bfloat16 (--mamba-ssm-cache-dtype): its GPU tests, then batch
+      # 1 / 16 / 64 latency and offline throughput at the default max_num_seqs, float32 pool then bfloat16, one call
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ssm_state_dtype.py 2>&1 | tail -4
+      for ssm in auto bfloat16; do
+        LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --gpu-memory-utilization 0.95 --mamba-ssm-cache-dtype $ssm --output-json /tmp/latency_ssm_$ssm.json 2>&1 | tail -5
+      done
+      merge_latency latency_ssm
+      for ssm in auto bfloat16; do
+        timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \
+          --input-len 1024 --output-len 256 --mamba-ssm-cache-dtype $ssm --output-json /tmp/thr_ssm_$ssm.json 2>&1 \
+          | grep -v Warn | tail -4 | cut -c1-400
+      done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/thr_ssm_*.json'))}
+json.dump(out, open('$OUT/throughput_ssm_dtype.json', 'w'), indent=1)
+for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))" ;;
     thr30)  # session 30: the kernels of a step prefilling eight 1k prompts (first: fla-core autotunes there on a fresh
       # machine), offline throughput (512 x 1024 / 256, 256 sequences), its steps split prompt-bearing / decode, then
       # the kernels of a batch-256 decode step (torch profiler)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lamina.config import EngineArgs, resolve_device, resolve_dtype
+from lamina.config import EngineArgs, resolve_device, resolve_dtype, resolve_ssm_state_dtype
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
@@ -38,6 +38,7 @@ class EngineSetup:
     model_config: Any  # the family's parsed config (HybridTextConfig or Qwen4-Exp's)
     device: torch.device
     dtype: torch.dtype
+    ssm_state_dtype: torch.dtype  # the recurrent state pool's (mamba_ssm_cache_dtype, resolved)
     parallel_config: ParallelConfig
     plan: ParallelPlan
     max_model_len: int
@@ -92,7 +93,8 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
-        device=device, dtype=dtype, parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
+        device=device, dtype=dtype, ssm_state_dtype=resolve_ssm_state_dtype(args.mamba_ssm_cache_dtype, hf_config),
+        parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
         default_sampling=default_sampling,
     )

@@ -16,7 +16,7 @@ import torch
 
 from pathlib import Path
 
-from lamina.config import EngineArgs, resolve_dtype
+from lamina.config import EngineArgs, resolve_dtype, resolve_ssm_state_dtype
 from lamina.engine.memory_plan import (
     GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, usable_gpu_bytes,
 )
@@ -32,8 +32,10 @@ def _is_ple_table(name: str) -> bool:
     return "ngram_embedding" in name or "ple_table" in name
 
 
-def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int) -> dict:
-    """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request."""
+def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
+                  ssm_state_dtype: torch.dtype = torch.float32) -> dict:
+    """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
+    (the recurrent pools in `ssm_state_dtype`)."""
     me = plan.ranks[rank]
     ctx = ParallelContext(
         tp=GroupCollectives(plan.tp, me.tp), device=torch.device("meta"),
@@ -53,7 +55,7 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
         else:
             weights += nbytes
     kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, dtype) for m in model.paged_cache_modules())
-    state = sum(m.bind_state(1, dtype, "meta") for m in model.state_modules())
+    state = sum(m.bind_state(1, dtype, "meta", ssm_dtype=ssm_state_dtype) for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
             "state_bytes_per_request": state}
 
@@ -168,6 +170,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         dtype = resolve_dtype(engine_args.dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), getattr(hf_config, "dtype", None))
         if engine_args.dtype == "auto":
             dtype = resolve_dtype("auto", torch.device("cuda"), getattr(hf_config, "dtype", None))
+        ssm_state_dtype = resolve_ssm_state_dtype(engine_args.mamba_ssm_cache_dtype, hf_config)
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)
@@ -177,7 +180,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         for me in plan.ranks:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
-                est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size)
+                est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0)
                 cache[key] = (est, memory)

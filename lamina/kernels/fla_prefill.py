@@ -12,7 +12,8 @@ fla-core 0.6.0's source (`fla/ops/gated_delta_rule/chunk.py`):
   defaults to Dk**-0.5, lamina's scale.
 - `initial_state` / final state `[N, Hv, Dk, Dv]` (the default `state_v_first=False`), the state S
   with o = S^T q: lamina's state pool `[num_slots, Hv, Dk, Dv]` in the same orientation, so no
-  transpose. The initial state is read as float32, the final state is float32, the pool's dtype.
+  transpose. fla reads the initial state as float32 and returns the final state in float32; the
+  pool may hold another dtype (`mamba_ssm_cache_dtype`), so states are cast on the way in and out.
 
 fla cannot index lamina's state pool by slot, so the requests' states are gathered into one
 `[B, Hv, Dk, Dv]` tensor (zeros where the request starts fresh) and the final states scattered
@@ -67,7 +68,7 @@ def gated_delta_rule_prefill_fla(
 
     Args:
         q, k: `[T, Hk, Dk]`; v: `[T, Hv, Dv]`; g (log decay, <= 0), beta: `[T, Hv]`;
-        state_pool: `[num_slots, Hv, Dk, Dv]` float32: request b starts from `state_pool[slots[b]]`
+        state_pool: `[num_slots, Hv, Dk, Dv]` (float32, or the pool's dtype): request b starts from `state_pool[slots[b]]`
             (zeros where `keep[b]` is False) and its final state is written back there;
         slots: `[B]` long; keep: `[B]` bool; query_start_loc: `[B+1]` cumulative query lengths;
         chunk_indices: `[NT, 2]` long on the device, (request, chunk) of every FLA_CHUNK_SIZE chunk
@@ -81,9 +82,9 @@ def gated_delta_rule_prefill_fla(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     num_tokens = q.shape[0]
-    state_in = torch.where(keep[:, None, None, None], state_pool[slots], 0.0)  # [B, Hv, Dk, Dv] float32
+    state_in = torch.where(keep[:, None, None, None], state_pool[slots].float(), 0.0)  # [B, Hv, Dk, Dv] float32
     if num_tokens == 0:  # nothing to run; requests without tokens keep (or zero) their state
-        state_pool.index_copy_(0, slots, state_in)
+        state_pool.index_copy_(0, slots, state_in.to(state_pool.dtype))
         return v.new_empty(v.shape)
     out, final_state = chunk_gated_delta_rule(
         q.unsqueeze(0),  # [1, T, Hk, Dk]

@@ -9,8 +9,8 @@ on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes
   interpreter) whose partials the last one combines.
   Reference: `paged_attention` with `max_query_len == 1`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
-  written back to the float32 state pool at the request's slot. Reference:
-  `recurrent_gated_delta_rule_step`.
+  written back to the state pool at the request's slot (float32, or `mamba_ssm_cache_dtype`'s
+  dtype: read into float32, rounded on store). Reference: `recurrent_gated_delta_rule_step`.
 - `causal_conv1d_decode`: the depthwise causal conv of one token with the rolling input state
   in the conv-state pool. Reference: `causal_conv1d_varlen` with one token per request.
 
@@ -228,7 +228,7 @@ def _gdr_decode_kernel(
     keep = tl.load(keep_ptr + req)
     s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     s_ok = k_ok[:, None] & v_ok[None, :]
-    state = tl.load(s_ptrs, mask=s_ok, other=0.0)  # [K, V] float32
+    state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [K, V]
     wait_for_producer(PDL)
     q = tl.load(q_ptr + req * stride_qb + k_head * stride_qh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + req * stride_kb + k_head * stride_kh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -259,7 +259,7 @@ def gated_delta_rule_decode(
     *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """q, k `[B, Hk, Dk]`; v `[B, Hv, Dv]` (any strides with a unit last one); g, beta `[B, Hv]`;
-    state_pool `[num_slots, Hv, Dk, Dv]` float32, updated in place at `slots [B]` (a row with
+    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), updated in place at `slots [B]` (a row with
     `keep[b]` False starts from zeros). With `a_log` and `dt_bias` `[Hv]`, g and beta are the raw
     projections `a` and `b`, and the gates g = -exp(A_log) * softplus(a + dt_bias), beta =
     sigmoid(b) are computed in the kernel; `num_warps` overrides GDR_WARPS (benchmarks). Returns the

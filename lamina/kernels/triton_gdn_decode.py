@@ -72,7 +72,7 @@ def _fused_gdn_decode_kernel(
     # The recurrent state first: the largest load, in flight while the conv runs.
     s_ok = k_ok[:, None] & v_ok[None, :]
     s_ptrs = ssm_state_ptr + slot * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    state = tl.load(s_ptrs, mask=s_ok & use_v[None, :], other=0.0)  # [K, V] float32
+    state = tl.load(s_ptrs, mask=s_ok & use_v[None, :], other=0.0).to(tl.float32)  # [K, V]
 
     # Causal conv + SiLU of one token, as _conv_decode_kernel: seq = [state (K-1 inputs), x], tap j
     # reads seq[j]; the new state seq[1:K] is read as shifted loads (registers cannot be shifted
@@ -161,7 +161,7 @@ def fused_gdn_decode(
     """One decode token per request. x `[B, 2*Hk*Dk + Hv*Dv]` (the conv input: q, k, v channels),
     z `[B, Hv*Dv]`, b, a `[B, Hv]` (rows may be strided: slices of the joint in_proj output; unit
     last strides); conv_weight `[C, K]`; conv_state `[num_slots, C, K-1]` and ssm_state
-    `[num_slots, Hv, Dk, Dv]` float32, read at `slots [B]` (zeros where `keep[b]` is 0 or the slot
+    `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at `slots [B]` (zeros where `keep[b]` is 0 or the slot
     is negative) and updated there in place; a_log, dt_bias `[Hv]`; norm_weight `[Dv]`; activation
     of the norm's gate: "silu" or "sigmoid". Returns `[B, Hv*Dv]` in x's dtype (out_proj's input)."""
     bsz, channels = x.shape

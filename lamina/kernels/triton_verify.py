@@ -161,7 +161,7 @@ def _gdr_verify_kernel(
     live = (offs_v * 0 + slot) >= 0  # [V]: padding rows (slot < 0) read zeros and write no state
     keep = tl.load(keep_ptr + req)
     s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    state = tl.load(s_ptrs, mask=s_ok & live[None, :], other=0.0)  # [K, V] float32
+    state = tl.load(s_ptrs, mask=s_ok & live[None, :], other=0.0).to(tl.float32)  # [K, V]
     state = tl.where(keep != 0, state, 0.0)
     if RAW_GATES:
         neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
@@ -201,9 +201,9 @@ def gated_delta_rule_verify(
     *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, capture: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k `[B*Q, Hk, Dk]`; v `[B*Q, Hv, Dv]` (unit last strides); g, beta `[B*Q, Hv]`;
-    state_pool `[num_slots, Hv, Dk, Dv]` float32, read at `slots [B]` (zeros where `keep[b]` is
+    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at `slots [B]` (zeros where `keep[b]` is
     False or the slot is negative) and updated there with the state after each request's last
-    token. capture: optional `[>= B*(Q-1), Hv, Dk, Dv]` float32 (unit last stride): the states
+    token. capture: optional `[>= B*(Q-1), Hv, Dk, Dv]` in the pool's dtype (unit last stride): the states
     after tokens 0..Q-2 of request b go to rows b*(Q-1)..b*(Q-1)+Q-2. `a_log`, `dt_bias` as in
     `gated_delta_rule_decode`. Returns the output `[B*Q, Hv, Dv]` in v's dtype."""
     if queries == 1 and capture is None:

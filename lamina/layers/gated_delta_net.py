@@ -7,7 +7,8 @@ Qwen3.5's separate `in_proj_qkv/z/b/a` are both converted into it by the model's
 
 Recurrent state lives in two per-layer tensors indexed by the request's state slot:
 `conv_state [num_slots, conv_dim_per_rank, K-1]` and `ssm_state [num_slots, Hv_per_rank, Dk, Dv]`
-(float32). A request whose first chunk is in this step starts from zeros. Under speculative
+(float32 unless `mamba_ssm_cache_dtype` says otherwise: every kernel reads it into float32 and
+rounds what it stores). A request whose first chunk is in this step starts from zeros. Under speculative
 verification the states after chosen tokens are kept too (lamina.layers.spec_state).
 
 Kernels (chosen when the layer is built, lamina.kernels.selection): a one-token decode step on the
@@ -123,12 +124,14 @@ class GatedDeltaNet(nn.Module):
             (num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim),
         )
 
-    def bind_state(self, num_slots: int, dtype: torch.dtype, device) -> int:
-        """Allocate the per-slot conv and recurrent state; returns its bytes."""
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device, ssm_dtype: torch.dtype = torch.float32) -> int:
+        """Allocate the per-slot conv state (in `dtype`, the activations') and recurrent state (in
+        `ssm_dtype`: every kernel computes in float32 and rounds the state when it stores it); returns
+        their bytes."""
         conv_shape, ssm_shape = self.state_shapes(num_slots)
         self.conv_state = torch.zeros(conv_shape, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(ssm_shape, dtype=torch.float32, device=device)
-        return self.conv_state.numel() * dtype.itemsize + self.ssm_state.numel() * 4
+        self.ssm_state = torch.zeros(ssm_shape, dtype=ssm_dtype, device=device)
+        return self.conv_state.numel() * dtype.itemsize + self.ssm_state.numel() * ssm_dtype.itemsize
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every per-slot state tensor (slot-major), for slot-to-slot copies."""

@@ -248,8 +248,9 @@ class PLELayer(nn.Module):
         check_shape(name, loaded, (self.width, 1, self.conv_kernel_size))
         self.conv_weight.data.copy_(loaded[:, 0, :])
 
-    def bind_state(self, num_slots: int, dtype: torch.dtype, device) -> int:
-        """Allocate the per-slot short-conv state; returns its bytes."""
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device, ssm_dtype: torch.dtype | None = None) -> int:
+        """Allocate the per-slot short-conv state; returns its bytes. (`ssm_dtype`, the recurrent
+        pools' dtype, does not apply: this state holds activations, kept in `dtype`.)"""
         self.conv_state = torch.zeros((num_slots, self.width, self.state_len), dtype=dtype, device=device)
         return self.conv_state.numel() * dtype.itemsize
 

@@ -40,8 +40,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, *, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int):
+    def __init__(self, model, *, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
+                 ssm_state_dtype: torch.dtype = torch.float32):
         self.model = model
+        self.ssm_state_dtype = ssm_state_dtype  # the delta-net recurrent state pools' (mamba_ssm_cache_dtype)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -76,7 +78,8 @@ class ModelRunner:
     def state_bytes_per_slot(self) -> int:
         """Recurrent-state bytes of one request slot on this rank (call before `allocate_caches`:
         it binds throwaway meta tensors that the allocation then replaces)."""
-        return sum(m.bind_state(1, self.model.dtype, "meta") for m in self.model.state_modules())
+        return sum(m.bind_state(1, self.model.dtype, "meta", ssm_dtype=self.ssm_state_dtype)
+                   for m in self.model.state_modules())
 
     def allocate_caches(self, num_kv_blocks: int, block_size: int, num_state_slots: int) -> None:
         self.block_size = block_size
@@ -86,7 +89,7 @@ class ModelRunner:
         # `state_bytes` counts the requests' slots, `spare_state_bytes` the spare.
         self.spare_state_slot = num_state_slots
         for module in self.model.state_modules():
-            total = module.bind_state(num_state_slots + 1, self.model.dtype, self.device)
+            total = module.bind_state(num_state_slots + 1, self.model.dtype, self.device, ssm_dtype=self.ssm_state_dtype)
             per_slot = total // (num_state_slots + 1)
             self.state_bytes += per_slot * num_state_slots
             self.spare_state_bytes += per_slot

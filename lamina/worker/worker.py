@@ -26,6 +26,7 @@ class WorkerSpec:
 
     model_path: str
     dtype: torch.dtype
+    ssm_state_dtype: torch.dtype  # the recurrent state pool's (EngineSetup.ssm_state_dtype)
     device_type: str  # cpu | cuda
     plan: ParallelPlan
     master_addr: str
@@ -135,7 +136,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         # replica 0 keeps the engine's seed, so one replica draws what a single-rank engine does.
         replica = groups.ctx.dp.rank
         torch.manual_seed(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF)
-        runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size)
+        runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size,
+                             ssm_state_dtype=spec.ssm_state_dtype)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         info = pdist.gather_objects({"rank": rank, "free_bytes": free}, groups)
         if rank == 0:
