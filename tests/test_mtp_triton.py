@@ -112,28 +112,31 @@ def test_mtp_greedy_on_triton_verify_kernels(mtp_short_dir, monkeypatch, k):
 
 
 @pytest.mark.parametrize("k", [2])
-def test_mtp_greedy_through_verify_graph_buffers(mtp_short_dir, monkeypatch, k):
+@pytest.mark.parametrize("ssm", ["auto", "bfloat16"])
+def test_mtp_greedy_through_verify_graph_buffers(mtp_short_dir, monkeypatch, k, ssm):
     """The verification graphs' static buffers, padding (3 requests run as 4) and persistent
-    capture rows (replayed as CUDA graphs on a GPU; run eagerly from the same buffers here)."""
+    capture rows (replayed as CUDA graphs on a GPU; run eagerly from the same buffers here), with
+    the recurrent pool and its capture rows in float32 and in bfloat16 (mamba_ssm_cache_dtype)."""
     plain = _plain(mtp_short_dir, monkeypatch)
     ours, calls, replays = _run(mtp_short_dir, monkeypatch, kernels="triton", k=k, graphs=True,
-                                override=_planted(plain))
+                                override=_planted(plain), mamba_ssm_cache_dtype=ssm)
     assert ours == plain
     assert k + 1 in replays
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
-def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k):
+@pytest.mark.parametrize("ssm", ["auto", "bfloat16"])
+def test_verify_graphs_match_eager_on_gpu(mtp_dir, monkeypatch, k, ssm):
     """On CUDA: verification steps replayed from CUDA graphs give exactly the eager Triton run's
     tokens (the same kernels, drafts planted so that acceptance is partial). Four requests: a
     capture size, so both runs multiply matrices of the same shapes."""
     prompts = PROMPTS + [[700, 3, 3, 8, 1]]
     plain = _plain(mtp_dir, monkeypatch, prompts)
     eager, eager_calls, no_replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, override=_planted(plain, prompts),
-                                          prompts=prompts)
+                                          prompts=prompts, mamba_ssm_cache_dtype=ssm)
     graphed, _, replays = _run(mtp_dir, monkeypatch, kernels="triton", k=k, graphs=True,
-                               override=_planted(plain, prompts), prompts=prompts)
+                               override=_planted(plain, prompts), prompts=prompts, mamba_ssm_cache_dtype=ssm)
     assert k + 1 in eager_calls and not no_replays
     assert k + 1 in replays
     assert graphed == eager

@@ -172,6 +172,31 @@ def test_a_bfloat16_pool_rounds_the_states_and_halves_their_bytes(qwen3_5_moe_di
     assert diffs[:4] == [0.0] * 4  # the first chunk reads no stored state
 
 
+def test_mtp_rollback_on_a_bfloat16_pool(qwen3_5_moe_dir, tmp_path):
+    """Verification keeps the states after each draft in the pool's dtype and commits the accepted
+    one's: with drafts planted (the reference continuation, one spoiled in turn) the greedy tokens
+    are the non-speculative bf16-pool engine's, through partial acceptances and rollbacks."""
+    import shutil
+
+    from tests import tiny_checkpoints as tc
+    from tests.test_mtp import planting_proposer
+
+    path = tc.add_mtp_weights(shutil.copytree(qwen3_5_moe_dir, tmp_path / "q35"), fused_experts=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (1, 7, 20)]
+    common = dict(mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16, block_size=8, **ENGINE)
+    with LLM(str(path), **common) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    log = []
+    with LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **common) as llm:
+        llm.engine.draft_override = planting_proposer(plain, 2, params.max_tokens, log)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert {p.dtype for p in _pools(llm)} == {torch.bfloat16}
+        metrics = llm.engine.spec_decode_metrics
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # partial acceptance: rollbacks ran
+
+
 def test_tp2_ranks_allocate_the_pool_in_the_asked_dtype(qwen3_5_moe_dir):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 9, 20)]
