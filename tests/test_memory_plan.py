@@ -133,7 +133,7 @@ def _fake_engine(max_num_seqs=None, spec_config=None, **over):
     engine = types.SimpleNamespace(
         args=types.SimpleNamespace(**args),
         max_model_len=2048, device=torch.device("cuda"), spec_config=spec_config, executor=_FakeExecutor(),
-        model_config=_preset_config(), dtype=torch.bfloat16,
+        model_config=_preset_config(), dtype=torch.bfloat16, ssm_state_dtype=torch.float32,
     )
     engine._speculation_reserve = types.MethodType(LLMEngine._speculation_reserve, engine)
     return engine
@@ -151,14 +151,20 @@ def test_engine_plans_an_h100_default_instead_of_running_out(h100, caplog):
         num_blocks, seqs = LLMEngine._num_kv_blocks(engine, 256, 8192)
     assert 16 <= seqs < 64 and engine.memory_plan.lowered_from == 256
     assert "max_num_seqs lowered from its default 256" in caplog.text
+    assert "or keep the recurrent states in bfloat16 (mamba_ssm_cache_dtype='bfloat16'" in caplog.text
     usable = 13.9 * GIB - 0.1 * 79.18 * GIB
     assert engine.memory_plan.state_bytes + engine.memory_plan.activation_bytes + num_blocks * BLOCK <= usable
     assert num_blocks >= seqs * 128 // 2  # the KV cache holds half of the requests' full lengths at least
 
 
 def test_engine_refuses_an_explicit_max_num_seqs_the_gpu_cannot_hold(h100):
-    with pytest.raises(ValueError, match=r"max_num_seqs = 256 needs .* At most max_num_seqs = \d+ fit"):
+    with pytest.raises(ValueError, match=r"max_num_seqs = 256 needs .* At most max_num_seqs = \d+ fit.*raise "
+                                         r"gpu_memory_utilization, or keep the recurrent states in bfloat16"):
         LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=256), 256, 8192)
+    bf16 = _fake_engine(max_num_seqs=256)
+    bf16.ssm_state_dtype = torch.bfloat16  # already 16-bit: nothing to suggest
+    with pytest.raises(ValueError, match=r"raise gpu_memory_utilization$"):
+        LLMEngine._num_kv_blocks(bf16, 256, 8192)
     num_blocks, seqs = LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=32), 32, 8192)
     assert seqs == 32 and num_blocks == 32 * 128  # 32 fit with their whole lengths
 

@@ -217,14 +217,25 @@ def test_lamina_plan_counts_the_pool_dtype(capsys):
     from lamina.entrypoints.cli import main as cli_main
     from lamina.entrypoints.presets import DEFAULT_PRESET, preset_dir
 
-    def state_bytes(*flags):
-        assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--json", *flags]) == 0
-        return json.loads(capsys.readouterr().out)["ranks"][0]["estimate"]["state_bytes_per_request"]
+    def rank(*flags):
+        assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--dtype", "bfloat16", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["ranks"][0]
 
-    full, half = state_bytes(), state_bytes("--mamba-ssm-cache-dtype", "bfloat16")
+    full, half = rank()["estimate"], rank("--mamba-ssm-cache-dtype", "bfloat16")["estimate"]
     # Qwen3.5-35B-A3B: 30 delta-net layers of 32 heads x 128 x 128 recurrent values, + the conv states
     ssm = 30 * 32 * 128 * 128
-    assert full - half == 2 * ssm and half < 0.55 * full
+    assert full["state_bytes_per_request"] - half["state_bytes_per_request"] == 2 * ssm
+    assert half["state_bytes_per_request"] < 0.55 * full["state_bytes_per_request"]
+    # On an 80 GB H100 (session 30's figures) a bf16 pool holds ~1.5x the requests by default, and a
+    # refusal of a float32 pool's max_num_seqs names the option
+    h100 = ("--gpu-memory-gib", "79.18", "--max-model-len", "2048")
+    seqs32 = rank(*h100)["gpu_memory"]["max_num_seqs"]
+    seqs16 = rank(*h100, "--mamba-ssm-cache-dtype", "bfloat16")["gpu_memory"]["max_num_seqs"]
+    assert seqs16 > 1.3 * seqs32
+    refused = rank(*h100, "--max-num-seqs", "128")["gpu_memory"]
+    assert not refused["fits"] and "mamba_ssm_cache_dtype='bfloat16'" in refused["error"]
+    refused16 = rank(*h100, "--max-num-seqs", "128", "--mamba-ssm-cache-dtype", "bfloat16")["gpu_memory"]
+    assert not refused16["fits"] and "mamba_ssm_cache_dtype" not in refused16["error"]
 
 
 # ---- on a GPU: fla-core's prefill and the graphed engine on a bfloat16 pool -----------------------

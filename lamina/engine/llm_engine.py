@@ -15,7 +15,9 @@ from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_sched
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
-from lamina.engine.memory_plan import activation_headroom_bytes, plan_gpu_memory, speculation_bytes, usable_gpu_bytes
+from lamina.engine.memory_plan import (
+    activation_headroom_bytes, plan_gpu_memory, speculation_bytes, state_dtype_hint, usable_gpu_bytes,
+)
 from lamina.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
@@ -68,6 +70,7 @@ class LLMEngine(RequestValidation, WarmUp):
         self.args, self.model_path, self.device, self.dtype = setup.args, setup.model_path, setup.device, setup.dtype
         self.model_config, self.parallel_config, self.plan = setup.model_config, setup.parallel_config, setup.plan
         self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
+        self.ssm_state_dtype = setup.ssm_state_dtype  # the recurrent state pool's (mamba_ssm_cache_dtype)
         self.default_sampling = dict(setup.default_sampling)  # from the generation config (generation_defaults)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
         self.tokenizer, self.eos_token_ids = setup.tokenizer, setup.eos_token_ids
@@ -229,14 +232,16 @@ class LLMEngine(RequestValidation, WarmUp):
                 speculation_bytes=lambda n: self._speculation_reserve(n, per_slot),
                 activation_bytes=lambda n: activation_headroom_bytes(
                     self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k),
+                state_hint=state_dtype_hint(self.ssm_state_dtype),
             )
             self.memory_plan = plan
             if plan.lowered_from is not None:
                 logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests, the "
                                "activation headroom and one max_model_len sequence of KV cache do not fit "
-                               "(lamina.engine.memory_plan; %s); set max_num_seqs to choose",
+                               "(lamina.engine.memory_plan; %s); set max_num_seqs to choose%s",
                                plan.lowered_from, plan.max_num_seqs, plan.lowered_from,
-                               plan.describe(args.block_size, self.max_model_len))
+                               plan.describe(args.block_size, self.max_model_len),
+                               f", or {hint} to fit more" if (hint := state_dtype_hint(self.ssm_state_dtype)) else "")
             else:
                 logger.info("GPU memory: %s", plan.describe(args.block_size, self.max_model_len))
             num_blocks, max_num_seqs = plan.num_kv_blocks, plan.max_num_seqs

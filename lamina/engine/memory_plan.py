@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory", "speculation_bytes", "usable_gpu_bytes"]
+__all__ = ["MemoryPlan", "activation_headroom_bytes", "plan_gpu_memory", "speculation_bytes", "state_dtype_hint",
+           "usable_gpu_bytes"]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -47,6 +48,14 @@ PREFILL_MARGIN = 1.3
 DECODE_VOCAB_ROWS = 12  # float32 vocabulary rows per decode row at a decode step's peak (logits, sampler temporaries)
 GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools and static buffers
 FIXED_HEADROOM_BYTES = 512 * MIB
+
+
+def state_dtype_hint(ssm_state_dtype) -> str:
+    """What else would make room, said with a lowered or refused max_num_seqs: a float32 recurrent
+    pool can be kept in bfloat16 (`mamba_ssm_cache_dtype`); '' when it already is 16-bit."""
+    if getattr(ssm_state_dtype, "itemsize", 2) < 4:
+        return ""
+    return "keep the recurrent states in bfloat16 (mamba_ssm_cache_dtype='bfloat16': about half their bytes)"
 
 
 def usable_gpu_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> int:
@@ -111,9 +120,11 @@ def plan_gpu_memory(
     state_bytes_per_slot: int,
     speculation_bytes: Callable[[int], int],
     activation_bytes: Callable[[int], int],
+    state_hint: str = "",
 ) -> MemoryPlan:
     """The plan for `max_num_seqs` requests, or (a default only) for fewer; see the module docstring.
-    `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests."""
+    `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests; `state_hint`
+    (`state_dtype_hint`) ends a refusal's list of remedies."""
     blocks_per_seq = -(-max_model_len // block_size)
     min_kv = blocks_per_seq * bytes_per_block
 
@@ -150,9 +161,14 @@ def plan_gpu_memory(
     if fits > 0:
         raise ValueError(f"{what}. At most max_num_seqs = {fits} fit (the KV cache then holds about one sequence of "
                          f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len or "
-                         "max_num_batched_tokens, or raise gpu_memory_utilization")
+                         f"max_num_batched_tokens, or raise gpu_memory_utilization{_or(state_hint)}")
     raise ValueError(f"{what}. Not even one request fits: lower max_model_len or max_num_batched_tokens, raise "
-                     "gpu_memory_utilization, or spread the model over more GPUs (tensor / pipeline parallelism)")
+                     f"gpu_memory_utilization, {state_hint + ', ' if state_hint else ''}or spread the model over more "
+                     "GPUs (tensor / pipeline parallelism)")
+
+
+def _or(hint: str) -> str:
+    return f", or {hint}" if hint else ""
 
 
 def _most_requests_that_fit(limit: int, fits: Callable[[int], bool]) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lamina.config import EngineArgs, resolve_dtype, resolve_ssm_state_dtype
 from lamina.engine.memory_plan import (
-    GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, usable_gpu_bytes,
+    GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, state_dtype_hint, usable_gpu_bytes,
 )
 from lamina.engine.setup import resolve_max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
@@ -66,7 +66,7 @@ CUDA_CONTEXT_BYTES = 1 << 30
 
 
 def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_gib: float, max_model_len: int,
-                       dtype: torch.dtype, num_speculative_tokens: int) -> dict:
+                       dtype: torch.dtype, num_speculative_tokens: int, ssm_state_dtype: torch.dtype = torch.float32) -> dict:
     """What the engine's memory plan (lamina.engine.memory_plan) would make of one rank on a GPU of
     `gpu_memory_gib` GiB: its max_num_seqs and KV cache, or the error it would raise. Approximate: the
     engine plans from the free memory it finds after loading; here that is the GPU's memory less the
@@ -91,6 +91,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
             speculation_bytes=lambda n: speculation_bytes(
                 n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
             activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k),
+            state_hint=state_dtype_hint(ssm_state_dtype),
         )
     except ValueError as e:
         return {"gpu_memory_gib": gpu_memory_gib, "fits": False, "error": str(e)}
@@ -182,7 +183,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             if key not in cache:
                 est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype)
                 memory = None if gib is None else gpu_memory_preview(
-                    est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0)
+                    est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
+                    ssm_state_dtype)
                 cache[key] = (est, memory)
             est, memory = cache[key]
             ranks.append({"coords": me.__dict__ | {}, "estimate": est}
