@@ -33,13 +33,14 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32, help="0: the engine's default (its memory plan may lower it)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="the recurrent state pool's dtype")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     start_allocated = torch.cuda.memory_allocated(dev)
     llm = LLM(str(preset_dir(args.preset)), device="cuda", dtype="bfloat16", load_format="dummy",
               max_num_seqs=args.max_num_seqs or None, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, show_progress=False)
+              max_model_len=args.max_model_len, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, show_progress=False)
     engine = llm.engine
     runner = engine.executor.runner
     weights = sum(t.numel() * t.element_size() for t in runner.model.parameters())
