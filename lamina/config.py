@@ -12,7 +12,7 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 
-# vLLM's choices for --mamba-ssm-cache-dtype
+# vLLM's choices for --mamba-ssm-cache-dtype and --mamba-cache-dtype
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -38,9 +38,14 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # KV budget; default on CPU: 4 GiB
     ple_table_device: str = "auto"  # Qwen4-Exp N-gram PLE table: auto | gpu | cpu
     # vLLM's name: the dtype of the delta-net layers' recurrent state pool. "auto": the checkpoint's
-    # `mamba_ssm_dtype` (Qwen3.5 ships float32), else float32, what transformers keeps; bfloat16 /
-    # float16 halve the pool (more requests fit on a GPU) and round the state at every step.
+    # `mamba_ssm_dtype` (Qwen3.5 ships float32), else mamba_cache_dtype, else float32, what
+    # transformers keeps; bfloat16 / float16 halve the pool (more requests fit on a GPU) and round
+    # the state at every step (ssm_state_dtype_choice).
     mamba_ssm_cache_dtype: str = "auto"
+    # vLLM's name: the dtype of the whole Mamba-style cache. lamina takes it for the recurrent pool
+    # when neither mamba_ssm_cache_dtype nor the checkpoint names one; the conv state always stays in
+    # the model's dtype (it holds the layer's inputs, which that dtype represents exactly).
+    mamba_cache_dtype: str = "auto"
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
     show_progress: bool = True
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)
@@ -93,9 +98,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.ple_table_device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"ple_table_device must be one of auto, gpu, cpu; got {self.ple_table_device!r}")
-        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
-            raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; "
-                             f"got {self.mamba_ssm_cache_dtype!r}")
+        for name in ("mamba_ssm_cache_dtype", "mamba_cache_dtype"):
+            if getattr(self, name) not in MAMBA_SSM_CACHE_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override"):
             value = getattr(self, name)
@@ -142,13 +147,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype) 
     return _DTYPES[dtype]
 
 
-def resolve_ssm_state_dtype(option: str, hf_config) -> torch.dtype:
-    """The recurrent state pool's dtype for `mamba_ssm_cache_dtype` = `option`: an explicit dtype
-    as given; "auto" the checkpoint's `mamba_ssm_dtype` (top level or text_config), else float32."""
+def resolve_ssm_state_dtype(option: str, hf_config, cache_option: str = "auto") -> torch.dtype:
+    """The recurrent state pool's dtype (`ssm_state_dtype_choice`)."""
+    return ssm_state_dtype_choice(option, hf_config, cache_option)[0]
+
+
+def ssm_state_dtype_choice(option: str, hf_config, cache_option: str = "auto") -> tuple[torch.dtype, str]:
+    """The recurrent state pool's dtype and where it came from, first that applies: an explicit
+    `mamba_ssm_cache_dtype` (`option`); the checkpoint's `mamba_ssm_dtype` (top level or
+    text_config; Qwen3.5 ships float32), which vLLM's "auto" also reads; an explicit
+    `mamba_cache_dtype` (`cache_option`); float32, what transformers keeps."""
+    for name, value in (("mamba_ssm_cache_dtype", option), ("mamba_cache_dtype", cache_option)):
+        if value not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; got {value!r}")
     if option != "auto":
-        if option not in MAMBA_SSM_CACHE_DTYPES:
-            raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; got {option!r}")
-        return _DTYPES[option]
+        return _DTYPES[option], f"mamba_ssm_cache_dtype = {option}"
     for config in (hf_config, getattr(hf_config, "text_config", None)):
         declared = getattr(config, "mamba_ssm_dtype", None) if config is not None else None
         if declared is None:
@@ -158,5 +171,7 @@ def resolve_ssm_state_dtype(option: str, hf_config) -> torch.dtype:
         if declared not in _DTYPES:
             raise ValueError(f"config.json's mamba_ssm_dtype {declared!r} is not a dtype lamina keeps states in; "
                              f"pass mamba_ssm_cache_dtype (one of {', '.join(MAMBA_SSM_CACHE_DTYPES[1:])})")
-        return _DTYPES[declared]
-    return torch.float32
+        return _DTYPES[declared], f"the checkpoint's mamba_ssm_dtype = {declared}"
+    if cache_option != "auto":
+        return _DTYPES[cache_option], f"mamba_cache_dtype = {cache_option}"
+    return torch.float32, "float32, the default"

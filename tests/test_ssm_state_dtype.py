@@ -2,7 +2,8 @@
 default, what transformers keeps) or in bfloat16 / float16, half the bytes a request. Every kernel
 that reads the pool computes in float32 and rounds what it stores; the references do the same.
 
-Checked here: the option's resolution and refusals; each Triton kernel that touches the pool (decode,
+Checked here: the option's resolution and refusals (and vLLM's `mamba_cache_dtype`, which names the
+pool's dtype when nothing else does); each Triton kernel that touches the pool (decode,
 verification with its captured states, the fused decode) on a bfloat16 / float16 pool against its
 float32 reference; an engine whose pool is bfloat16 rounds the states (prompt logprobs under
 chunked prefill close to the float32 engine's, but not equal) and plans half the state bytes;
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from lamina import LLM, SamplingParams
-from lamina.config import EngineArgs, resolve_ssm_state_dtype
+from lamina.config import EngineArgs, resolve_ssm_state_dtype, ssm_state_dtype_choice
 
 PROMPT = [3, 17, 29, 4, 100, 7, 7, 250, 31, 8, 64, 12, 5, 9, 2, 77, 41, 19, 6, 33]
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False)
@@ -41,6 +42,19 @@ def test_auto_reads_the_checkpoint_and_falls_back_to_float32():
         resolve_ssm_state_dtype("auto", types.SimpleNamespace(mamba_ssm_dtype="int8"))
 
 
+def test_mamba_cache_dtype_applies_when_nothing_else_names_the_pool_dtype():
+    """vLLM's --mamba-cache-dtype: after an explicit mamba_ssm_cache_dtype and the checkpoint's own
+    mamba_ssm_dtype (as vLLM's Qwen3.5 config hook does), before the float32 default."""
+    plain, declared = types.SimpleNamespace(), types.SimpleNamespace(mamba_ssm_dtype="float32")
+    assert ssm_state_dtype_choice("auto", plain, "bfloat16") == (torch.bfloat16, "mamba_cache_dtype = bfloat16")
+    assert ssm_state_dtype_choice("auto", declared, "bfloat16") == (
+        torch.float32, "the checkpoint's mamba_ssm_dtype = float32")
+    assert ssm_state_dtype_choice("float16", declared, "bfloat16")[0] is torch.float16
+    assert ssm_state_dtype_choice("auto", plain) == (torch.float32, "float32, the default")
+    with pytest.raises(ValueError, match=r"mamba_cache_dtype must be one of auto, float32, bfloat16, float16; got 'fp8'"):
+        EngineArgs(mamba_cache_dtype="fp8").validate()
+
+
 def test_a_bad_value_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype must be one of auto, float32, bfloat16, float16; "
                                          r"got 'fp8'"):
@@ -55,8 +69,9 @@ def test_the_cli_flag_reaches_the_engine_args():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args([]))["mamba_ssm_cache_dtype"] == "auto"
-    args = parser.parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])
+    args = parser.parse_args(["--mamba-ssm-cache-dtype", "bfloat16", "--mamba-cache-dtype", "float32"])
     assert engine_kwargs(args)["mamba_ssm_cache_dtype"] == "bfloat16"
+    assert engine_kwargs(args)["mamba_cache_dtype"] == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--mamba-ssm-cache-dtype", "fp8"])
 
@@ -172,6 +187,13 @@ def test_a_bfloat16_pool_rounds_the_states_and_halves_their_bytes(qwen3_5_moe_di
     assert diffs[:4] == [0.0] * 4  # the first chunk reads no stored state
 
 
+def test_mamba_cache_dtype_sets_the_pool_of_a_checkpoint_that_names_none(qwen3_5_moe_dir):
+    with LLM(str(qwen3_5_moe_dir), mamba_cache_dtype="bfloat16", **ENGINE) as llm:
+        assert {p.dtype for p in _pools(llm)} == {torch.bfloat16}
+        conv = {m.conv_state.dtype for m in llm.engine.executor.runner.model.state_modules()}
+        assert conv == {torch.float32}  # the conv state stays in the model's dtype
+
+
 def test_mtp_rollback_on_a_bfloat16_pool(qwen3_5_moe_dir, tmp_path):
     """Verification keeps the states after each draft in the pool's dtype and commits the accepted
     one's: with drafts planted (the reference continuation, one spoiled in turn) the greedy tokens
@@ -234,6 +256,9 @@ def test_lamina_plan_counts_the_pool_dtype(capsys):
     assert seqs16 > 1.3 * seqs32
     refused = rank(*h100, "--max-num-seqs", "128")["gpu_memory"]
     assert not refused["fits"] and "mamba_ssm_cache_dtype='bfloat16'" in refused["error"]
+    # the preset's config.json declares mamba_ssm_dtype float32 (as the released checkpoint does),
+    # which --mamba-cache-dtype does not override (vLLM's Qwen3.5 hook: neither)
+    assert rank("--mamba-cache-dtype", "bfloat16")["estimate"] == full
     refused16 = rank(*h100, "--max-num-seqs", "128", "--mamba-ssm-cache-dtype", "bfloat16")["gpu_memory"]
     assert not refused16["fits"] and "mamba_ssm_cache_dtype" not in refused16["error"]
 

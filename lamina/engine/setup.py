@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lamina.config import EngineArgs, resolve_device, resolve_dtype, resolve_ssm_state_dtype
+from lamina.config import EngineArgs, resolve_device, resolve_dtype, ssm_state_dtype_choice
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
@@ -91,9 +91,11 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     if spec_config is not None:
         mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
     default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
+    ssm_state_dtype, source = ssm_state_dtype_choice(args.mamba_ssm_cache_dtype, hf_config, args.mamba_cache_dtype)
+    logger.info("recurrent state pool in %s (%s)", str(ssm_state_dtype).removeprefix("torch."), source)
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
-        device=device, dtype=dtype, ssm_state_dtype=resolve_ssm_state_dtype(args.mamba_ssm_cache_dtype, hf_config),
+        device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype,
         parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
         default_sampling=default_sampling,

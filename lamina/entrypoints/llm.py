@@ -26,7 +26,8 @@ class LLM:
     `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `skip_tokenizer_init` (no
     tokenizer: token-id prompts only, outputs with token ids and empty text), `load_format`,
     `ple_table_device`, `mamba_ssm_cache_dtype` (the recurrent state pool's dtype: "auto", "float32",
-    "bfloat16", "float16"), `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
+    "bfloat16", "float16"), `mamba_cache_dtype` (vLLM's; the pool's dtype when neither that option
+    nor the checkpoint names one), `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
     `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
     `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:
     `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`),

@@ -171,7 +171,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         dtype = resolve_dtype(engine_args.dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), getattr(hf_config, "dtype", None))
         if engine_args.dtype == "auto":
             dtype = resolve_dtype("auto", torch.device("cuda"), getattr(hf_config, "dtype", None))
-        ssm_state_dtype = resolve_ssm_state_dtype(engine_args.mamba_ssm_cache_dtype, hf_config)
+        ssm_state_dtype = resolve_ssm_state_dtype(engine_args.mamba_ssm_cache_dtype, hf_config,
+                                                  engine_args.mamba_cache_dtype)
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)

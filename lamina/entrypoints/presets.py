@@ -22,6 +22,7 @@ PRESETS: dict[str, dict] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=32768,
         rms_norm_eps=1e-6, eos_token_id=248044, tie_word_embeddings=False,
+        mamba_ssm_dtype="float32",  # as the released checkpoint's config.json declares
     ),
     # The same family at toy width (4 layers: 3 gated delta net, 1 gated attention): CPU tests and
     # smoke runs of the preset path.
