@@ -254,6 +254,9 @@ def test_lamina_plan_counts_the_pool_dtype(capsys):
     seqs32 = rank(*h100)["gpu_memory"]["max_num_seqs"]
     seqs16 = rank(*h100, "--mamba-ssm-cache-dtype", "bfloat16")["gpu_memory"]["max_num_seqs"]
     assert seqs16 > 1.3 * seqs32
+    assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--dtype", "bfloat16", *h100]) == 0
+    assert "(default 256 lowered)" in (text := capsys.readouterr().out)
+    assert "to fit more, keep the recurrent states in bfloat16 (mamba_ssm_cache_dtype='bfloat16'" in text
     refused = rank(*h100, "--max-num-seqs", "128")["gpu_memory"]
     assert not refused["fits"] and "mamba_ssm_cache_dtype='bfloat16'" in refused["error"]
     # the preset's config.json declares mamba_ssm_dtype float32 (as the released checkpoint does),

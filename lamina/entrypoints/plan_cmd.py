@@ -96,6 +96,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     except ValueError as e:
         return {"gpu_memory_gib": gpu_memory_gib, "fits": False, "error": str(e)}
     return {"gpu_memory_gib": gpu_memory_gib, "fits": True, "max_num_seqs": plan.max_num_seqs,
+            "state_hint": state_dtype_hint(ssm_state_dtype),
             "max_num_seqs_lowered_from": plan.lowered_from, "kv_cache_tokens": plan.num_kv_blocks * engine_args.block_size,
             "usable_bytes": plan.usable_bytes, "state_bytes": plan.state_bytes, "speculation_bytes": plan.speculation_bytes,
             "activation_bytes": plan.activation_bytes, "kv_cache_bytes": plan.kv_cache_bytes,
@@ -153,7 +154,8 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
             else:
                 lowered = memory["max_num_seqs_lowered_from"]
                 lines.append(head + f"max_num_seqs {memory['max_num_seqs']}"
-                             + (f" (default {lowered} lowered)" if lowered else "") + f"; {memory['describe']}")
+                             + (f" (default {lowered} lowered)" if lowered else "") + f"; {memory['describe']}"
+                             + (f"; to fit more, {memory['state_hint']}" if lowered and memory["state_hint"] else ""))
     return "\n".join(lines)
 
 
