@@ -100,7 +100,8 @@ class EngineArgs:
             raise ValueError(f"ple_table_device must be one of auto, gpu, cpu; got {self.ple_table_device!r}")
         for name in ("mamba_ssm_cache_dtype", "mamba_cache_dtype"):
             if getattr(self, name) not in MAMBA_SSM_CACHE_DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; "
+                                 f"got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override"):
             value = getattr(self, name)

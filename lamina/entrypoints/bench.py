@@ -173,7 +173,8 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
         if isinstance(m, GatedAttention):
             total += batch * context_len * 2 * m.num_kv_heads * m.head_dim * m.k_cache.element_size()
         if isinstance(m, GatedDeltaNet):
-            per_slot = m.ssm_state[0].numel() * m.ssm_state.element_size() + m.conv_state[0].numel() * m.conv_state.element_size()
+            per_slot = (m.ssm_state[0].numel() * m.ssm_state.element_size()
+                        + m.conv_state[0].numel() * m.conv_state.element_size())
             total += 2 * batch * per_slot  # read and written
     return total
 

@@ -33,8 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="where Qwen4-Exp's N-gram PLE table lives (cpu: host memory, rows gathered per step)")
     g.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the delta-net layers' recurrent state pool (auto: the checkpoint's mamba_ssm_dtype, "
-                        "else --mamba-cache-dtype, else float32; bfloat16 / float16 halve it, so about twice the requests fit on a GPU, "
-                        "and round the states at every step)")
+                        "else --mamba-cache-dtype, else float32; bfloat16 / float16 halve it, so more requests fit "
+                        "on a GPU, and round the states at every step)")
     g.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="vLLM's flag: the recurrent state pool's dtype when --mamba-ssm-cache-dtype is auto and the "
                         "checkpoint names none (the conv state stays in the model's dtype, which holds it exactly)")
@@ -91,7 +91,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
-        mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"), load_format=args.load_format, enforce_eager=args.enforce_eager,
+        mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"), load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),

@@ -66,7 +66,8 @@ CUDA_CONTEXT_BYTES = 1 << 30
 
 
 def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_gib: float, max_model_len: int,
-                       dtype: torch.dtype, num_speculative_tokens: int, ssm_state_dtype: torch.dtype = torch.float32) -> dict:
+                       dtype: torch.dtype, num_speculative_tokens: int,
+                       ssm_state_dtype: torch.dtype = torch.float32) -> dict:
     """What the engine's memory plan (lamina.engine.memory_plan) would make of one rank on a GPU of
     `gpu_memory_gib` GiB: its max_num_seqs and KV cache, or the error it would raise. Approximate: the
     engine plans from the free memory it finds after loading; here that is the GPU's memory less the

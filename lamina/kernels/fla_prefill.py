@@ -68,8 +68,9 @@ def gated_delta_rule_prefill_fla(
 
     Args:
         q, k: `[T, Hk, Dk]`; v: `[T, Hv, Dv]`; g (log decay, <= 0), beta: `[T, Hv]`;
-        state_pool: `[num_slots, Hv, Dk, Dv]` (float32, or the pool's dtype): request b starts from `state_pool[slots[b]]`
-            (zeros where `keep[b]` is False) and its final state is written back there;
+        state_pool: `[num_slots, Hv, Dk, Dv]` (float32, or `mamba_ssm_cache_dtype`'s dtype): request b
+            starts from `state_pool[slots[b]]` (zeros where `keep[b]` is False) and its final state is
+            written back there (rounded to the pool's dtype);
         slots: `[B]` long; keep: `[B]` bool; query_start_loc: `[B+1]` cumulative query lengths;
         chunk_indices: `[NT, 2]` long on the device, (request, chunk) of every FLA_CHUNK_SIZE chunk
             (`ForwardMetadata.chunk_indices`, built from the host lengths). Without it fla derives

@@ -259,11 +259,11 @@ def gated_delta_rule_decode(
     *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """q, k `[B, Hk, Dk]`; v `[B, Hv, Dv]` (any strides with a unit last one); g, beta `[B, Hv]`;
-    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), updated in place at `slots [B]` (a row with
-    `keep[b]` False starts from zeros). With `a_log` and `dt_bias` `[Hv]`, g and beta are the raw
-    projections `a` and `b`, and the gates g = -exp(A_log) * softplus(a + dt_bias), beta =
-    sigmoid(b) are computed in the kernel; `num_warps` overrides GDR_WARPS (benchmarks). Returns the
-    output `[B, Hv, Dv]` in v's dtype."""
+    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), updated in place
+    at `slots [B]` (a row with `keep[b]` False starts from zeros). With `a_log` and `dt_bias` `[Hv]`, g and beta
+    are the raw projections `a` and `b`, and the gates g = -exp(A_log) * softplus(a + dt_bias), beta =
+    sigmoid(b) are computed in the kernel; `num_warps` overrides GDR_WARPS (benchmarks). Returns the output
+    `[B, Hv, Dv]` in v's dtype."""
     bsz, num_v_heads, head_v_dim = v.shape
     num_k_heads, head_k_dim = k.shape[1], k.shape[2]
     out = torch.empty((bsz, num_v_heads, head_v_dim), dtype=v.dtype, device=v.device)

@@ -161,9 +161,10 @@ def fused_gdn_decode(
     """One decode token per request. x `[B, 2*Hk*Dk + Hv*Dv]` (the conv input: q, k, v channels),
     z `[B, Hv*Dv]`, b, a `[B, Hv]` (rows may be strided: slices of the joint in_proj output; unit
     last strides); conv_weight `[C, K]`; conv_state `[num_slots, C, K-1]` and ssm_state
-    `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at `slots [B]` (zeros where `keep[b]` is 0 or the slot
-    is negative) and updated there in place; a_log, dt_bias `[Hv]`; norm_weight `[Dv]`; activation
-    of the norm's gate: "silu" or "sigmoid". Returns `[B, Hv*Dv]` in x's dtype (out_proj's input)."""
+    `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at `slots [B]` (zeros
+    where `keep[b]` is 0 or the slot is negative) and updated there in place; a_log, dt_bias `[Hv]`; norm_weight
+    `[Dv]`; activation of the norm's gate: "silu" or "sigmoid". Returns `[B, Hv*Dv]` in x's dtype (out_proj's
+    input)."""
     bsz, channels = x.shape
     num_v_heads = a.shape[1]
     key_dim = num_k_heads * head_k_dim

@@ -201,10 +201,10 @@ def gated_delta_rule_verify(
     *, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, capture: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k `[B*Q, Hk, Dk]`; v `[B*Q, Hv, Dv]` (unit last strides); g, beta `[B*Q, Hv]`;
-    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at `slots [B]` (zeros where `keep[b]` is
-    False or the slot is negative) and updated there with the state after each request's last
-    token. capture: optional `[>= B*(Q-1), Hv, Dk, Dv]` in the pool's dtype (unit last stride): the states
-    after tokens 0..Q-2 of request b go to rows b*(Q-1)..b*(Q-1)+Q-2. `a_log`, `dt_bias` as in
+    state_pool `[num_slots, Hv, Dk, Dv]` (float32, bfloat16 or float16; computed in float32), read at
+    `slots [B]` (zeros where `keep[b]` is False or the slot is negative) and updated there with the state after each
+    request's last token. capture: optional `[>= B*(Q-1), Hv, Dk, Dv]` in the pool's dtype (unit last stride):
+    the states after tokens 0..Q-2 of request b go to rows b*(Q-1)..b*(Q-1)+Q-2. `a_log`, `dt_bias` as in
     `gated_delta_rule_decode`. Returns the output `[B*Q, Hv, Dv]` in v's dtype."""
     if queries == 1 and capture is None:
         return gated_delta_rule_decode(q, k, v, g, beta, state_pool, slots, keep, use_qk_l2norm, a_log=a_log, dt_bias=dt_bias)

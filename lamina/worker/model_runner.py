@@ -89,7 +89,8 @@ class ModelRunner:
         # `state_bytes` counts the requests' slots, `spare_state_bytes` the spare.
         self.spare_state_slot = num_state_slots
         for module in self.model.state_modules():
-            total = module.bind_state(num_state_slots + 1, self.model.dtype, self.device, ssm_dtype=self.ssm_state_dtype)
+            total = module.bind_state(num_state_slots + 1, self.model.dtype, self.device,
+                                      ssm_dtype=self.ssm_state_dtype)
             per_slot = total // (num_state_slots + 1)
             self.state_bytes += per_slot * num_state_slots
             self.spare_state_bytes += per_slot
