@@ -25,7 +25,10 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"
-    max_model_len: int | None = None
+    # vLLM's spellings: a positive int, a human-readable count ("32k" = 32,000, "32K" = 32,768), or
+    # "auto" / -1: the model's whole length if the GPU holds it, else the longest that fits
+    # (parse_max_model_len; lamina.engine.memory_plan). None: the model's max_position_embeddings.
+    max_model_len: int | str | None = None
     max_num_seqs: int | None = None
     # a caller's own default for max_num_seqs (lamina eval's concurrency): used when max_num_seqs is
     # None, and lowered like the engine's default when the GPU cannot hold it (lamina.engine.memory_plan)
@@ -102,7 +105,8 @@ class EngineArgs:
             if getattr(self, name) not in MAMBA_SSM_CACHE_DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; "
                                  f"got {getattr(self, name)!r}")
-        for name in ("max_model_len", "max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
+        parse_max_model_len(self.max_model_len)  # raises on a bad spelling
+        for name in ("max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -116,6 +120,42 @@ class EngineArgs:
         from lamina.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config
+
+
+_COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+AUTO = "auto"
+
+
+def parse_max_model_len(value) -> int | str | None:
+    """max_model_len as vLLM spells it: None (the model's own), a positive int, "auto" or -1 (AUTO:
+    the longest the memory holds, up to the model's own), or a human-readable count with a decimal
+    (k, m, g) or binary (K, M, G) multiplier: "32k" = 32,000, "32K" = 32,768, "25.6k" = 25,600."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"max_model_len must be a positive integer, 'auto' or -1, got {value!r}")
+    if isinstance(value, int):
+        if value == -1:
+            return AUTO
+        if value > 0:
+            return value
+        raise ValueError(f"max_model_len must be a positive integer, 'auto' or -1, got {value}")
+    if not isinstance(value, str):
+        raise ValueError(f"max_model_len must be a positive integer, 'auto' or -1, got {value!r}")
+    text = value.strip()
+    if text.lower() == AUTO or text == "-1":
+        return AUTO
+    scale = _COUNT_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _COUNT_SUFFIXES else text
+    try:
+        count = float(number) * scale if scale > 1 or "." in number else int(number)
+        whole = int(count) == count and int(count) > 0
+    except (ValueError, OverflowError):  # not a number, nan, inf
+        whole = False
+    if not whole:
+        raise ValueError(f"max_model_len {value!r} is not a positive token count; use an integer, a count such as "
+                         "32k (32,000) or 32K (32,768), or auto (the longest the memory holds)")
+    return int(count)
 
 
 def resolve_device(device: str) -> torch.device:

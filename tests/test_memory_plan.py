@@ -128,7 +128,7 @@ class _FakeExecutor:
 
 def _fake_engine(max_num_seqs=None, spec_config=None, **over):
     args = dict(block_size=16, num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
-                max_num_seqs=max_num_seqs, enforce_eager=True)
+                max_num_seqs=max_num_seqs, enforce_eager=True, max_model_len=None)
     args.update(over)
     engine = types.SimpleNamespace(
         args=types.SimpleNamespace(**args),
@@ -136,6 +136,7 @@ def _fake_engine(max_num_seqs=None, spec_config=None, **over):
         model_config=_preset_config(), dtype=torch.bfloat16, ssm_state_dtype=torch.float32,
     )
     engine._speculation_reserve = types.MethodType(LLMEngine._speculation_reserve, engine)
+    engine._fit_max_model_len = types.MethodType(LLMEngine._fit_max_model_len, engine)
     return engine
 
 

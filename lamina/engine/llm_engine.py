@@ -23,7 +23,7 @@ from lamina.engine.request_validation import RequestValidation
 from lamina.structured_output import StructuredOutputManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
-from lamina.engine.setup import resolve_setup
+from lamina.engine.setup import max_model_len_is_auto, resolve_setup
 from lamina.engine.spec_policy import SpecDecodePolicy
 from lamina.engine.warm_up import WarmUp
 from lamina.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
@@ -215,10 +215,12 @@ class LLMEngine(RequestValidation, WarmUp):
         """(KV blocks, max_num_seqs): on CUDA without a given KV size, lamina.engine.memory_plan's
         plan (which may lower a default max_num_seqs); else the given size, less speculation's reserve."""
         args = self.args
-        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        auto_len = max_model_len_is_auto(args)  # "auto": the model's length, shortened to what the KV cache holds
         bytes_per_block = self.executor.bytes_per_block(args.block_size)
         if args.num_gpu_blocks_override is not None:
             num_blocks = args.num_gpu_blocks_override
+            if auto_len:
+                self._fit_max_model_len(num_blocks * args.block_size)
         elif args.kv_cache_memory_bytes is None and self.device.type == "cuda":
             free = self.executor.min_free_bytes()
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -232,9 +234,10 @@ class LLMEngine(RequestValidation, WarmUp):
                 speculation_bytes=lambda n: self._speculation_reserve(n, per_slot),
                 activation_bytes=lambda n: activation_headroom_bytes(
                     self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k),
-                state_hint=state_dtype_hint(self.ssm_state_dtype),
+                state_hint=state_dtype_hint(self.ssm_state_dtype), fit_max_model_len=auto_len,
             )
             self.memory_plan = plan
+            self._fit_max_model_len(plan.max_model_len)
             if plan.lowered_from is not None:
                 logger.warning("max_num_seqs lowered from its default %d to %d: the recurrent states of %d requests, the "
                                "activation headroom and one max_model_len sequence of KV cache do not fit "
@@ -248,7 +251,11 @@ class LLMEngine(RequestValidation, WarmUp):
         else:
             budget = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
             budget -= self._speculation_reserve(max_num_seqs)
-            num_blocks = min(blocks_per_seq * max_num_seqs, max(0, budget) // max(1, bytes_per_block))
+            budget_blocks = max(0, budget) // max(1, bytes_per_block)
+            if auto_len and budget_blocks:
+                self._fit_max_model_len(budget_blocks * args.block_size)
+            num_blocks = min(-(-self.max_model_len // args.block_size) * max_num_seqs, budget_blocks)
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than one sequence of "
@@ -256,6 +263,14 @@ class LLMEngine(RequestValidation, WarmUp):
                 f"cache more memory"
             )
         return num_blocks, max_num_seqs
+
+    def _fit_max_model_len(self, kv_tokens: int) -> None:
+        """max_model_len "auto": keep the model's length if the KV cache holds `kv_tokens` >= it, else
+        shorten it to them (logged)."""
+        if kv_tokens < self.max_model_len:
+            logger.warning("max_model_len auto: %d tokens, what the KV cache holds (the model's own is %d)",
+                           kv_tokens, self.max_model_len)
+            self.max_model_len = kv_tokens
 
     def _speculation_reserve(self, max_num_seqs: int, state_bytes_per_slot: int | None = None) -> int:
         """Memory speculative decoding holds besides the caches: per request, the recurrent states

@@ -12,7 +12,10 @@ From the usable bytes come, in order:
 - speculative decoding's per-request states and draft distributions (`speculation_bytes`);
 - the activation headroom of the largest step (below);
 - the KV cache: the rest, at most max_num_seqs sequences of max_model_len tokens.
-It must leave the KV cache at least one max_model_len sequence. If it cannot and max_num_seqs was
+It must leave the KV cache at least one max_model_len sequence. (With max_model_len "auto", vLLM's
+spelling, the model's whole length is kept if that holds; otherwise max_model_len is shortened to
+what the KV cache beside the states of max_num_seqs requests holds, a default max_num_seqs first
+lowered to as many requests as take at most half of what the headroom leaves.) If it cannot and max_num_seqs was
 left to its default, the plan lowers max_num_seqs (the engine logs it) so that the states take at
 most half of what the headroom leaves, the KV cache the rest, or (if more) to as many requests as
 fit with KV for all of them at max_model_len; if the user set max_num_seqs, or not even one request
@@ -99,6 +102,7 @@ class MemoryPlan:
     activation_bytes: int
     kv_cache_bytes: int  # num_kv_blocks' bytes
     lowered_from: int | None = None  # the default max_num_seqs, when the plan lowered it
+    max_model_len: int | None = None  # the length planned for (fitted when max_model_len is "auto")
 
     def describe(self, block_size: int, max_model_len: int) -> str:
         tokens = self.num_kv_blocks * block_size
@@ -121,31 +125,48 @@ def plan_gpu_memory(
     speculation_bytes: Callable[[int], int],
     activation_bytes: Callable[[int], int],
     state_hint: str = "",
+    fit_max_model_len: bool = False,
 ) -> MemoryPlan:
     """The plan for `max_num_seqs` requests, or (a default only) for fewer; see the module docstring.
     `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests; `state_hint`
-    (`state_dtype_hint`) ends a refusal's list of remedies."""
+    (`state_dtype_hint`) ends a refusal's list of remedies. With `fit_max_model_len` (max_model_len
+    "auto"), `max_model_len` is the model's own and may be shortened: to the KV cache that is left
+    beside the states of max_num_seqs requests (a default one: of as many as the states taking at
+    most half of what the headroom leaves), when the model's whole length does not fit beside them."""
     blocks_per_seq = -(-max_model_len // block_size)
     min_kv = blocks_per_seq * bytes_per_block
 
     def fixed_bytes(n: int) -> int:  # everything but the KV cache, for n requests
         return (n + 1) * state_bytes_per_slot + speculation_bytes(n) + activation_bytes(n)
 
-    def plan(n: int, lowered_from: int | None = None) -> MemoryPlan:
+    def plan(n: int, lowered_from: int | None = None, model_len: int = max_model_len) -> MemoryPlan:
         kv_budget = usable_bytes - fixed_bytes(n)
-        num_blocks = min(blocks_per_seq * n, kv_budget // max(1, bytes_per_block))
+        num_blocks = min(-(-model_len // block_size) * n, kv_budget // max(1, bytes_per_block))
         return MemoryPlan(n, num_blocks, usable_bytes, (n + 1) * state_bytes_per_slot, speculation_bytes(n),
-                          activation_bytes(n), num_blocks * bytes_per_block, lowered_from)
+                          activation_bytes(n), num_blocks * bytes_per_block, lowered_from, model_len)
+
+    def states_take_half(n: int) -> bool:  # the states take at most half of what the steps' headroom leaves
+        states = (n + 1) * state_bytes_per_slot + speculation_bytes(n)
+        return 2 * states <= usable_bytes - activation_bytes(n)
 
     if fixed_bytes(max_num_seqs) + min_kv <= usable_bytes:
         return plan(max_num_seqs)
     fits = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + min_kv <= usable_bytes)
+    if fit_max_model_len:
+        n = max_num_seqs
+        if max_num_seqs_is_default:
+            n = max(1, _most_requests_that_fit(max_num_seqs + 1, states_take_half))
+        # (a default whose balanced count also fits at the model's whole length is lowered below, keeping it)
+        if not (max_num_seqs_is_default and fits >= n):
+            budget_blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+            if budget_blocks >= 1:
+                model_len = min(max_model_len, budget_blocks * block_size)
+                return plan(n, lowered_from=max_num_seqs if n < max_num_seqs else None, model_len=model_len)
     if max_num_seqs_is_default and fits > 0:
         # not the most that fit, which would leave the KV cache one sequence: the larger of the states
         # taking at most half of what the steps' headroom leaves, and every request fitting at full length
         def balanced(n: int) -> bool:
-            states = (n + 1) * state_bytes_per_slot + speculation_bytes(n)
-            return 2 * states <= usable_bytes - activation_bytes(n) and fixed_bytes(n) + min_kv <= usable_bytes
+            return states_take_half(n) and fixed_bytes(n) + min_kv <= usable_bytes
 
         def whole_lengths(n: int) -> bool:  # n requests and the KV cache for all of them at max_model_len
             return fixed_bytes(n) + n * min_kv <= usable_bytes
@@ -153,6 +174,14 @@ def plan_gpu_memory(
         chosen = max(_most_requests_that_fit(fits + 1, balanced), _most_requests_that_fit(fits + 1, whole_lengths))
         return plan(chosen, lowered_from=max_num_seqs)  # >= 1: whole_lengths(1) is fits' own test at 1
     need = plan(max_num_seqs)
+    if fit_max_model_len:
+        room = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + bytes_per_block <= usable_bytes)
+        raise ValueError(
+            f"max_model_len auto: max_num_seqs = {max_num_seqs} leaves no room for even one KV block: its recurrent "
+            f"states take {need.state_bytes / GIB:.2f} GiB, speculation {need.speculation_bytes / GIB:.2f} GiB and the "
+            f"activation headroom {need.activation_bytes / GIB:.2f} GiB of the {usable_bytes / GIB:.2f} GiB usable. "
+            + (f"At most max_num_seqs = {room} fit: lower max_num_seqs" if room else "Not even one request fits: lower "
+               "max_num_batched_tokens") + f", or raise gpu_memory_utilization{_or(state_hint)}")
     what = (f"max_num_seqs = {max_num_seqs} needs {state_bytes_per_slot / MIB:.1f} MiB of recurrent state per request "
             f"({need.state_bytes / GIB:.2f} GiB for {max_num_seqs} + 1 slots), speculation {need.speculation_bytes / GIB:.2f} "
             f"GiB and an activation headroom of {need.activation_bytes / GIB:.2f} GiB, and the KV cache must hold one "

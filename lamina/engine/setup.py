@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lamina.config import EngineArgs, resolve_device, resolve_dtype, ssm_state_dtype_choice
+from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, ssm_state_dtype_choice
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
@@ -118,16 +118,22 @@ def load_tokenizer(path: str, config=None):
 
 
 def resolve_max_model_len(args: EngineArgs, cfg) -> int:
-    """max_model_len: the asked one, which must not exceed the model's max_position_embeddings, else that."""
+    """max_model_len: the asked one, which must not exceed the model's max_position_embeddings, else
+    that (also for "auto", which the engine's memory plan may then shorten: `max_model_len_is_auto`)."""
     limit = cfg.max_position_embeddings
-    requested = args.max_model_len
-    if requested is None:
+    requested = parse_max_model_len(args.max_model_len)
+    if requested is None or requested == AUTO:
         return limit
     if requested > limit:
         raise ValueError(
             f"max_model_len = {requested} exceeds the model's max_position_embeddings = {limit}"
         )
     return requested
+
+
+def max_model_len_is_auto(args: EngineArgs) -> bool:
+    """Whether max_model_len is to be fitted to the memory ("auto" or -1, vLLM's spellings)."""
+    return parse_max_model_len(args.max_model_len) == AUTO
 
 
 def _eos_token_ids(cfg, model_path: Path, tokenizer) -> tuple[int, ...]:

@@ -20,7 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "stop strings are refused")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS|auto",
+                   help="context length (prompt and output; default: the model's): an integer, a count such as 32k "
+                        "(32,000) or 32K (32,768), or auto / -1: the model's own if the GPU holds it, else the "
+                        "longest that fits")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -54,6 +57,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
+
+
+def _max_model_len(text: str) -> int | str:
+    from lamina.config import parse_max_model_len
+
+    try:
+        return parse_max_model_len(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from lamina.config import EngineArgs, resolve_dtype, resolve_ssm_state_dtype
 from lamina.engine.memory_plan import (
     GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, state_dtype_hint, usable_gpu_bytes,
 )
-from lamina.engine.setup import resolve_max_model_len
+from lamina.engine.setup import max_model_len_is_auto, resolve_max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
@@ -92,16 +92,16 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
             speculation_bytes=lambda n: speculation_bytes(
                 n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
             activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k),
-            state_hint=state_dtype_hint(ssm_state_dtype),
+            state_hint=state_dtype_hint(ssm_state_dtype), fit_max_model_len=max_model_len_is_auto(engine_args),
         )
     except ValueError as e:
         return {"gpu_memory_gib": gpu_memory_gib, "fits": False, "error": str(e)}
     return {"gpu_memory_gib": gpu_memory_gib, "fits": True, "max_num_seqs": plan.max_num_seqs,
-            "state_hint": state_dtype_hint(ssm_state_dtype),
+            "state_hint": state_dtype_hint(ssm_state_dtype), "max_model_len": plan.max_model_len,
             "max_num_seqs_lowered_from": plan.lowered_from, "kv_cache_tokens": plan.num_kv_blocks * engine_args.block_size,
             "usable_bytes": plan.usable_bytes, "state_bytes": plan.state_bytes, "speculation_bytes": plan.speculation_bytes,
             "activation_bytes": plan.activation_bytes, "kv_cache_bytes": plan.kv_cache_bytes,
-            "describe": plan.describe(engine_args.block_size, max_model_len)}
+            "describe": plan.describe(engine_args.block_size, plan.max_model_len)}
 
 
 def _boundary(model_cls, cfg, plan: ParallelPlan) -> dict:
