@@ -70,9 +70,12 @@ def test_auto_shortens_a_length_the_memory_cannot_hold():
     given = _plan(max_num_seqs=8, max_num_seqs_is_default=False, **long_model)
     assert given.max_num_seqs == 8 and given.lowered_from is None
     assert given.max_model_len == (6 * GIB - 9 * STATE - GIB - 8 * 16 * MIB) // BLOCK * 16
-    # Without auto the same model is refused, naming max_model_len
-    with pytest.raises(ValueError, match="max_model_len = 262144"):
+    # Without auto the same model is refused, naming max_model_len and the length that would fit
+    with pytest.raises(ValueError, match=rf"max_model_len = 262144 .* lower max_model_len \(max_model_len = "
+                                         rf"{given.max_model_len} fits beside 8 requests; max_model_len='auto' takes"):
         _plan(max_num_seqs=8, max_num_seqs_is_default=False, max_model_len=262_144)
+    with pytest.raises(ValueError, match=r"lower max_model_len \(max_model_len = \d+ fits beside 1 request;"):
+        _plan(max_num_seqs=100, max_num_seqs_is_default=False, max_model_len=262_144)  # 100 leave no room: 1 does
 
 
 def test_auto_refuses_a_max_num_seqs_that_leaves_no_kv_block():

@@ -187,13 +187,20 @@ def plan_gpu_memory(
             f"GiB and an activation headroom of {need.activation_bytes / GIB:.2f} GiB, and the KV cache must hold one "
             f"sequence of max_model_len = {max_model_len} tokens ({min_kv / GIB:.2f} GiB); the GPU has "
             f"{usable_bytes / GIB:.2f} GiB usable after the weights at this gpu_memory_utilization")
+    def longest(n: int) -> str:  # the max_model_len that n requests leave room for, said as a remedy
+        blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+        return (f" (max_model_len = {blocks * block_size} fits beside {n} request{'s' if n > 1 else ''}; "
+                "max_model_len='auto' takes the longest that fits)") if blocks >= 1 else ""
+
     if fits > 0:
         raise ValueError(f"{what}. At most max_num_seqs = {fits} fit (the KV cache then holds about one sequence of "
-                         f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len or "
-                         f"max_num_batched_tokens, or raise gpu_memory_utilization{_or(state_hint)}")
-    raise ValueError(f"{what}. Not even one request fits: lower max_model_len or max_num_batched_tokens, raise "
-                     f"gpu_memory_utilization, {state_hint + ', ' if state_hint else ''}or spread the model over more "
-                     "GPUs (tensor / pipeline parallelism)")
+                         f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len"
+                         f"{longest(max_num_seqs)} or max_num_batched_tokens, or raise "
+                         f"gpu_memory_utilization{_or(state_hint)}")
+    raise ValueError(f"{what}. Not even one request fits: lower max_model_len{longest(max_num_seqs) or longest(1)} or "
+                     "max_num_batched_tokens, "
+                     f"raise gpu_memory_utilization, {state_hint + ', ' if state_hint else ''}or spread the model over "
+                     "more GPUs (tensor / pipeline parallelism)")
 
 
 def _or(hint: str) -> str:
