@@ -306,7 +306,8 @@ def test_sampling_runs_and_is_reproducible(mtp_models):
 
 # ---- configuration --------------------------------------------------------------------------
 @pytest.mark.parametrize("config, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method must be one of \['mtp', 'qwen3_next_mtp'\], got 'eagle'"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "mtp", "num_speculative_tokens": 0}, "integer >= 1"),
     ({"method": "mtp", "num_speculative_tokens": "2"}, "integer >= 1"),
     ({"method": "mtp"}, "integer >= 1"),
@@ -334,6 +335,17 @@ def test_checkpoint_without_mtp_is_refused_before_loading(qwen3_next_dir, tmp_pa
     (declared / "config.json").write_text(text)
     with pytest.raises(ValueError, match="holds no mtp.\\* tensors"):
         LLM(str(declared), **ENGINE, **spec(2))
+
+
+def test_the_qwen_cards_method_name_runs_mtp(mtp_models):
+    """vLLM's "qwen3_next_mtp" (the Qwen model cards' launch lines) is lamina's "mtp"."""
+    expected = plain_tokens(mtp_models, "qwen3_5_moe")
+    with LLM(str(mtp_models["qwen3_5_moe"]), **ENGINE, **CHUNKED,
+             speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2}) as llm:
+        assert llm.engine.spec_config.method == "mtp"
+        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.spec_decode_metrics.num_draft_tokens > 0
 
 
 def test_cli_flag():

@@ -55,6 +55,30 @@ def test_vllm_flags_are_accepted():
                                                      "--kv-cache-dtype", kv]), None)
 
 
+def test_the_qwen_model_cards_launch_lines_parse():
+    """The vLLM commands the Qwen3.5 / Qwen3.6 model cards give (MTP, text only), lamina's spelling aside."""
+    from lamina.engine.spec_decode import SpeculativeConfig
+
+    args = build_parser().parse_args([
+        "serve", "/m", "--port", "8000", "--tensor-parallel-size", "8", "--max-model-len", "262144",
+        "--reasoning-parser", "qwen3", "--language-model-only", "--enable-chunked-prefill", "--tokenizer-mode", "auto",
+        "--speculative-config", '{"method":"qwen3_next_mtp","num_speculative_tokens":2}', "--device", "cpu"])
+    check_compat_args(args, None)
+    assert args.language_model_only and args.max_model_len == 262144
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    assert (spec.method, spec.num_speculative_tokens) == ("mtp", 2)
+
+
+@pytest.mark.parametrize("flags, named, supported", [
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill", "--max-num-batched-tokens to at least"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral", "Supported: auto (or hf)"),
+])
+def test_refused_vllm_modes_exit_2(capsys, flags, named, supported):
+    assert cli_main(["serve", "--device", "cpu", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and supported in err
+
+
 @pytest.mark.parametrize("flags, named, supported", [
     (["--enable-prefix-caching"], "--enable-prefix-caching", "--no-enable-prefix-caching"),
     (["--quantization", "awq"], "--quantization awq", "Supported: none"),

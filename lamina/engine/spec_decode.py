@@ -30,6 +30,9 @@ from pathlib import Path
 from lamina.models.hybrid_config import MTP_LAYER_FIELDS, num_mtp_layers
 
 SPEC_METHODS = ("mtp",)
+# vLLM's model-specific spellings of the same method: the Qwen3-Next / Qwen3.5 / Qwen3.6 model cards'
+# launch lines pass "qwen3_next_mtp"; the engine runs them as "mtp"
+SPEC_METHOD_ALIASES = {"qwen3_next_mtp": "mtp"}
 SPEC_POLICIES = ("fixed", "auto")
 SPEC_AUTO_COSTS = ("measured", "model")
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
@@ -66,8 +69,10 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid keys: {', '.join(sorted(known))}")
         method = value.get("method")
+        method = SPEC_METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
         if method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, got {method!r}")
+            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS) + list(SPEC_METHOD_ALIASES)}"
+                             f", got {value.get('method')!r}")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")

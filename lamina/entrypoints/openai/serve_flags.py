@@ -44,6 +44,14 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted, no effect: lamina runs its own model code and reads configs with transformers")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted, no effect: lamina does not log request contents")
+    g.add_argument("--language-model-only", action="store_true",
+                   help="accepted, no effect: lamina serves the text model of a vision-language checkpoint and "
+                        "never loads its vision encoder")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="lamina always splits prompts longer than --max-num-batched-tokens into chunks: "
+                        "--enable-chunked-prefill is accepted, --no-enable-chunked-prefill refused")
+    g.add_argument("--tokenizer-mode", default="auto",
+                   help="only 'auto' (or 'hf'): the checkpoint's tokenizer through transformers' AutoTokenizer")
 
 
 def _config_dtype(model: str | None) -> str | None:
@@ -83,6 +91,13 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
         if want != have:
             raise ValueError(f"--kv-cache-dtype {kv}: a KV-cache dtype other than the model's is {TRACKED}. "
                              f"Supported: auto or {have} (this model's dtype here)")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: lamina always splits a prompt longer than "
+                         "--max-num-batched-tokens into chunks; to prefill every prompt whole, leave the flag out and "
+                         "set --max-num-batched-tokens to at least --max-model-len")
+    if args.tokenizer_mode not in ("auto", "hf"):
+        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: lamina loads the checkpoint's tokenizer with "
+                         "transformers' AutoTokenizer. Supported: auto (or hf)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(TOOL_PARSERS))})")
 
