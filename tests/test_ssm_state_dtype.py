@@ -187,6 +187,29 @@ def test_a_bfloat16_pool_rounds_the_states_and_halves_their_bytes(qwen3_5_moe_di
     assert diffs[:4] == [0.0] * 4  # the first chunk reads no stored state
 
 
+def test_a_bfloat16_pool_rounds_where_prompts_are_chunked(qwen3_next_dir, caplog):
+    """The one batch dependence a 16-bit pool adds (docs/ARCHITECTURE.md, "Batch invariance"): states
+    are rounded at every stored chunk, so a prompt cut into 7-token chunks (as a busy step's budget
+    may cut it) and one prefilled whole differ within that rounding; a float32 pool does not."""
+    prompts = [{"prompt_token_ids": [(i * 37 + 11) % 990 for i in range(n)]} for n in (3, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run(ssm, **kw):
+        with LLM(str(qwen3_next_dir), mamba_ssm_cache_dtype=ssm, max_num_seqs=3, **ENGINE, **kw) as llm:
+            return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def gap(a, b):
+        assert [x.token_ids for x in a] == [y.token_ids for y in b]
+        return max(abs(float(ea[t]) - float(eb[t])) for x, y in zip(a, b)
+                   for t, ea, eb in zip(x.token_ids, x.logprobs, y.logprobs))
+
+    with caplog.at_level("WARNING"):
+        half = gap(run("bfloat16"), run("bfloat16", max_num_batched_tokens=7))
+    assert "recurrent state pool in bfloat16 (mamba_ssm_cache_dtype = bfloat16): states are rounded" in caplog.text
+    assert gap(run("auto"), run("auto", max_num_batched_tokens=7)) < 2e-6  # float32 drift only
+    assert 2e-6 < half < 1e-3, half  # bf16 rounding at other positions: 6.0e-5 here
+
+
 def test_mamba_cache_dtype_sets_the_pool_of_a_checkpoint_that_names_none(qwen3_5_moe_dir):
     with LLM(str(qwen3_5_moe_dir), mamba_cache_dtype="bfloat16", **ENGINE) as llm:
         assert {p.dtype for p in _pools(llm)} == {torch.bfloat16}

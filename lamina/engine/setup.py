@@ -92,7 +92,13 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
         mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
     default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
     ssm_state_dtype, source = ssm_state_dtype_choice(args.mamba_ssm_cache_dtype, hf_config, args.mamba_cache_dtype)
-    logger.info("recurrent state pool in %s (%s)", str(ssm_state_dtype).removeprefix("torch."), source)
+    if ssm_state_dtype.itemsize < 4:
+        logger.warning("recurrent state pool in %s (%s): states are rounded where they are stored (every decode "
+                       "step, prefill chunk and accepted draft), so a result follows how its prompt was chunked, "
+                       "i.e. the batch, within that rounding; float32 keeps batch invariance",
+                       str(ssm_state_dtype).removeprefix("torch."), source)
+    else:
+        logger.info("recurrent state pool in %s (%s)", str(ssm_state_dtype).removeprefix("torch."), source)
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
         device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype,
