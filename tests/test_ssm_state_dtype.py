@@ -267,6 +267,7 @@ def test_lamina_plan_counts_the_pool_dtype(capsys):
         return json.loads(capsys.readouterr().out)["ranks"][0]
 
     full, half = rank()["estimate"], rank("--mamba-ssm-cache-dtype", "bfloat16")["estimate"]
+    assert (full["ssm_state_dtype"], half["ssm_state_dtype"]) == ("float32", "bfloat16")
     # Qwen3.5-35B-A3B: 30 delta-net layers of 32 heads x 128 x 128 recurrent values, + the conv states
     ssm = 30 * 32 * 128 * 128
     assert full["state_bytes_per_request"] - half["state_bytes_per_request"] == 2 * ssm

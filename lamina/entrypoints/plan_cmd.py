@@ -57,7 +57,7 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
     kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, dtype) for m in model.paged_cache_modules())
     state = sum(m.bind_state(1, dtype, "meta", ssm_dtype=ssm_state_dtype) for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
-            "state_bytes_per_request": state}
+            "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch.")}
 
 
 # Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):
@@ -146,6 +146,7 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
         lines.append(
             f"  weights {_gib(est['weight_bytes'])}" + (f", PLE table {_gib(est['ple_table_bytes'])}" if est["ple_table_bytes"] else "")
             + f"; KV {est['kv_bytes_per_token']} B/token; state {_gib(est['state_bytes_per_request'])}/request"
+            + (f" (recurrent pool in {est['ssm_state_dtype']})" if est["state_bytes_per_request"] else "")
         )
         memory = r.get("gpu_memory")
         if memory is not None:
