@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 
 import torch
 
@@ -129,7 +130,8 @@ AUTO = "auto"
 def parse_max_model_len(value) -> int | str | None:
     """max_model_len as vLLM spells it: None (the model's own), a positive int, "auto" or -1 (AUTO:
     the longest the memory holds, up to the model's own), or a human-readable count with a decimal
-    (k, m, g) or binary (K, M, G) multiplier: "32k" = 32,000, "32K" = 32,768, "25.6k" = 25,600."""
+    (k, m, g) or binary (K, M, G) multiplier: "32k" = 32,000, "32K" = 32,768, "25.6k" = 25,600
+    (decimals only with k, m, g, and only where the count comes out whole)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -145,14 +147,12 @@ def parse_max_model_len(value) -> int | str | None:
     text = value.strip()
     if text.lower() == AUTO or text == "-1":
         return AUTO
-    scale = _COUNT_SUFFIXES.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in _COUNT_SUFFIXES else text
-    try:
-        count = float(number) * scale if scale > 1 or "." in number else int(number)
-        whole = int(count) == count and int(count) > 0
-    except (ValueError, OverflowError):  # not a number, nan, inf
-        whole = False
-    if not whole:
+    suffix = text[-1:] if text[-1:] in _COUNT_SUFFIXES else ""
+    number = text[: len(text) - len(suffix)]
+    # digits with at most one decimal point, and that only before a decimal multiplier (as vLLM parses)
+    plain = number.replace(".", "", 1).isdigit() and ("." not in number or suffix in ("k", "m", "g"))
+    count = Decimal(number) * _COUNT_SUFFIXES.get(suffix, 1) if plain else Decimal(0)
+    if count <= 0 or count != count.to_integral_value():
         raise ValueError(f"max_model_len {value!r} is not a positive token count; use an integer, a count such as "
                          "32k (32,000) or 32K (32,768), or auto (the longest the memory holds)")
     return int(count)

@@ -20,13 +20,15 @@ ENGINE = dict(device="cpu", dtype="float32", show_progress=False)
 
 @pytest.mark.parametrize("value,expected", [
     (None, None), (4096, 4096), (-1, AUTO), ("auto", AUTO), ("AUTO", AUTO), ("-1", AUTO), ("2048", 2048),
-    ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("1M", 1 << 20), ("1m", 1_000_000),
+    ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("16.1k", 16_100), ("128.2k", 128_200), ("2.01k", 2_010),
+    ("1M", 1 << 20), ("1m", 1_000_000),
 ])
 def test_vllm_spellings(value, expected):
     assert parse_max_model_len(value) == expected
 
 
-@pytest.mark.parametrize("value", [0, -2, True, 1.5, "0", "-5", "1.5", "abc", "k", "2.5K0", "nan", "infk"])
+@pytest.mark.parametrize("value", [0, -2, True, 1.5, "0", "-5", "1.5", "abc", "k", "2.5K0", "nan", "infk", "1e3k",
+                                   "1.5K", "1.0005k"])
 def test_bad_spellings_are_refused(value):
     with pytest.raises(ValueError, match="max_model_len"):
         parse_max_model_len(value)
@@ -55,6 +57,14 @@ def test_auto_keeps_the_models_length_when_it_fits():
     assert whole.num_kv_blocks == _plan(usable_bytes=60 * GIB, max_num_seqs=64).num_kv_blocks
 
 
+def test_auto_keeps_a_length_one_request_fits_at_lowering_the_default_count():
+    """vLLM's rule: the model's length if it fits. At 150k tokens on 6 GiB a few requests fit whole:
+    auto plans what no max_model_len at all plans (a default max_num_seqs lowered), not a shorter length."""
+    auto = _plan(max_model_len=150_000, fit_max_model_len=True)
+    given = _plan(max_model_len=150_000)
+    assert auto == given and auto.max_model_len == 150_000 and auto.lowered_from == 256
+
+
 def test_auto_shortens_a_length_the_memory_cannot_hold():
     """A 262,144-token model on 6 GiB: the default max_num_seqs goes to the balanced count (states at
     most half of what the headroom leaves) and max_model_len to the KV cache left beside them."""
@@ -74,7 +84,8 @@ def test_auto_shortens_a_length_the_memory_cannot_hold():
     with pytest.raises(ValueError, match=rf"max_model_len = 262144 .* lower max_model_len \(max_model_len = "
                                          rf"{given.max_model_len} fits beside 8 requests; max_model_len='auto' takes"):
         _plan(max_num_seqs=8, max_num_seqs_is_default=False, max_model_len=262_144)
-    with pytest.raises(ValueError, match=r"lower max_model_len \(max_model_len = \d+ fits beside 1 request;"):
+    with pytest.raises(ValueError, match=r"lower max_model_len \(max_model_len = \d+ fits beside 1 request; "
+                                         r"max_model_len='auto' takes the longest that fits\), and max_num_seqs or"):
         _plan(max_num_seqs=100, max_num_seqs_is_default=False, max_model_len=262_144)  # 100 leave no room: 1 does
 
 
@@ -133,3 +144,5 @@ def test_auto_on_the_cpu_fits_the_kv_budget(qwen3_5_moe_dir):
                          use_tqdm=False)
     with LLM(str(qwen3_5_moe_dir), max_model_len=-1, num_gpu_blocks_override=24, **ENGINE) as llm:
         assert llm.engine.max_model_len == 24 * 16
+    with pytest.raises(ValueError, match=r"max_model_len auto: the KV budget \(100 bytes .* holds no block"):
+        LLM(str(qwen3_5_moe_dir), max_model_len="auto", kv_cache_memory_bytes=100, **ENGINE)

@@ -252,7 +252,11 @@ class LLMEngine(RequestValidation, WarmUp):
             budget = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
             budget -= self._speculation_reserve(max_num_seqs)
             budget_blocks = max(0, budget) // max(1, bytes_per_block)
-            if auto_len and budget_blocks:
+            if auto_len:
+                if not budget_blocks:
+                    raise ValueError(f"max_model_len auto: the KV budget ({max(0, budget)} bytes after speculation's "
+                                     f"reserve) holds no block of {bytes_per_block} bytes; give the cache more memory "
+                                     "(kv_cache_memory_bytes)")
                 self._fit_max_model_len(budget_blocks * args.block_size)
             num_blocks = min(-(-self.max_model_len // args.block_size) * max_num_seqs, budget_blocks)
         blocks_per_seq = -(-self.max_model_len // args.block_size)

@@ -13,9 +13,10 @@ From the usable bytes come, in order:
 - the activation headroom of the largest step (below);
 - the KV cache: the rest, at most max_num_seqs sequences of max_model_len tokens.
 It must leave the KV cache at least one max_model_len sequence. (With max_model_len "auto", vLLM's
-spelling, the model's whole length is kept if that holds; otherwise max_model_len is shortened to
-what the KV cache beside the states of max_num_seqs requests holds, a default max_num_seqs first
-lowered to as many requests as take at most half of what the headroom leaves.) If it cannot and max_num_seqs was
+spelling, the model's whole length is kept if that holds for an explicit max_num_seqs, or for at
+least one request with a default one; otherwise max_model_len is shortened to what the KV cache
+beside the states of max_num_seqs requests holds, a default max_num_seqs first lowered to as many
+requests as take at most half of what the headroom leaves.) If it cannot and max_num_seqs was
 left to its default, the plan lowers max_num_seqs (the engine logs it) so that the states take at
 most half of what the headroom leaves, the KV cache the rest, or (if more) to as many requests as
 fit with KV for all of them at max_model_len; if the user set max_num_seqs, or not even one request
@@ -130,9 +131,10 @@ def plan_gpu_memory(
     """The plan for `max_num_seqs` requests, or (a default only) for fewer; see the module docstring.
     `speculation_bytes(n)` and `activation_bytes(n)` are the reserves for n requests; `state_hint`
     (`state_dtype_hint`) ends a refusal's list of remedies. With `fit_max_model_len` (max_model_len
-    "auto"), `max_model_len` is the model's own and may be shortened: to the KV cache that is left
-    beside the states of max_num_seqs requests (a default one: of as many as the states taking at
-    most half of what the headroom leaves), when the model's whole length does not fit beside them."""
+    "auto"), `max_model_len` is the model's own and is kept if it fits (a default max_num_seqs lowered as
+    usual, as long as one request fits at that length); otherwise it is shortened to the KV cache left
+    beside the states of max_num_seqs requests (a default one: of as many as take at most half of what
+    the headroom leaves)."""
     blocks_per_seq = -(-max_model_len // block_size)
     min_kv = blocks_per_seq * bytes_per_block
 
@@ -152,16 +154,16 @@ def plan_gpu_memory(
     if fixed_bytes(max_num_seqs) + min_kv <= usable_bytes:
         return plan(max_num_seqs)
     fits = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + min_kv <= usable_bytes)
-    if fit_max_model_len:
-        n = max_num_seqs
-        if max_num_seqs_is_default:
-            n = max(1, _most_requests_that_fit(max_num_seqs + 1, states_take_half))
-        # (a default whose balanced count also fits at the model's whole length is lowered below, keeping it)
-        if not (max_num_seqs_is_default and fits >= n):
-            budget_blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
-            if budget_blocks >= 1:
-                model_len = min(max_model_len, budget_blocks * block_size)
-                return plan(n, lowered_from=max_num_seqs if n < max_num_seqs else None, model_len=model_len)
+    # max_model_len "auto": a default max_num_seqs with at least one request fitting at the model's whole
+    # length is lowered below, keeping the length; else the length is shortened (an explicit max_num_seqs
+    # kept, a default one first lowered to the count whose states take at most half of what the headroom leaves)
+    if fit_max_model_len and not (max_num_seqs_is_default and fits > 0):
+        n = max(1, _most_requests_that_fit(max_num_seqs + 1, states_take_half)) if max_num_seqs_is_default \
+            else max_num_seqs
+        budget_blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+        if budget_blocks >= 1:
+            model_len = min(max_model_len, budget_blocks * block_size)
+            return plan(n, lowered_from=max_num_seqs if n < max_num_seqs else None, model_len=model_len)
     if max_num_seqs_is_default and fits > 0:
         # not the most that fit, which would leave the KV cache one sequence: the larger of the states
         # taking at most half of what the steps' headroom leaves, and every request fitting at full length
@@ -197,7 +199,8 @@ def plan_gpu_memory(
                          f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len"
                          f"{longest(max_num_seqs)} or max_num_batched_tokens, or raise "
                          f"gpu_memory_utilization{_or(state_hint)}")
-    raise ValueError(f"{what}. Not even one request fits: lower max_model_len{longest(max_num_seqs) or longest(1)} or "
+    lengths = longest(max_num_seqs) or (f"{longest(1)}, and max_num_seqs" if longest(1) else "")
+    raise ValueError(f"{what}. Not even one request fits: lower max_model_len{lengths} or "
                      "max_num_batched_tokens, "
                      f"raise gpu_memory_utilization, {state_hint + ', ' if state_hint else ''}or spread the model over "
                      "more GPUs (tensor / pipeline parallelism)")

@@ -92,6 +92,10 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
         mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
     default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
     ssm_state_dtype, source = ssm_state_dtype_choice(args.mamba_ssm_cache_dtype, hf_config, args.mamba_cache_dtype)
+    if args.mamba_cache_dtype != "auto" and not source.startswith("mamba_cache_dtype"):
+        logger.warning("mamba_cache_dtype = %s is not used: %s names the recurrent pool's dtype (the conv state "
+                       "stays in the model's dtype); pass mamba_ssm_cache_dtype to choose", args.mamba_cache_dtype,
+                       source)
     if ssm_state_dtype.itemsize < 4:
         logger.warning("recurrent state pool in %s (%s): states are rounded where they are stored (every decode "
                        "step, prefill chunk and accepted draft), so a result follows how its prompt was chunked, "

@@ -7,9 +7,11 @@ when every draft is accepted. They also keep the states after the chunk's first 
 step's `StateCapture` (lamina.layers.metadata; `ForwardMetadata.state_capture`, built and owned
 by the runner's spec step) names those tokens, and each layer hands it what the kernels captured for each of its state
 pools (`StateCapture.keep`). Once acceptance is known (the next plan), the runner commits the
-state after the accepted position into the slot (`StateCapture.commit`). The result is exactly
-the state plain decoding would have reached: the states are computed from the same tokens, only
-the chosen one is kept.
+state after the accepted position into the slot (`StateCapture.commit`). With a float32 pool the
+result is exactly the state plain decoding would have reached: the states are computed from the same
+tokens, only the chosen one is kept. With a 16-bit pool (`mamba_ssm_cache_dtype`) it is within that
+pool's rounding of it: plain decoding rounds the state after every token, a verification step only
+where it stores one (the captured and final states), as vLLM's kernels do.
 
 Nothing here reads the host or depends on tensor values: the capture list is built from the plan,
 `keep` only records tensors, and `commit` is one `index_copy_` per kept pool (on the Triton
