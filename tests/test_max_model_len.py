@@ -123,6 +123,15 @@ def test_lamina_plan_previews_the_fitted_length(capsys):
     tight = memory("--max-model-len", "auto", "--max-num-seqs", "60")
     assert tight["fits"] and tight["max_num_seqs"] == 60 and tight["max_model_len"] < 32_768
     assert not memory("--max-model-len", "32K", "--max-num-seqs", "60")["fits"]
+    # several ranks: one engine plans for the tightest (PP2 stages of 18 and 22 layers: the second holds more)
+    assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--dtype", "bfloat16", "--json", "-pp", "2",
+                     "--pp-layer-partition", "18,22", "--gpu-memory-gib", "45.3", "--max-model-len", "auto",
+                     "--max-num-seqs", "64"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    first, second = (r["gpu_memory"] for r in data["ranks"])
+    assert first["max_model_len"] == 32_768 > second["max_model_len"]
+    assert data["gpu_memory"] == {"max_num_seqs": 64, "max_model_len": second["max_model_len"],
+                                  "kv_cache_tokens": second["kv_cache_tokens"]}
 
 
 # ---- off a GPU: the KV budget ------------------------------------------------------------------

@@ -198,6 +198,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"lamina plan: error: {e}", file=sys.stderr)
         return 2
     boundary = _boundary(model_cls, cfg, plan)
+    tightest = _tightest_rank(ranks)
     if args.json:
         print(json.dumps({
             "architecture": architecture, "world_size": plan.world_size, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
@@ -205,7 +206,22 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             "stage_sizes": list(plan.stage_sizes), "stage_ranges": [list(r) for r in plan.stage_ranges],
             "partition_source": plan.partition_source, "layer_kinds": list(plan.layer_kinds),
             "boundary": boundary, "dtype": str(dtype).replace("torch.", ""), "ranks": ranks,
+            **({} if tightest is None else {"gpu_memory": tightest}),
         }, default=list))
     else:
         print(render(plan, ranks, boundary, device_type))
+        if tightest is not None and len(ranks) > 1:
+            print(f"the engine plans one layout for every rank, the tightest's: max_num_seqs "
+                  f"{tightest['max_num_seqs']}, max_model_len {tightest['max_model_len']}, "
+                  f"KV cache {tightest['kv_cache_tokens']} tokens")
     return 0
+
+
+def _tightest_rank(ranks: list[dict]) -> dict | None:
+    """What one engine over all `ranks` gets from `--gpu-memory-gib` (it plans from the least free memory
+    and the largest per-request figures, so the tightest rank decides): the smallest max_num_seqs and
+    max_model_len and KV cache of the ranks' previews; None without a preview or when a rank does not fit."""
+    previews = [r.get("gpu_memory") for r in ranks]
+    if not previews or any(p is None or not p["fits"] for p in previews):
+        return None
+    return {name: min(p[name] for p in previews) for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens")}
