@@ -42,6 +42,11 @@ class HybridTextConfig:
     norm_topk_prob: bool
     eos_token_ids: tuple[int, ...]
     hidden_act: str
+    # Scaled RoPE (rope_parameters' rope_type "yarn" or "linear"): the inverse frequencies and the
+    # factor cos / sin are multiplied by, from transformers' own rope init functions
+    # (transformers.modeling_rope_utils); None: plain RoPE from rope_theta.
+    rope_inv_freq: tuple[float, ...] | None
+    rope_attention_factor: float
 
     @property
     def num_attention_layers(self) -> int:
@@ -80,9 +85,7 @@ def parse_hybrid_text_config(text_config, architecture: str, *, moe_every_layer:
             (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
         )
     rope = dict(getattr(c, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: 'default'")
+    inv_freq, attention_factor = scaled_rope(c, rope)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     partial = float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
     hidden_act = getattr(c, "hidden_act", "silu")
@@ -119,7 +122,28 @@ def parse_hybrid_text_config(text_config, architecture: str, *, moe_every_layer:
         norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)),
         eos_token_ids=eos,
         hidden_act=hidden_act,
+        rope_inv_freq=inv_freq,
+        rope_attention_factor=attention_factor,
     )
+
+
+# rope types whose frequencies do not depend on the sequence's length (dynamic NTK and longrope do)
+SCALED_ROPE_TYPES = ("yarn", "linear")
+
+
+def scaled_rope(config, rope: dict) -> tuple[tuple[float, ...] | None, float]:
+    """(inverse frequencies, cos/sin factor) of a config's scaled RoPE, from transformers' own init
+    function for its rope_type; (None, 1.0) for plain RoPE. ValueError for a type lamina does not run."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return None, 1.0
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: 'default', "
+                         + ", ".join(repr(t) for t in SCALED_ROPE_TYPES))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return tuple(float(f) for f in inv_freq.float()), float(attention_factor)
 
 
 def num_mtp_layers(hf_config) -> int:

@@ -147,7 +147,8 @@ class Qwen3NextForCausalLM(nn.Module):
         self.is_first_stage = start == 0
         self.is_last_stage = end == cfg.num_hidden_layers
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=device
+            cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=device,
+            inv_freq=cfg.rope_inv_freq, attention_factor=cfg.rope_attention_factor,
         )
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype=dtype, device=device)

@@ -172,6 +172,9 @@ def parse_qwen4_exp_text_config(
     text_config, architecture: str, *, eos_fallback=None, tie_word_embeddings=None
 ) -> Qwen4ExpTextConfig:
     c = text_config
+    rope_type = dict(getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":  # its indexer rotates block starts too: scaled RoPE is not wired there
+        raise ValueError(f"rope_type {rope_type!r} is not supported for Qwen4-Exp; supported: 'default'")
     raw_types = list(c.layer_types)
     unknown = sorted({t for t in raw_types if t not in ("linear_attention", *_ATTENTION_KINDS)})
     if unknown:
