@@ -107,3 +107,17 @@ def test_tp2_with_yarn_equals_one_rank(yarn_dir):
         with LLM(str(yarn_dir), tensor_parallel_size=tp, max_num_batched_tokens=64, **ENGINE) as llm:
             outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[2] == outs[1]
+
+
+def test_the_context_limit_follows_the_scaling_as_vllm_derives_it(yarn_dir, tmp_path):
+    """The Qwen cards extend the native length by rope_parameters alone: YaRN's factor x
+    original_max_position_embeddings is the limit (here 4 x 128 over a config that says 128)."""
+    config = json.loads((yarn_dir / "config.json").read_text())
+    native = _with_rope(yarn_dir, tmp_path / "native", config["rope_parameters"])
+    config["max_position_embeddings"] = 128
+    (native / "config.json").write_text(json.dumps(config))
+    with LLM(str(native), **ENGINE) as llm:
+        assert llm.engine.max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len = 600 exceeds the model's context of 512 tokens "
+                                         r"\(max_position_embeddings, or what its rope_parameters scale it to\)"):
+        LLM(str(native), max_model_len=600, **ENGINE)

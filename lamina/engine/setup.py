@@ -136,7 +136,8 @@ def resolve_max_model_len(args: EngineArgs, cfg) -> int:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len = {requested} exceeds the model's max_position_embeddings = {limit}"
+            f"max_model_len = {requested} exceeds the model's context of {limit} tokens (max_position_embeddings, "
+            "or what its rope_parameters scale it to)"
         )
     return requested
 

@@ -102,7 +102,7 @@ def parse_hybrid_text_config(text_config, architecture: str, *, moe_every_layer:
         moe_layers=moe_layers,
         rms_norm_eps=float(c.rms_norm_eps),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        max_position_embeddings=int(c.max_position_embeddings),
+        max_position_embeddings=scaled_context(c, rope),
         num_attention_heads=int(c.num_attention_heads),
         num_key_value_heads=int(c.num_key_value_heads),
         head_dim=head_dim,
@@ -129,6 +129,20 @@ def parse_hybrid_text_config(text_config, architecture: str, *, moe_every_layer:
 
 # rope types whose frequencies do not depend on the sequence's length (dynamic NTK and longrope do)
 SCALED_ROPE_TYPES = ("yarn", "linear")
+
+
+def scaled_context(config, rope: dict) -> int:
+    """The longest context the config supports: max_position_embeddings, or as vLLM derives it under a
+    scaled RoPE (the Qwen cards extend 262,144 positions with YaRN by raising rope_parameters alone),
+    factor x original_max_position_embeddings for yarn, factor x max_position_embeddings for linear."""
+    native = int(config.max_position_embeddings)
+    rope_type = rope.get("rope_type", "default")
+    factor = float(rope.get("factor", 1.0) or 1.0)
+    if rope_type == "yarn":
+        return max(native, int(factor * int(rope.get("original_max_position_embeddings") or native)))
+    if rope_type == "linear":
+        return max(native, int(factor * native))
+    return native
 
 
 def scaled_rope(config, rope: dict) -> tuple[tuple[float, ...] | None, float]:
