@@ -713,12 +713,12 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         tests/test_qwen4_graphs.py 2>&1 | tail -4  # the start-up path since session 30's memory plan
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
-    s32)  # next session, one call: the GPU tests session 31's last call did not reach (its limit cut it) and the
+    s32)  # next session, one call: the GPU tests session 31's last call did not reach (its limit cut it), YaRN's and the
       # bf16 pool's and MTP's, then max_model_len auto on this GPU (a default engine, the preset's 32k length),
       # then on two GPUs the TP2 / PP2 graphs, on an H200 batch 1 against transformers
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py \
         tests/test_triton_pending_fill.py tests/test_triton_router.py tests/test_triton_verify_kernels.py \
-        tests/test_ssm_state_dtype.py 2>&1 | tail -3
+        tests/test_ssm_state_dtype.py tests/test_rope_scaling.py 2>&1 | tail -3
       timeout 120 python3 -m lamina.entrypoints.cli bench latency --dtype bfloat16 --batch-size 1 --input-len 128 \
         --output-len 32 --max-model-len auto --output-json $OUT/latency_auto_len.json 2>&1 | grep -v Warn | tail -4
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi

@@ -121,3 +121,21 @@ def test_the_context_limit_follows_the_scaling_as_vllm_derives_it(yarn_dir, tmp_
     with pytest.raises(ValueError, match=r"max_model_len = 600 exceeds the model's context of 512 tokens "
                                          r"\(max_position_embeddings, or what its rope_parameters scale it to\)"):
         LLM(str(native), max_model_len=600, **ENGINE)
+
+
+@pytest.mark.gpu
+def test_yarn_on_the_gpu_agrees_with_the_fp32_reference(yarn_dir):
+    """bf16 on CUDA (graphs, the Triton q/k kernel reading the scaled cos / sin) past the original
+    length: every greedy token within 0.05 of the reference's best logit (near-tie rule)."""
+    from lamina import SamplingParams
+
+    prompt = IDS[:200]
+    with LLM(str(yarn_dir), device="cuda", dtype="bfloat16", show_progress=False) as llm:
+        assert llm.engine.cuda_graphs
+        [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          ignore_eos=True), use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    logits = reference_logits(load_reference(yarn_dir), prompt + tokens)
+    for j, token in enumerate(tokens):
+        row = logits[len(prompt) + j - 1]
+        assert row[token] >= row.max() - 0.05, f"token {j} is {row.max() - row[token]:.4f} below the max"
