@@ -226,6 +226,7 @@ class LLMEngine(RequestValidation, WarmUp):
             total = torch.cuda.get_device_properties(self.device).total_memory
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
+            hint = state_dtype_hint(self.ssm_state_dtype)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),
                 bytes_per_block=bytes_per_block, block_size=args.block_size, max_model_len=self.max_model_len,
@@ -234,7 +235,7 @@ class LLMEngine(RequestValidation, WarmUp):
                 speculation_bytes=lambda n: self._speculation_reserve(n, per_slot),
                 activation_bytes=lambda n: activation_headroom_bytes(
                     self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k),
-                state_hint=state_dtype_hint(self.ssm_state_dtype), fit_max_model_len=auto_len,
+                state_hint=hint, fit_max_model_len=auto_len,
             )
             self.memory_plan = plan
             self._fit_max_model_len(plan.max_model_len)
@@ -244,7 +245,7 @@ class LLMEngine(RequestValidation, WarmUp):
                                "(lamina.engine.memory_plan; %s); set max_num_seqs to choose%s",
                                plan.lowered_from, plan.max_num_seqs, plan.lowered_from,
                                plan.describe(args.block_size, self.max_model_len),
-                               f", or {hint} to fit more" if (hint := state_dtype_hint(self.ssm_state_dtype)) else "")
+                               f", or {hint} to fit more" if hint else "")
             else:
                 logger.info("GPU memory: %s", plan.describe(args.block_size, self.max_model_len))
             num_blocks, max_num_seqs = plan.num_kv_blocks, plan.max_num_seqs

@@ -141,9 +141,11 @@ def plan_gpu_memory(
     def fixed_bytes(n: int) -> int:  # everything but the KV cache, for n requests
         return (n + 1) * state_bytes_per_slot + speculation_bytes(n) + activation_bytes(n)
 
+    def kv_blocks_left(n: int) -> int:  # the KV blocks the usable memory holds beside n requests' reserves
+        return (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+
     def plan(n: int, lowered_from: int | None = None, model_len: int = max_model_len) -> MemoryPlan:
-        kv_budget = usable_bytes - fixed_bytes(n)
-        num_blocks = min(-(-model_len // block_size) * n, kv_budget // max(1, bytes_per_block))
+        num_blocks = min(-(-model_len // block_size) * n, kv_blocks_left(n))
         return MemoryPlan(n, num_blocks, usable_bytes, (n + 1) * state_bytes_per_slot, speculation_bytes(n),
                           activation_bytes(n), num_blocks * bytes_per_block, lowered_from, model_len)
 
@@ -160,7 +162,7 @@ def plan_gpu_memory(
     if fit_max_model_len and not (max_num_seqs_is_default and fits > 0):
         n = max(1, _most_requests_that_fit(max_num_seqs + 1, states_take_half)) if max_num_seqs_is_default \
             else max_num_seqs
-        budget_blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+        budget_blocks = kv_blocks_left(n)
         if budget_blocks >= 1:
             model_len = min(max_model_len, budget_blocks * block_size)
             return plan(n, lowered_from=max_num_seqs if n < max_num_seqs else None, model_len=model_len)
@@ -177,7 +179,7 @@ def plan_gpu_memory(
         return plan(chosen, lowered_from=max_num_seqs)  # >= 1: whole_lengths(1) is fits' own test at 1
     need = plan(max_num_seqs)
     if fit_max_model_len:
-        room = _most_requests_that_fit(max_num_seqs, lambda n: fixed_bytes(n) + bytes_per_block <= usable_bytes)
+        room = _most_requests_that_fit(max_num_seqs, lambda n: kv_blocks_left(n) >= 1)
         raise ValueError(
             f"max_model_len auto: max_num_seqs = {max_num_seqs} leaves no room for even one KV block: its recurrent "
             f"states take {need.state_bytes / GIB:.2f} GiB, speculation {need.speculation_bytes / GIB:.2f} GiB and the "
@@ -189,17 +191,20 @@ def plan_gpu_memory(
             f"GiB and an activation headroom of {need.activation_bytes / GIB:.2f} GiB, and the KV cache must hold one "
             f"sequence of max_model_len = {max_model_len} tokens ({min_kv / GIB:.2f} GiB); the GPU has "
             f"{usable_bytes / GIB:.2f} GiB usable after the weights at this gpu_memory_utilization")
+
     def longest(n: int) -> str:  # the max_model_len that n requests leave room for, said as a remedy
-        blocks = (usable_bytes - fixed_bytes(n)) // max(1, bytes_per_block)
+        blocks = kv_blocks_left(n)
         return (f" (max_model_len = {blocks * block_size} fits beside {n} request{'s' if n > 1 else ''}; "
                 "max_model_len='auto' takes the longest that fits)") if blocks >= 1 else ""
 
+    beside_asked = longest(max_num_seqs)
     if fits > 0:
         raise ValueError(f"{what}. At most max_num_seqs = {fits} fit (the KV cache then holds about one sequence of "
                          f"max_model_len): lower max_num_seqs to {fits} or less, lower max_model_len"
-                         f"{longest(max_num_seqs)} or max_num_batched_tokens, or raise "
+                         f"{beside_asked} or max_num_batched_tokens, or raise "
                          f"gpu_memory_utilization{_or(state_hint)}")
-    lengths = longest(max_num_seqs) or (f"{longest(1)}, and max_num_seqs" if longest(1) else "")
+    beside_one = longest(1)
+    lengths = beside_asked or (f"{beside_one}, and max_num_seqs" if beside_one else "")
     raise ValueError(f"{what}. Not even one request fits: lower max_model_len{lengths} or "
                      "max_num_batched_tokens, "
                      f"raise gpu_memory_utilization, {state_hint + ', ' if state_hint else ''}or spread the model over "

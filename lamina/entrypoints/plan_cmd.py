@@ -83,6 +83,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     batched = engine_args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     per_slot, k = estimate["state_bytes_per_request"], num_speculative_tokens
     graphs = not engine_args.enforce_eager
+    hint = state_dtype_hint(ssm_state_dtype)
     try:
         plan = plan_gpu_memory(
             usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),
@@ -92,12 +93,12 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
             speculation_bytes=lambda n: speculation_bytes(
                 n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
             activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k),
-            state_hint=state_dtype_hint(ssm_state_dtype), fit_max_model_len=max_model_len_is_auto(engine_args),
+            state_hint=hint, fit_max_model_len=max_model_len_is_auto(engine_args),
         )
     except ValueError as e:
         return {"gpu_memory_gib": gpu_memory_gib, "fits": False, "error": str(e)}
     return {"gpu_memory_gib": gpu_memory_gib, "fits": True, "max_num_seqs": plan.max_num_seqs,
-            "state_hint": state_dtype_hint(ssm_state_dtype), "max_model_len": plan.max_model_len,
+            "state_hint": hint, "max_model_len": plan.max_model_len,
             "max_num_seqs_lowered_from": plan.lowered_from, "kv_cache_tokens": plan.num_kv_blocks * engine_args.block_size,
             "usable_bytes": plan.usable_bytes, "state_bytes": plan.state_bytes, "speculation_bytes": plan.speculation_bytes,
             "activation_bytes": plan.activation_bytes, "kv_cache_bytes": plan.kv_cache_bytes,
