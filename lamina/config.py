@@ -51,6 +51,10 @@ class EngineArgs:
     # the model's dtype (it holds the layer's inputs, which that dtype represents exactly).
     mamba_cache_dtype: str = "auto"
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
+    # vLLM's name: None follows the checkpoint's quantization_config (a block FP8 checkpoint is
+    # dequantized into `dtype` as it loads); "fp8" asks for such a checkpoint; "none" for an
+    # unquantized one (lamina.models.quantization.check_quantization_option)
+    quantization: str | None = None
     show_progress: bool = True
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)
     # vLLM's name: plan and launch step N+1 while step N runs (lamina.engine.async_scheduling).

@@ -19,6 +19,7 @@ import torch
 from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, ssm_state_dtype_choice
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
+from lamina.models.quantization import check_quantization_option, read_quantization
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
 from lamina.parallel.plan import ParallelPlan, build_plan
@@ -75,6 +76,11 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     dtype = resolve_dtype(args.dtype, device, getattr(hf_config, "dtype", None))
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
+    quantization = read_quantization(hf_config)
+    check_quantization_option(args.quantization, quantization)
+    if quantization is not None:
+        logger.info("checkpoint weights are %s: each is dequantized into %s as it loads (the memory of an "
+                    "unquantized checkpoint)", quantization.describe(), str(dtype).removeprefix("torch."))
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)

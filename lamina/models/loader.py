@@ -6,7 +6,8 @@ checkpoint's tensor names are compared with what the model needs (missing tensor
 Then each shard is memory-mapped and its tensors copied one at a time into the parameters, which
 converts the dtype and moves them to the device; no second full copy of the model exists.
 `mtp.*` tensors are loaded when the model built an MTP drafter (speculative decoding) and are
-otherwise recorded (name, shape, file), never an error.
+otherwise recorded (name, shape, file), never an error. A block FP8 checkpoint's weights are
+dequantized as they stream in (lamina.models.quantization), each with its scale tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lamina.models.quantization import BlockFp8, dequantize, quantized_tensors
 from lamina.models.weight_map import WeightMap
 
 logger = logging.getLogger(__name__)
@@ -99,15 +101,23 @@ def load_checkpoint(
     skip_prefixes: tuple[str, ...] = (),
     skip_name: "callable | None" = None,
     progress: bool = True,
+    quantization: BlockFp8 | None = None,
 ) -> LoadReport:
     """Load every tensor `weight_map` needs from the checkpoint in `model_dir`.
 
     `skip_prefixes` / `skip_name(name)` mark tensors that belong to other parts (a vision tower,
-    layers of other pipeline stages) and are skipped without reading them.
+    layers of other pipeline stages) and are skipped without reading them. `quantization`: the
+    checkpoint's block FP8 format (its config.json's), which its float8 tensors must follow.
     """
     shards = [read_header(p) for p in resolve_shards(Path(model_dir))]
     report = LoadReport()
-    available = {name for s in shards for name in s.tensors}
+    try:
+        scale_of = quantized_tensors(shards, quantization, model_dir)  # {fp8 weight: its scale tensor}
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    scales = set(scale_of.values())
+    shard_of = {name: s.path for s in shards for name in s.tensors}
+    available = {name for s in shards for name in s.tensors} - scales
     missing = weight_map.missing(available)
     if missing:
         shown = "\n  ".join(missing[:20])
@@ -117,7 +127,21 @@ def load_checkpoint(
     bar = tqdm(shards, desc="Loading safetensors shards", unit="shard", disable=not progress or len(shards) < 1)
     for shard in bar:
         with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+
+            def read(name: str):
+                if name not in scale_of:
+                    return f.get_tensor(name)
+                scale_name = scale_of[name]
+                if shard_of[scale_name] == shard.path:
+                    scale = f.get_tensor(scale_name)
+                else:
+                    with safe_open(str(shard_of[scale_name]), framework="pt", device="cpu") as g:
+                        scale = g.get_tensor(scale_name)
+                return dequantize(f.get_tensor(name), scale, quantization)
+
             for name in f.keys():
+                if name in scales:  # read with its weight
+                    continue
                 if name.startswith(SIDE_PREFIXES) and name not in weight_map.loaders and name not in weight_map.ignored:
                     report.side_tensors[name] = (shard.path, shard.tensors[name][1])
                     continue
@@ -129,7 +153,7 @@ def load_checkpoint(
                     report.unexpected.append(name)
                     continue
                 try:
-                    loader(name, f.get_tensor(name))
+                    loader(name, read(name))
                 except CheckpointError:
                     raise
                 except ValueError as e:

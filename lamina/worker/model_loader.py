@@ -14,6 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lamina.layers.norm import GatedRMSNorm, RMSNorm
 from lamina.models.loader import CheckpointError, LoadReport, load_checkpoint, resolve_shards
+from lamina.models.quantization import read_quantization
 from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
@@ -59,6 +60,7 @@ def build_model(
         raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
+    quantization = read_quantization(hf_config)  # block FP8: dequantized into `dtype` as it streams in
     if load_format != "dummy":
         resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
@@ -82,7 +84,8 @@ def build_model(
     if getattr(model, "mtp", None) is not None:
         model.mtp.add_weights(weight_map)
     report = load_checkpoint(
-        weight_map, model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress
+        weight_map, model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress,
+        quantization=quantization,
     )
     model.eval()
     return model, cfg, report

@@ -37,7 +37,8 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                    help="prefix caching is not implemented: --no-enable-prefix-caching is accepted, "
                         "--enable-prefix-caching refused")
     g.add_argument("--quantization", "-q", default=None,
-                   help="only 'none': lamina runs the checkpoint's unquantized weights")
+                   help="fp8: the checkpoint is block-wise FP8 (as its config.json says; its weights are "
+                        "dequantized into --dtype as they load); none: it is unquantized. Unset: follow the checkpoint")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="only 'auto' or the model's dtype: the KV cache is kept in the model dtype")
     g.add_argument("--trust-remote-code", action="store_true",
@@ -52,6 +53,19 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         "--enable-chunked-prefill is accepted, --no-enable-chunked-prefill refused")
     g.add_argument("--tokenizer-mode", default="auto",
                    help="only 'auto' (or 'hf'): the checkpoint's tokenizer through transformers' AutoTokenizer")
+
+
+def _config_namespace(model: str | None):
+    """config.json (and its text_config) as attributes, enough for lamina.models.quantization."""
+    from types import SimpleNamespace
+
+    try:
+        config = json.loads((Path(model) / "config.json").read_text()) if model is not None else {}
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return SimpleNamespace(quantization_config=config.get("quantization_config"),
+                           text_config=SimpleNamespace(quantization_config=text.get("quantization_config")))
 
 
 def _config_dtype(model: str | None) -> str | None:
@@ -81,9 +95,13 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
     if args.enable_prefix_caching:
         raise ValueError(f"--enable-prefix-caching: prefix caching is {TRACKED}. Leave the flag out or pass "
                          "--no-enable-prefix-caching (every prompt is computed in full)")
-    if args.quantization is not None and args.quantization.lower() != "none":
-        raise ValueError(f"--quantization {args.quantization}: quantization is {TRACKED}. Supported: none "
-                         "(the checkpoint's bfloat16/float16/float32 weights, in --dtype)")
+    if args.quantization is not None:
+        from lamina.models.quantization import check_quantization_option, read_quantization
+
+        try:
+            check_quantization_option(args.quantization, read_quantization(_config_namespace(model)))
+        except ValueError as e:
+            raise ValueError(f"--quantization {args.quantization}: {e}") from None
     kv = args.kv_cache_dtype
     if kv != "auto":
         want = _DTYPE_NAMES.get(kv.lower())

@@ -1,0 +1,154 @@
+"""Block-wise FP8 checkpoints (the Qwen "-FP8" releases, DeepSeek's format): what config.json says,
+what the tensor files must hold, and how a weight is turned back into real numbers.
+
+Such a checkpoint declares `quantization_config = {"quant_method": "fp8", "weight_block_size":
+[bn, bk], "activation_scheme": "dynamic", ...}` and stores each quantized linear weight `X` as
+float8 e4m3 values beside a float32 `X_scale_inv` (`X.weight` -> `X.weight_scale_inv`; a fused 3-D
+`experts.gate_up_proj` -> `experts.gate_up_proj_scale_inv`) holding one multiplier per bn x bk
+block of the last two dims: `w[..., r, c] = q[..., r, c] * scale_inv[..., r // bn, c // bk]`. The
+scale grid is `ceil(rows / bn) x ceil(cols / bk)` (a partial last block has its own multiplier).
+
+Which tensors are quantized is read from the files (a float8 dtype in a shard's header), not
+guessed from names or shapes; every one must have its scale tensor with exactly that grid, checked
+from the headers before any weight is read. lamina dequantizes each weight as it streams in and
+keeps the model's dtype in memory, so every kernel and layout runs unchanged and the result is
+what transformers computes from the same files (it dequantizes the same way off a GPU). Memory is
+that of the unquantized checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
+# activation scales of a static scheme; lamina computes activations in the model's dtype
+STATIC_ACTIVATION_SUFFIXES = ("input_scale", "activation_scale")
+SUPPORTED = "quant_method 'fp8' with weight_block_size [bn, bk], activation_scheme 'dynamic', fmt 'e4m3'"
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """A checkpoint's block FP8 format (its config.json's quantization_config)."""
+
+    block_rows: int
+    block_cols: int
+
+    def describe(self) -> str:
+        return f"block FP8 (e4m3, {self.block_rows}x{self.block_cols} blocks)"
+
+    def scale_grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale tensor's shape for a quantized weight of `shape` (leading dims kept)."""
+        if len(shape) < 2:
+            raise ValueError(f"a block-quantized weight has at least 2 dims, got shape {shape}")
+        *lead, rows, cols = shape
+        return (*lead, -(-rows // self.block_rows), -(-cols // self.block_cols))
+
+
+def quantization_config_of(hf_config) -> dict | None:
+    """The checkpoint's quantization_config (top level, or its text_config's), or None."""
+    for config in (hf_config, getattr(hf_config, "text_config", None)):
+        value = getattr(config, "quantization_config", None) if config is not None else None
+        if value is not None:
+            return value if isinstance(value, dict) else value.to_dict()
+    return None
+
+
+def read_quantization(hf_config) -> BlockFp8 | None:
+    """The checkpoint's quantization (None: unquantized); refuses what lamina does not run, naming it."""
+    qc = quantization_config_of(hf_config)
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "fp8":
+        raise ValueError(f"config.json: quantization_config.quant_method = {qc.get('quant_method')!r} is not "
+                         f"supported; lamina runs {SUPPORTED}, or unquantized checkpoints")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise ValueError("config.json: an fp8 quantization_config without weight_block_size (one scale per "
+                         f"tensor) is not supported; lamina runs {SUPPORTED}")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"config.json: quantization_config.weight_block_size = {block!r} must be two positive "
+                         "integers [rows, cols]")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme != "dynamic":
+        raise ValueError(f"config.json: quantization_config.activation_scheme = {scheme!r} is not supported "
+                         f"(static activation scales); lamina runs {SUPPORTED}")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise ValueError(f"config.json: quantization_config.fmt = {fmt!r} is not supported; lamina runs {SUPPORTED}")
+    scale_fmt = str(qc.get("scale_fmt", "float")).lower()
+    if scale_fmt not in ("float", "none"):
+        raise ValueError(f"config.json: quantization_config.scale_fmt = {scale_fmt!r} is not supported (float32 "
+                         f"scales only); lamina runs {SUPPORTED}")
+    return BlockFp8(int(block[0]), int(block[1]))
+
+
+def check_quantization_option(option: str | None, quant: BlockFp8 | None) -> None:
+    """vLLM's `quantization` argument against the checkpoint: None follows the checkpoint; 'fp8'
+    asks for the checkpoint's FP8 weights; quantizing an unquantized checkpoint at load is refused."""
+    if option is None:
+        return
+    name = option.lower()
+    if name == "fp8":
+        if quant is None:
+            raise ValueError("quantization = 'fp8': this checkpoint is not quantized (no quantization_config in "
+                             "config.json), and quantizing weights at load is not supported; leave quantization "
+                             "unset, or use an FP8 checkpoint (block-wise, e.g. the Qwen '-FP8' releases)")
+        return
+    if name == "none":
+        if quant is not None:
+            raise ValueError(f"quantization = 'none': this checkpoint is {quant.describe()}; leave quantization "
+                             "unset (or pass 'fp8') to load it")
+        return
+    raise ValueError(f"quantization = {option!r} is not supported; supported: fp8 (a block-wise FP8 checkpoint), "
+                     "none, or unset (follow the checkpoint's config.json)")
+
+
+def quantized_tensors(headers, quant: BlockFp8 | None, model_dir) -> dict[str, str]:
+    """{quantized weight name: its scale tensor's name}, from the shard headers; every check that
+    needs no data is made here: float8 tensors without a quantization_config, other float8
+    formats, missing scales, scale grids that do not match the weight and the block size, and
+    static activation scales."""
+    shapes = {name: info for h in headers for name, info in h.tensors.items()}
+    out: dict[str, str] = {}
+    for name, (dtype, shape) in shapes.items():
+        if quant is not None and name.endswith(STATIC_ACTIVATION_SUFFIXES):
+            raise ValueError(f"checkpoint {model_dir}: tensor {name!r} is a static activation scale, which lamina "
+                             f"does not apply; it runs {SUPPORTED}")
+        if not dtype.startswith("F8"):
+            continue
+        if dtype not in FP8_DTYPES:
+            raise ValueError(f"checkpoint {model_dir}: tensor {name!r} is {dtype}; lamina reads float8 e4m3 "
+                             "(F8_E4M3) weights only")
+        if quant is None:
+            raise ValueError(f"checkpoint {model_dir}: tensor {name!r} is {dtype} but config.json has no "
+                             f"quantization_config; lamina runs {SUPPORTED}")
+        scale = name + SCALE_SUFFIX
+        if scale not in shapes:
+            raise ValueError(f"checkpoint {model_dir}: float8 tensor {name!r} has no scale tensor {scale!r}")
+        want = quant.scale_grid(shape)
+        scale_dtype, scale_shape = shapes[scale]
+        if tuple(scale_shape) != want:
+            raise ValueError(
+                f"checkpoint {model_dir}: {scale!r} has shape {tuple(scale_shape)}, but {name!r} of shape "
+                f"{tuple(shape)} in {quant.block_rows}x{quant.block_cols} blocks (weight_block_size) needs {want}"
+            )
+        if scale_dtype not in ("F32", "BF16", "F16"):
+            raise ValueError(f"checkpoint {model_dir}: {scale!r} is {scale_dtype}; lamina reads float scales only")
+        out[name] = scale
+    return out
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: BlockFp8) -> torch.Tensor:
+    """float32 `weight * scale_inv` with one multiplier per block of the last two dims."""
+    *lead, rows, cols = weight.shape
+    if tuple(scale_inv.shape) != quant.scale_grid(tuple(weight.shape)):
+        raise ValueError(f"scale of shape {tuple(scale_inv.shape)} does not match a weight of shape "
+                         f"{tuple(weight.shape)} in {quant.block_rows}x{quant.block_cols} blocks")
+    scale = scale_inv.float().repeat_interleave(quant.block_rows, dim=-2)[..., :rows, :]  # [..., rows, col blocks]
+    scale = scale.repeat_interleave(quant.block_cols, dim=-1)[..., :cols]  # [..., rows, cols]
+    return weight.float() * scale
