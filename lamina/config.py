@@ -51,6 +51,10 @@ class EngineArgs:
     # the model's dtype (it holds the layer's inputs, which that dtype represents exactly).
     mamba_cache_dtype: str = "auto"
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
+    # vLLM's name: values laid over config.json before anything reads it, nested dicts merged key
+    # by key (e.g. {"text_config": {"rope_parameters": {"rope_type": "yarn", ...}}}, the Qwen cards'
+    # way past the native context); every rank reads the same overridden config
+    hf_overrides: dict | None = None
     # vLLM's name: None follows the checkpoint's quantization_config (a block FP8 checkpoint is
     # dequantized into `dtype` as it loads); "fp8" asks for such a checkpoint; "none" for an
     # unquantized one (lamina.models.quantization.check_quantization_option)
@@ -111,6 +115,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; "
                                  f"got {getattr(self, name)!r}")
         parse_max_model_len(self.max_model_len)  # raises on a bad spelling
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json keys (nested dicts are merged), got "
+                             f"{type(self.hf_overrides).__name__}: {self.hf_overrides!r}")
         for name in ("max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override"):
             value = getattr(self, name)

@@ -71,7 +71,9 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
 
         args.model = str(ensure_default_model())
     model_path = Path(args.model)
-    hf_config = read_model_config(model_path)
+    hf_config = read_model_config(model_path, args.hf_overrides)
+    if args.hf_overrides:
+        logger.info("config.json overridden by hf_overrides: %s", args.hf_overrides)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, getattr(hf_config, "dtype", None))
     architecture, model_cls = resolve_model_class(hf_config)

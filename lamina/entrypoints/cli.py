@@ -20,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "stop strings are refused")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+                   help="vLLM's flag: a JSON object laid over config.json, nested objects merged key by key, "
+                        "e.g. '{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", ...}}}'")
     g.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS|auto",
                    help="context length (prompt and output; default: the model's): an integer, a count such as 32k "
                         "(32,000) or 32K (32,768), or auto / -1: the model's own if the GPU holds it, else the "
@@ -57,6 +60,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
+
+
+def _hf_overrides(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of config.json keys, got {text!r}")
+    return value
 
 
 def _max_model_len(text: str) -> int | str:
@@ -104,7 +117,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"), load_format=args.load_format,
-        quantization=getattr(args, "quantization", None),
+        quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager,
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),

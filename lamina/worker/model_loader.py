@@ -20,8 +20,21 @@ from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
 
 
-def read_model_config(model_dir: str | Path):
-    """The transformers config of `model_dir`, with a clear error when it is not a checkpoint."""
+def merge_overrides(config: dict, overrides: dict) -> dict:
+    """`config` with `overrides` laid over it: a dict value merges into the dict it replaces, key by
+    key (vLLM's hf_overrides); anything else replaces."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_model_config(model_dir: str | Path, overrides: dict | None = None):
+    """The transformers config of `model_dir` (with `overrides`, vLLM's hf_overrides, laid over
+    config.json first), with a clear error when it is not a checkpoint."""
     path = Path(model_dir)
     if not path.exists():
         raise CheckpointError(f"model path {str(path)!r} does not exist")
@@ -31,11 +44,14 @@ def read_model_config(model_dir: str | Path):
         raise CheckpointError(f"model path {str(path)!r} has no config.json")
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(str(path))
-        if normalise_layer_type_spelling(config_dict):  # a spelling this transformers may refuse
+        if overrides:
+            config_dict = merge_overrides(config_dict, overrides)
+        if normalise_layer_type_spelling(config_dict) or overrides:  # a spelling this transformers may refuse
             return CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
         return AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers' config validation raises its own classes
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
+        where = f"{path / 'config.json'} with hf_overrides {overrides}" if overrides else path / "config.json"
+        raise CheckpointError(f"cannot read {where}: {e}") from e
 
 
 def build_model(

@@ -25,6 +25,7 @@ class WorkerSpec:
     """Everything a rank needs to build its part (picklable)."""
 
     model_path: str
+    hf_overrides: dict | None  # laid over config.json (EngineArgs.hf_overrides)
     dtype: torch.dtype
     ssm_state_dtype: torch.dtype  # the recurrent state pool's (EngineSetup.ssm_state_dtype)
     device_type: str  # cpu | cuda
@@ -126,7 +127,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             debug_layouts=spec.debug_layouts,
         )
         torch.manual_seed(spec.seed)
-        hf_config = read_model_config(spec.model_path)
+        hf_config = read_model_config(spec.model_path, spec.hf_overrides)
         model, _, _ = build_model(
             spec.model_path, hf_config, groups.ctx, dtype=spec.dtype, device=device, progress=False,
             layer_range=me.layer_range, model_options=spec.model_options, load_format=spec.load_format, seed=spec.seed,

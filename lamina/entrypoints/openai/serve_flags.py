@@ -55,26 +55,28 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                    help="only 'auto' (or 'hf'): the checkpoint's tokenizer through transformers' AutoTokenizer")
 
 
-def _config_namespace(model: str | None):
-    """config.json (and its text_config) as attributes, enough for lamina.models.quantization."""
-    from types import SimpleNamespace
+def _config_json(model: str | None, overrides: dict | None = None) -> dict:
+    """config.json of `model` ({} when unreadable) with --hf-overrides laid over it."""
+    from lamina.worker.model_loader import merge_overrides
 
     try:
         config = json.loads((Path(model) / "config.json").read_text()) if model is not None else {}
     except (OSError, ValueError):
         config = {}
+    config = config if isinstance(config, dict) else {}
+    return merge_overrides(config, overrides) if overrides else config
+
+
+def _config_namespace(config: dict):
+    """A config.json dict (and its text_config) as attributes, enough for lamina.models.quantization."""
+    from types import SimpleNamespace
+
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     return SimpleNamespace(quantization_config=config.get("quantization_config"),
                            text_config=SimpleNamespace(quantization_config=text.get("quantization_config")))
 
 
-def _config_dtype(model: str | None) -> str | None:
-    if model is None:
-        return None
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+def _config_dtype(config: dict) -> str | None:
     for cfg in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             if isinstance(cfg.get(key), str):
@@ -86,7 +88,8 @@ def model_dtype_name(args: argparse.Namespace, model: str | None) -> str:
     """The dtype the engine will run `model` in (as lamina.config.resolve_dtype decides)."""
     from lamina.config import resolve_device, resolve_dtype
 
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device), _config_dtype(model))
+    config = _config_json(model, getattr(args, "hf_overrides", None))
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device), _config_dtype(config))
     return str(dtype).removeprefix("torch.")
 
 
@@ -99,7 +102,8 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
         from lamina.models.quantization import check_quantization_option, read_quantization
 
         try:
-            check_quantization_option(args.quantization, read_quantization(_config_namespace(model)))
+            config = _config_json(model, getattr(args, "hf_overrides", None))
+            check_quantization_option(args.quantization, read_quantization(_config_namespace(config)))
         except ValueError as e:
             raise ValueError(f"--quantization {args.quantization}: {e}") from None
     kv = args.kv_cache_dtype
