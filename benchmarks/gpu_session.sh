@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -713,6 +713,55 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         tests/test_qwen4_graphs.py 2>&1 | tail -4  # the start-up path since session 30's memory plan
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
+    s32b)  # session 32: FP8 experts (block FP8 kept on the Triton MoE kernels): their kernels compiled on CUDA
+      # and the engine's GPU test (graphs, against the dequantized twin's reference), then the dummy preset in
+      # bf16 and with FP8 experts (--quantization fp8), same process order: batch 1 / 16 / 64 latency
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -3
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_experts.py 2>&1 | tail -3
+      for q in none fp8; do
+        LAMINA_GDN_PREFILL=reference timeout 120 $L --batch-size 1 16 64 --input-len 128 --output-len 64 \
+          --gpu-memory-utilization 0.95 --quantization $q --output-json /tmp/latency_fp8_$q.json 2>&1 | grep -v Warn | tail -5
+      done
+      merge_latency latency_fp8 ;;
+    s32c)  # session 32: offline throughput (512 x 1024 / 256) at the default max_num_seqs, bf16 then FP8
+      # experts, and the kernels of a batch-1 FP8 decode step (torch profiler)
+      for q in none fp8; do
+        timeout 150 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \
+          --input-len 1024 --output-len 256 --quantization $q --output-json /tmp/thr_fp8_$q.json 2>&1 \
+          | grep -v Warn | tail -3 | cut -c1-400
+      done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/thr_fp8_*.json'))}
+json.dump(out, open('$OUT/throughput_fp8.json', 'w'), indent=1)
+for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))" ;;
+    s32d)  # session 32: the FP8 experts' decode GEMV tiles swept (L2-cold, against bf16 in the same run), then
+      # the kernels of a batch-1 decode step in bf16 and with FP8 experts (torch profiler)
+      timeout 300 python3 benchmarks/tune_moe_fp8.py --out $OUT/tune_moe_fp8.json 2>&1 | grep -v Warn | tail -5 | cut -c1-600
+      for q in none fp8; do
+        timeout 100 python3 benchmarks/profile_decode.py --batch 1 --quantization $q --out $OUT/profile_b1_$q.json \
+          > /dev/null 2>&1
+        python3 -c "
+import json; d=json.load(open('$OUT/profile_b1_$q.json'))
+print('$q', {k: round(d[k], 3) for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step')})
+for k in d['top_kernels'][:8]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:90])"
+      done ;;
+    s32e)  # session 32: batch 1 / 2 / 4 / 16 / 64 latency, bf16 then FP8 experts on their tuned tiles (up_n 8)
+      for q in none fp8; do
+        LAMINA_GDN_PREFILL=reference timeout 150 $L --batch-size 1 2 4 16 64 --input-len 128 --output-len 64 \
+          --gpu-memory-utilization 0.95 --quantization $q --output-json /tmp/latency_fp8t_$q.json 2>&1 | grep -v Warn | tail -7
+      done
+      merge_latency latency_fp8t
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2 ;;
+    s32f)  # session 32: FP8 experts' gate/up rows per program, 2 (.baseline) against 8 (this tree), alternating,
+      # batch 1 / 2 / 4, three rounds each, one process per run (the preset's dummy weights, --quantization fp8)
+      for i in 1 2 3; do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 2 4 \
+          --input-len 128 --output-len 64 --quantization fp8 --output-json /tmp/fp8rows_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 1 2 4 --input-len 128 --output-len 64 --quantization fp8 \
+          --output-json /tmp/fp8rows_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency fp8rows ;;
     s32)  # next session, one call: the GPU tests session 31's last call did not reach (its limit cut it), YaRN's and the
       # bf16 pool's and MTP's, then max_model_len auto on this GPU (a default engine, the preset's 32k length),
       # then on two GPUs the TP2 / PP2 graphs, on an H200 batch 1 against transformers

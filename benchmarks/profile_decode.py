@@ -36,6 +36,7 @@ def main() -> None:
                     help="with --prefill-len: the token budget per step (default: the whole prompt in one chunk)")
     ap.add_argument("--prompts", type=int, default=1,
                     help="with --prefill-len: this many prompts prefilled together (one step of --prefill-len x --prompts tokens)")
+    ap.add_argument("--quantization", default=None, help="fp8: the dummy weights in block FP8 (experts stay FP8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prefill_len:
@@ -43,7 +44,8 @@ def main() -> None:
         return
     path = preset_dir("qwen3.5-35b-a3b", args.layers)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=512,
-              max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager)
+              max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager,
+              quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     for i in range(args.batch):

@@ -57,7 +57,7 @@ class EngineArgs:
     hf_overrides: dict | None = None
     # vLLM's name: None follows the checkpoint's quantization_config (a block FP8 checkpoint is
     # dequantized into `dtype` as it loads); "fp8" asks for such a checkpoint; "none" for an
-    # unquantized one (lamina.models.quantization.check_quantization_option)
+    # unquantized one (lamina.quantization.check_quantization_option)
     quantization: str | None = None
     show_progress: bool = True
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)

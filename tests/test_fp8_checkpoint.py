@@ -15,7 +15,7 @@ import torch
 
 from lamina import LLM, SamplingParams
 from lamina.models.loader import CheckpointError
-from lamina.models.quantization import BlockFp8, dequantize
+from lamina.quantization import BlockFp8, dequantize
 from tests import tiny_checkpoints as tc
 from tests.fp8_checkpoint import fp8_copy, quantize_block_fp8
 from tests.reference import lamina_logits, load_reference, reference_logits

@@ -19,7 +19,8 @@ import torch
 from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, ssm_state_dtype_choice
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
-from lamina.models.quantization import check_quantization_option, read_quantization
+from lamina.layers.moe import fp8_experts_for
+from lamina.quantization import BlockFp8, read_quantization, resolve_quantization
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
 from lamina.parallel.plan import ParallelPlan, build_plan
@@ -40,6 +41,7 @@ class EngineSetup:
     device: torch.device
     dtype: torch.dtype
     ssm_state_dtype: torch.dtype  # the recurrent state pool's (mamba_ssm_cache_dtype, resolved)
+    quantization: BlockFp8 | None  # the weights' block FP8 format (the checkpoint's, or dummy FP8)
     parallel_config: ParallelConfig
     plan: ParallelPlan
     max_model_len: int
@@ -55,6 +57,7 @@ class EngineSetup:
             "ple_table_device": self.args.ple_table_device,
             "speculative_config": self.spec_config,
             "mtp_prefix": self.mtp_prefix,
+            "quantization": self.quantization,
         }
 
     def node_ranks(self) -> list[int]:
@@ -78,11 +81,14 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     dtype = resolve_dtype(args.dtype, device, getattr(hf_config, "dtype", None))
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
-    quantization = read_quantization(hf_config)
-    check_quantization_option(args.quantization, quantization)
+    quantization = resolve_quantization(args.quantization, read_quantization(hf_config), args.load_format)
     if quantization is not None:
-        logger.info("checkpoint weights are %s: each is dequantized into %s as it loads (the memory of an "
-                    "unquantized checkpoint)", quantization.describe(), str(dtype).removeprefix("torch."))
+        fp8_experts = fp8_experts_for({"quantization": quantization}, device)
+        logger.info("weights are %s: %s", quantization.describe(),
+                    f"the MoE experts stay FP8 (where the blocks tile each rank's slice), everything else is "
+                    f"dequantized into {str(dtype).removeprefix('torch.')} as it loads" if fp8_experts else
+                    f"each is dequantized into {str(dtype).removeprefix('torch.')} as it loads (the memory of an "
+                    "unquantized checkpoint)")
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
@@ -113,7 +119,7 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
         logger.info("recurrent state pool in %s (%s)", str(ssm_state_dtype).removeprefix("torch."), source)
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
-        device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype,
+        device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype, quantization=quantization,
         parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
         default_sampling=default_sampling,

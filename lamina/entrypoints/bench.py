@@ -160,6 +160,8 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
     for m in model.modules():
         if isinstance(m, SparseMoE):
             expert_params |= {id(m.w13), id(m.w2)}
+            if m.fp8 is not None:  # block FP8: each routed expert's scales are read with it
+                expert_params |= {id(m.w13_scale_inv), id(m.w2_scale_inv)}
         if isinstance(m, VocabParallelEmbedding):
             expert_params |= {id(p) for p in m.parameters()}  # only B rows are read
     for p in model.parameters():
@@ -168,6 +170,8 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     for m, distinct in zip(moes, distinct_experts):
         per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        if m.fp8 is not None:
+            per_expert += (m.w13_scale_inv[0].numel() + m.w2_scale_inv[0].numel()) * 4
         total += round(distinct * per_expert)
     for m in model.modules():
         if isinstance(m, GatedAttention):
@@ -177,6 +181,12 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
                         + m.conv_state[0].numel() * m.conv_state.element_size())
             total += 2 * batch * per_slot  # read and written
     return total
+
+
+def _quantization(engine) -> str | None:
+    """The weights' block FP8 format, as the record names it (None: unquantized)."""
+    quant = engine.setup.quantization if getattr(engine, "setup", None) is not None else None
+    return quant.describe() if quant is not None else None
 
 
 def _warn_if_preempting(engine, batch: int, tokens_per_request: int) -> None:
@@ -257,7 +267,8 @@ def run_latency(args, model_path: str) -> list[dict]:
             record = {
                 "kind": "latency", "command": command_line(args), "gpu": _gpu_name(device),
                 "model": args.model or f"{args.preset} ({engine.model_config.num_hidden_layers} layers, dummy)",
-                "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": batch, "concurrency": batch,
+                "dtype": str(engine.dtype).removeprefix("torch."), "quantization": _quantization(engine),
+                "batch_size": batch, "concurrency": batch,
                 "num_prompts": batch, "input_len": args.input_len,
                 "output_len": args.output_len, "output_tok_per_s": batch / tpot if decode_steps else None,
                 "total_tok_per_s": batch * (args.input_len + args.output_len) / (time.perf_counter() - start),
@@ -355,7 +366,7 @@ def run_throughput(args, model_path: str) -> list[dict]:
         return [{
             "kind": "throughput", "command": command_line(args), "gpu": _gpu_name(device),
             "model": args.model or f"{args.preset} (dummy)", "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "concurrency": min(args.num_prompts, llm.engine.max_num_seqs), "num_prompts": args.num_prompts,
+            "quantization": _quantization(llm.engine), "concurrency": min(args.num_prompts, llm.engine.max_num_seqs), "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": llm.engine.max_num_seqs,
             "output_tokens": out_tokens, "elapsed_s": elapsed,
             "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,

@@ -20,6 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "stop strings are refused")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="vLLM's flag. Unset: follow the checkpoint's config.json. fp8: the checkpoint is block-wise "
+                        "FP8 (on a GPU its MoE experts stay FP8, the rest is dequantized into --dtype as it loads; "
+                        "with --load-format dummy: FP8 dummy weights); none: it is unquantized")
     g.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
                    help="vLLM's flag: a JSON object laid over config.json, nested objects merged key by key, "
                         "e.g. '{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", ...}}}'")

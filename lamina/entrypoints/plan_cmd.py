@@ -25,6 +25,7 @@ from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
+from lamina.quantization import read_quantization, resolve_quantization
 from lamina.worker.model_loader import read_model_config
 
 
@@ -33,16 +34,18 @@ def _is_ple_table(name: str) -> bool:
 
 
 def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
-                  ssm_state_dtype: torch.dtype = torch.float32) -> dict:
+                  ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference") -> dict:
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
-    (the recurrent pools in `ssm_state_dtype`)."""
+    (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
+    whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine)."""
     me = plan.ranks[rank]
     ctx = ParallelContext(
         tp=GroupCollectives(plan.tp, me.tp), device=torch.device("meta"),
         dp=GroupCollectives(plan.dp, me.dp), ep=GroupCollectives(plan.ep_size, me.ep or 0),
         ep_enabled=plan.ep_enabled, expert_range=me.experts, sp=plan.sp,
     )
-    model = model_cls(cfg, ctx, dtype=dtype, device="meta", layer_range=me.layer_range, options={"ple_table_device": "gpu"})
+    options = {"ple_table_device": "gpu", "quantization": quantization, "kernel_set": kernels}
+    model = model_cls(cfg, ctx, dtype=dtype, device="meta", layer_range=me.layer_range, options=options)
     weights = ple = 0
     seen = set()
     for name, param in model.named_parameters():
@@ -165,7 +168,7 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
 def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         engine_args.validate()
-        hf_config = read_model_config(args.model_path)
+        hf_config = read_model_config(args.model_path, engine_args.hf_overrides)
         architecture, model_cls = resolve_model_class(hf_config)
         cfg = model_cls.parse_config(hf_config, architecture)
         spec = SpeculativeConfig.parse(engine_args.speculative_config)
@@ -178,6 +181,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             dtype = resolve_dtype("auto", torch.device("cuda"), getattr(hf_config, "dtype", None))
         ssm_state_dtype = resolve_ssm_state_dtype(engine_args.mamba_ssm_cache_dtype, hf_config,
                                                   engine_args.mamba_cache_dtype)
+        quantization = resolve_quantization(engine_args.quantization, read_quantization(hf_config),
+                                            engine_args.load_format)
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)
@@ -187,7 +192,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         for me in plan.ranks:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
-                est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype)
+                est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype,
+                                    quantization, "triton" if device_type == "cuda" else "reference")
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
                     ssm_state_dtype)

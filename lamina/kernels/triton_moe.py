@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.grouped_mm_moe import grouped_mm_moe, grouped_mm_usable
 from lamina.kernels.selection import moe_prefill_grouped_mm
@@ -79,13 +80,24 @@ def _block_weights(expert, w_ptr, shared_w_ptr, stride_we, stride_wn, stride_swn
     return w_base, tl.where(is_shared, stride_swn, stride_wn)
 
 
+@triton.jit
+def _block_scale_rows(offs_n, k0, expert, s_ptr, shared_s_ptr, stride_se, stride_sn, stride_ssn,
+                      BN: tl.constexpr, BK: tl.constexpr):
+    """FP8 weights: the scales `[N]` of output rows `offs_n` over the K tile starting at `k0` (the
+    tile lies in one block column: BLOCK_K divides BK), of the block's expert or the shared one."""
+    is_shared = expert == -2
+    base = tl.where(is_shared, shared_s_ptr, s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se)
+    return tl.load(base + (offs_n // BN) * tl.where(is_shared, stride_ssn, stride_sn) + k0 // BK)
+
+
 @triton.jit(do_not_specialize=COUNT_ARGS)
 def _gate_up_kernel(
-    x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr,
+    x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr, s_ptr, shared_s_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_swn, stride_ap,
+    stride_xt, stride_we, stride_wn, stride_swn, stride_ap, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -108,8 +120,16 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & n_ok[None, :]
         gate_w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)  # [K, N]
         up_w = tl.load(w_base + (offs_n[None, :] + inter) * stride_n + k[:, None], mask=w_mask, other=0.0)
-        acc_gate += tl.dot(a, gate_w, input_precision=PRECISION)
-        acc_up += tl.dot(a, up_w, input_precision=PRECISION)
+        if FP8:  # float8 values are exact in a's dtype; the tile's block scales multiply its products
+            gate_s = _block_scale_rows(tl.where(n_ok, offs_n, 0), k0, expert, s_ptr, shared_s_ptr, stride_se,
+                                       stride_sn, stride_ssn, BN, BK)
+            up_s = _block_scale_rows(tl.where(n_ok, offs_n + inter, 0), k0, expert, s_ptr, shared_s_ptr, stride_se,
+                                     stride_sn, stride_ssn, BN, BK)
+            acc_gate += tl.dot(a, gate_w.to(a.dtype), input_precision=PRECISION) * gate_s[None, :]
+            acc_up += tl.dot(a, up_w.to(a.dtype), input_precision=PRECISION) * up_s[None, :]
+        else:
+            acc_gate += tl.dot(a, gate_w, input_precision=PRECISION)
+            acc_up += tl.dot(a, up_w, input_precision=PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(act_ptr + slots[:, None] * stride_ap + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -117,11 +137,12 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=COUNT_ARGS)
 def _down_kernel(
-    act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, out_ptr,
+    act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, out_ptr, s_ptr, shared_s_ptr,
     num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-    stride_ap, stride_we, stride_wn, stride_swn, stride_op,
+    stride_ap, stride_we, stride_wn, stride_swn, stride_op, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -141,7 +162,12 @@ def _down_kernel(
         k_ok = k < inter
         a = tl.load(act_ptr + slots[:, None] * stride_ap + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        if FP8:
+            w_s = _block_scale_rows(tl.where(n_ok, offs_n, 0), k0, expert, s_ptr, shared_s_ptr, stride_se,
+                                    stride_sn, stride_ssn, BN, BK)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * w_s[None, :]
+        else:
+            acc += tl.dot(a, w, input_precision=PRECISION)
     # unweighted, in the parts' dtype (x's): the slot sum applies the weights in float32
     tl.store(out_ptr + slots[:, None] * stride_op + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -157,6 +183,7 @@ def fused_moe(
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict | None = None,
     gemv_max_tokens: int = GEMV_MAX_TOKENS,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Same contract as `grouped_experts`: x `[T, H]`; w13 `[E_local, 2I, H]` (gate rows then up
     rows); w2 `[E_local, H, I]`; topk_weights `[T, k]`; topk_ids `[T, k]` global ids (experts of
@@ -172,7 +199,11 @@ def fused_moe(
     pairs outside CUDA-graph capture (prefill chunks, eager steps) run `lamina.kernels.grouped_mm_moe`
     instead (bf16 on sm90+). A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
     optionally down_warps / down_stages (the down kernel's, default warps / stages) and n_fastest
-    (launch order, see `_block_ids`; the same sums either way)."""
+    (launch order, see `_block_ids`; the same sums either way).
+
+    `scales`: the experts' weights (and the shared expert's) are block FP8 with these scales
+    (`lamina.kernels.expert_scales`); the grouped kernels' K tiles are cut to the block width, and
+    the CUTLASS grouped GEMM is not used."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -180,8 +211,8 @@ def fused_moe(
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden)
     if num_tokens <= min(gemv_max_tokens, GEMV_MAX_TOKENS) and inter <= GEMV_MAX_INTER and config is None:  # decode: triton_moe_gemv
-        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
-    if num_pairs > DECODE_MAX_PAIRS and config is None and _prefill_on_grouped_mm(x, w13, w2):
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_start, shared, scales=scales)
+    if num_pairs > DECODE_MAX_PAIRS and config is None and scales is None and _prefill_on_grouped_mm(x, w13, w2):
         return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids, expert_start, shared)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
@@ -189,6 +220,11 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     cfg = dict(default_config(num_pairs, x.dtype))
     cfg.update(config or {})
+    if scales is not None:  # a K tile within one block column
+        scales.check(w13, w2, shared)
+        cfg.update(up_k=min(cfg["up_k"], scales.block[1]), down_k=min(cfg["down_k"], scales.block[1]))
+    s13, s2, shared_s13, shared_s2 = scales.pointers() if scales is not None else (x, x, x, x)  # (unused without FP8)
+    bn, bk = scales.block if scales is not None else (1, 1)
     block_m = cfg["block_m"]
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
     num_routed_blocks = block_expert.shape[0]
@@ -207,21 +243,25 @@ def fused_moe(
 
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
     _gate_up_kernel[grid(triton.cdiv(inter, cfg["up_n"]))](
-        x, w13, shared_w13, sorted_pairs, block_expert, act, num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+        x, w13, shared_w13, sorted_pairs, block_expert, act, s13, shared_s13,
+        num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
+        s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        N_FASTEST=n_fastest, **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk,
+        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
     # (other ranks' experts: a zero part, whatever its weight).
     alloc = torch.empty if shared is not None else torch.zeros
     parts = alloc(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
     _down_kernel[grid(triton.cdiv(hidden, cfg["down_n"]))](
-        act, w2, shared_w2, sorted_pairs, block_expert, parts,
+        act, w2, shared_w2, sorted_pairs, block_expert, parts, s2, shared_s2,
         num_pairs, num_tokens, num_routed_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), parts.stride(0),
+        s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        PRECISION=precision, N_FASTEST=n_fastest, **pdl_kwargs(x.device),
+        PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device),
         num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
     return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype

@@ -41,10 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import moe_gemv_fma_max_tokens, triton_interpreted
 
-__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
+__all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_FMA_FP8", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
            "fused_moe_gemv"]
 
 # Up to this many tokens the GEMV kernels run (each (token, slot) reads its expert's weights; the
@@ -63,6 +64,17 @@ def _slot_weights(slot, token, ids_ptr, w_ptr, shared_w_ptr, expert_start, num_l
     local = (expert >= 0) & (expert < num_local_experts)
     base = tl.where(is_shared, shared_w_ptr, w_ptr + tl.where(local, expert, 0).to(tl.int64) * stride_we)
     return base, local | is_shared
+
+
+@triton.jit
+def _slot_scales(slot, token, ids_ptr, s_ptr, shared_s_ptr, expert_start, num_local_experts, stride_se,
+                 TOP_K: tl.constexpr):
+    """FP8 experts: the base of this (token, slot)'s block-scale matrix (as `_slot_weights`)."""
+    slot = tl.full([], 0, tl.int32) + slot
+    is_shared = slot == TOP_K
+    expert = tl.load(ids_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.int32) - expert_start
+    local = (expert >= 0) & (expert < num_local_experts)
+    return tl.where(is_shared, shared_s_ptr, s_ptr + tl.where(local, expert, 0).to(tl.int64) * stride_se)
 
 
 @triton.jit
@@ -213,16 +225,19 @@ def _gemv_down_pipelined_kernel(
 
 @triton.jit
 def _gemv_gate_up_fma_kernel(
-    x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr,
+    x_ptr, ids_ptr, w_ptr, shared_w_ptr, act_ptr, s_ptr, shared_s_ptr,
     hidden, inter, expert_start, num_local_experts,
-    stride_xt, stride_we, stride_wn, stride_swn,
+    stride_xt, stride_we, stride_wn, stride_swn, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, PDL: tl.constexpr,
+    K_STEPS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up without `tl.dot` (`fma` configs): one program per ((token, slot), BLOCK_N
     intermediate rows), the whole hidden dim in K_STEPS unrolled steps of plain [BLOCK_N, BLOCK_K]
     loads (K contiguous), products accumulated elementwise in float32 and each row summed once at
-    the end. Few rows per program: many programs, each with all its loads issued up front."""
+    the end. Few rows per program: many programs, each with all its loads issued up front.
+    FP8: the weights are float8 e4m3 with one float32 scale per BN x BK block (`s_ptr`
+    `[E, 2I/BN, ceil(H/BK)]`); a program's rows lie in one row block (BLOCK_N divides BN, I a
+    multiple of BN), so the scale multiplies the token's activations once per column."""
     wait_for_producer(PDL)
     row, token, slot, base, ok = _gate_up_row(ids_ptr, w_ptr, shared_w_ptr, expert_start, num_local_experts, stride_we,
                                               TOP_K, SLOTS)
@@ -231,17 +246,29 @@ def _gemv_gate_up_fma_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < inter
         offs_k = tl.arange(0, BLOCK_K)
+        if FP8:
+            s_base = _slot_scales(slot, token, ids_ptr, s_ptr, shared_s_ptr, expert_start, num_local_experts,
+                                  stride_se, TOP_K)
+            s_stride = tl.where(slot == TOP_K, stride_ssn, stride_sn)
+            gate_scales = s_base + (tl.program_id(1) * BLOCK_N // BN) * s_stride  # this row block's scales
+            up_scales = gate_scales + (inter // BN) * s_stride
         acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for step in tl.static_range(K_STEPS):
             k = step * BLOCK_K + offs_k
             k_ok = k < hidden
             a = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
+            if FP8:
+                a_gate = a * tl.load(gate_scales + k // BK, mask=k_ok, other=0.0)
+                a_up = a * tl.load(up_scales + k // BK, mask=k_ok, other=0.0)
+            else:
+                a_gate = a
+                a_up = a
             mask = n_ok[:, None] & k_ok[None, :]
             gate_w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=mask, other=0.0)  # [N, K]
             up_w = tl.load(base + (offs_n[:, None] + inter) * stride_n + k[None, :], mask=mask, other=0.0)
-            acc_gate += gate_w.to(tl.float32) * a[None, :]
-            acc_up += up_w.to(tl.float32) * a[None, :]
+            acc_gate += gate_w.to(tl.float32) * a_gate[None, :]
+            acc_up += up_w.to(tl.float32) * a_up[None, :]
         gate = tl.sum(acc_gate, axis=1)  # [N]
         up = tl.sum(acc_up, axis=1)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -250,11 +277,11 @@ def _gemv_gate_up_fma_kernel(
 
 @triton.jit
 def _gemv_down_fma_kernel(
-    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, out_ptr,
+    act_ptr, ids_ptr, topk_weights_ptr, w_ptr, shared_w_ptr, shared_logit_ptr, out_ptr, s_ptr, shared_s_ptr,
     hidden, inter, expert_start, num_local_experts,
-    stride_we, stride_wn, stride_swn, stride_sl, stride_ot,
+    stride_we, stride_wn, stride_swn, stride_sl, stride_ot, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, PDL: tl.constexpr,
+    K_STEPS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down without `tl.dot` (`fma` configs): one program per (token, BLOCK_N output rows) over
     every slot, unrolled: each slot's activation row is scaled by its weight (routing weight, or
@@ -262,7 +289,8 @@ def _gemv_down_fma_kernel(
     float32 [BLOCK_N, BLOCK_K] accumulator, in slot order, and each row summed once at the end: no
     reduction between the slots, so every slot's loads can be in flight at once (a sum per slot
     put a cross-warp reduction, and its barrier, between one slot's loads and the next's). No
-    partials, no ticket."""
+    partials, no ticket. FP8: as the gate/up kernel, the row block's scales (`s_ptr`
+    `[E, ceil(H/BN), I/BK]`) multiply each slot's activations."""
     wait_for_producer(PDL)
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,12 +307,18 @@ def _gemv_down_fma_kernel(
         else:
             weight = tl.load(topk_weights_ptr + token * TOP_K + slot).to(tl.float32)
             stride_n = stride_wn
+        if FP8:
+            s_base = _slot_scales(slot, token, ids_ptr, s_ptr, shared_s_ptr, expert_start, num_local_experts,
+                                  stride_se, TOP_K)
+            row_scales = s_base + (tl.program_id(1) * BLOCK_N // BN) * (stride_ssn if slot == TOP_K else stride_sn)
         weight = tl.where(ok, weight, 0.0)  # a slot of another EP rank's expert adds nothing
         k_end = tl.where(ok, inter, 0)  # 0 masks its loads off (no bytes read)
         for step in tl.static_range(K_STEPS):
             k = step * BLOCK_K + offs_k
             k_ok = k < k_end
             a = tl.load(act_ptr + (token * SLOTS + slot) * inter + k, mask=k_ok, other=0.0).to(tl.float32)  # [K]
+            if FP8:
+                a = a * tl.load(row_scales + k // BK, mask=k_ok, other=0.0)
             w = tl.load(base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [N, K]
             acc += w.to(tl.float32) * (weight * a)[None, :]
@@ -327,6 +361,11 @@ GEMV_CONFIG_ONE_TOKEN = dict(GEMV_CONFIG, up_n=64, up_stages=4)
 # to end at batch 1-4). One program per token (and slot, in gate/up): a token's sums are the same
 # whatever the other tokens of its step (ARCHITECTURE.md, "Batch invariance").
 GEMV_CONFIG_FMA = dict(GEMV_CONFIG, fma=1, up_n=2, up_k=2048, up_warps=8, down_n=2, down_k=512, down_warps=4)
+# FP8 experts (`scales`): a program of the FMA tiles reads half the bytes, and four times the gate/up
+# rows made up for it: benchmarks/tune_moe_fp8.py on an H100, L2-cold, at the Qwen3.5-35B-A3B shape
+# (tune_moe_fp8_h100_s32.json): 19.5 -> 16.1 / 35.5 -> 27.8 / 66.0 -> 48.9 us at 1 / 2 / 4 tokens
+# (bf16 weights on GEMV_CONFIG_FMA: 23.6 / 42.8 / 70.7 us); the down tile stayed.
+GEMV_CONFIG_FMA_FP8 = dict(GEMV_CONFIG_FMA, up_n=8)
 # Rows a program of the default FMA tiles under Triton's interpreter (CI), which runs programs one
 # after another: fewer, wider ones. NumPy sums each row the same whatever the tile.
 INTERPRETER_FMA_ROWS = 32
@@ -383,10 +422,13 @@ def fused_moe_gemv(
     expert_start: int = 0,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`lamina.kernels.triton_moe.fused_moe`'s contract for a few tokens: x `[T, H]`; w13
     `[E_local, 2I, H]`; w2 `[E_local, H, I]`; topk_weights / topk_ids `[T, k]` (global ids);
     `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])`. Returns `[T, H]` in x's dtype.
+    `scales`: the weights (the shared expert's too) are block FP8 with these scales; they run on
+    the FMA kernels, whose row tiles are cut to the block height.
     `config` overrides keys of GEMV_CONFIG(_ONE_TOKEN), or of GEMV_CONFIG_FMA when it holds fma=1
     (tuning: the tiles are then taken as given, the token count and LAMINA_MOE_GEMV_FMA do not
     apply); without one, up to `moe_gemv_fma_max_tokens()` tokens take the FMA kernels."""
@@ -395,12 +437,19 @@ def fused_moe_gemv(
     inter = two_inter // 2
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    # A given config's `fma` (0 if absent) picks the kernels; without one, the token count does.
-    fma = config.get("fma", 0) if config else int(num_tokens <= moe_gemv_fma_max_tokens())
-    cfg = dict(GEMV_CONFIG_FMA if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
+    # A given config's `fma` (0 if absent) picks the kernels; without one, the token count does
+    # (FP8 weights: always the FMA kernels).
+    fma = config.get("fma", 0) if config else int(scales is not None or num_tokens <= moe_gemv_fma_max_tokens())
+    if scales is not None and not fma:
+        raise ValueError("fused_moe_gemv: FP8 experts run on the FMA kernels (a config with fma=1)")
+    fma_config = GEMV_CONFIG_FMA_FP8 if scales is not None else GEMV_CONFIG_FMA
+    cfg = dict(fma_config if fma else GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else GEMV_CONFIG)
     cfg.update(config or {})
     if fma and not config and triton_interpreted():
         cfg.update(up_n=INTERPRETER_FMA_ROWS, down_n=INTERPRETER_FMA_ROWS)
+    if scales is not None:  # a program's rows lie in one block row
+        scales.check(w13, w2, shared)
+        cfg.update(up_n=min(cfg["up_n"], scales.block[0]), down_n=min(cfg["down_n"], scales.block[0]))
     _check_config(cfg)
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
@@ -413,7 +462,7 @@ def fused_moe_gemv(
     shared_w13, shared_w2, shared_logit = shared if shared is not None else (w13, w2, topk_weights)
     if cfg["fma"]:
         return _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13, shared_w2, shared_logit,
-                              slots, cfg)
+                              slots, cfg, scales)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     up_tiles = triton.cdiv(inter, cfg["up_n"])
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg["up_split"]), cfg["up_k"]) * cfg["up_k"]
@@ -455,25 +504,30 @@ def fused_moe_gemv(
     return out
 
 
-def _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13, shared_w2, shared_logit, slots, cfg):
+def _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13, shared_w2, shared_logit, slots, cfg,
+                   scales: ExpertScales | None = None):
     """`fused_moe_gemv` on the FMA kernels (cfg["fma"]): gate/up then down, two launches."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     up_k, down_k = min(cfg["up_k"], triton.next_power_of_2(hidden)), min(cfg["down_k"], triton.next_power_of_2(inter))
+    s13, s2, shared_s13, shared_s2 = scales.pointers() if scales is not None else (x, x, x, x)  # (unused without FP8)
+    bn, bk = scales.block if scales is not None else (1, 1)
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
     _gemv_gate_up_fma_kernel[(num_tokens * slots, triton.cdiv(inter, cfg["up_n"]))](
-        x, topk_ids, w13, shared_w13, act, hidden, inter, expert_start, num_local_experts,
+        x, topk_ids, w13, shared_w13, act, s13, shared_s13, hidden, inter, expert_start, num_local_experts,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
+        s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=up_k, K_STEPS=triton.cdiv(hidden, up_k),
-        **pdl_kwargs(x.device), num_warps=cfg["up_warps"],
+        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["up_warps"],
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
     _gemv_down_fma_kernel[(num_tokens, triton.cdiv(hidden, cfg["down_n"]))](
-        act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out,
+        act, topk_ids, topk_weights, w2, shared_w2, shared_logit, out, s2, shared_s2,
         hidden, inter, expert_start, num_local_experts,
         w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
+        s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_K=down_k, K_STEPS=triton.cdiv(inter, down_k),
-        **pdl_kwargs(x.device), num_warps=cfg["down_warps"],
+        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["down_warps"],
     )
     return out

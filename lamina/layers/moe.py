@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.moe import grouped_experts
 from lamina.kernels.selection import fused_router_max_tokens, gemv_route_enabled, kernel_set
 from lamina.layers.linear import (
@@ -32,8 +33,35 @@ from lamina.layers.linear import (
     share_weight_storage,
 )
 from lamina.layers.metadata import ForwardMetadata
+from lamina.quantization import BlockFp8, Fp8Weight
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext, divide_exact
+
+
+def fp8_experts_for(options: dict | None, device) -> BlockFp8 | None:
+    """The block FP8 format to keep a model's experts in: the checkpoint's (`options["quantization"]`)
+    when its MoE layers run on lamina's Triton kernels (`options["kernel_set"]`, else the device's
+    kernel set); None: every weight is dequantized as it loads (the reference kernels)."""
+    quantization = (options or {}).get("quantization")
+    if quantization is None:
+        return None
+    kernels = (options or {}).get("kernel_set") or kernel_set(device)
+    return quantization if kernels == "triton" else None
+
+
+def fp8_block_fits(fp8: BlockFp8, intermediate_per_rank: int) -> bool:
+    """Whether the Triton MoE kernels can keep experts FP8: power-of-two blocks (columns >= 16, a
+    tl.dot tile) whose rows and columns both tile this rank's intermediate slice (so a rank's
+    slice, and the gate / up boundary, fall on block bounds)."""
+    bn, bk = fp8.block_rows, fp8.block_cols
+    return (bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and bk >= 16
+            and intermediate_per_rank % bn == 0 and intermediate_per_rank % bk == 0)
+
+
+def _scale_param(shape: torch.Size, fp8: BlockFp8, device) -> nn.Parameter:
+    """float32 block scales of an FP8 weight of `shape`, one per block of its last two dims."""
+    return nn.Parameter(torch.empty(fp8.scale_grid(tuple(shape)), dtype=torch.float32, device=device),
+                        requires_grad=False)
 
 
 class DenseMLP(nn.Module):
@@ -64,7 +92,12 @@ class SparseMoE(nn.Module):
         ctx: ParallelContext,
         dtype: torch.dtype,
         device=None,
+        fp8: BlockFp8 | None = None,
     ):
+        """`fp8`: the checkpoint's block FP8 format, for a model on lamina's Triton kernels: the
+        experts (and the shared expert riding in their launches) stay float8 with their block
+        scales when the blocks tile this rank's intermediate slice (`fp8_block`); else everything
+        is dequantized as it loads."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok = {top_k} must be in [1, num_experts = {num_experts}]")
@@ -82,14 +115,21 @@ class SparseMoE(nn.Module):
         start, end = ctx.expert_range if ctx.expert_range is not None else (0, num_experts)
         self.expert_start, self.num_local_experts = start, end - start
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype, device=device)
+        self.fp8 = fp8 if fp8 is not None and fp8_block_fits(fp8, self.intermediate_per_rank) else None
+        expert_dtype = torch.float8_e4m3fn if self.fp8 else dtype
         self.w13 = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.intermediate_per_rank, hidden_size, dtype=dtype, device=device),
+            torch.empty(self.num_local_experts, 2 * self.intermediate_per_rank, hidden_size, dtype=expert_dtype,
+                        device=device),
             requires_grad=False,
         )  # [E_local, 2I_local, H]
         self.w2 = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, self.intermediate_per_rank, dtype=dtype, device=device),
+            torch.empty(self.num_local_experts, hidden_size, self.intermediate_per_rank, dtype=expert_dtype,
+                        device=device),
             requires_grad=False,
         )  # [E_local, H, I_local]
+        if self.fp8:
+            self.w13_scale_inv = _scale_param(self.w13.shape, self.fp8, device)  # [E_local, 2I_local/bn, H/bk]
+            self.w2_scale_inv = _scale_param(self.w2.shape, self.fp8, device)  # [E_local, H/bn, I_local/bk]
         self.kernels = kernel_set(device if device is not None else ctx.device)
         # Up to this many tokens (decode) the router GEMV and the top-k are one Triton launch; 0: never.
         self.fused_router_max_tokens = fused_router_max_tokens(self.kernels)
@@ -103,9 +143,26 @@ class SparseMoE(nn.Module):
         self.has_shared_expert = shared_expert_intermediate_size > 0
         # Under SP with EP every rank holds different tokens: the shared expert must be whole.
         self.shared_replicated = ctx.sp and self.ep
+        # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
+        # routed experts' and every routed expert is local (no EP).
+        self.fuse_shared_expert = (
+            self.kernels == "triton" and self.has_shared_expert and not self.ep
+            and shared_expert_intermediate_size == moe_intermediate_size
+        )
+        # FP8 experts with the shared expert in their launches: it stays FP8 too, in these parameters
+        self.shared_fp8 = self.fp8 is not None and self.fuse_shared_expert
         if self.has_shared_expert:
             shared_ctx = ParallelContext.single(ctx.device) if self.shared_replicated else ctx
-            self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, shared_ctx, dtype=dtype, device=device)
+            if self.shared_fp8:
+                self.shared_w13 = nn.Parameter(torch.empty(self.w13.shape[1:], dtype=expert_dtype, device=device),
+                                               requires_grad=False)  # [2I_local, H]
+                self.shared_w2 = nn.Parameter(torch.empty(self.w2.shape[1:], dtype=expert_dtype, device=device),
+                                              requires_grad=False)  # [H, I_local]
+                self.shared_w13_scale_inv = _scale_param(self.shared_w13.shape, self.fp8, device)
+                self.shared_w2_scale_inv = _scale_param(self.shared_w2.shape, self.fp8, device)
+            else:
+                self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size, shared_ctx, dtype=dtype,
+                                              device=device)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype, device=device)
             # Router and shared-expert gate rows in one tensor: the fused path computes both logits in one GEMV
             # (zero rows up to a multiple of 8: a GEMM over 257 rows runs cuBLAS's unaligned kernels).
@@ -117,12 +174,12 @@ class SparseMoE(nn.Module):
             from lamina.kernels.triton_gemv import GEMV_MAX_ROWS
 
             self.gemv_route_max_tokens = GEMV_MAX_ROWS
-        # The Triton path runs the shared expert inside the fused MoE launches when its shape is the
-        # routed experts' and every routed expert is local (no EP).
-        self.fuse_shared_expert = (
-            self.kernels == "triton" and self.has_shared_expert and not self.ep
-            and tuple(self.shared_expert.gate_up_proj.weight.shape) == tuple(self.w13.shape[1:])
-        )
+        self.expert_scales = None  # the FP8 kernels' view of the scale parameters
+        if self.fp8:
+            self.expert_scales = ExpertScales(
+                self.w13_scale_inv, self.w2_scale_inv, (self.fp8.block_rows, self.fp8.block_cols),
+                self.shared_w13_scale_inv if self.shared_fp8 else None, self.shared_w2_scale_inv if self.shared_fp8 else None,
+            )
 
     @property
     def input_layout(self) -> str:
@@ -133,35 +190,76 @@ class SparseMoE(nn.Module):
         return layout.S if self.shared_replicated else layout.P
 
     # ---- loading: per-expert and fused 3-D checkpoint layouts ----------------------------
-    def _rows(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor.narrow(dim, self.intermediate_shard * self.intermediate_per_rank, self.intermediate_per_rank)
+    def _fp8_parts(self, name: str, loaded) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values, block scales) of a checkpoint tensor: the scales only when the experts stay FP8."""
+        if self.fp8 is None:
+            return loaded, None
+        if not isinstance(loaded, Fp8Weight):
+            raise ValueError(f"checkpoint tensor {name!r} is not block FP8, but this block FP8 checkpoint's experts "
+                             "are kept in FP8: every expert tensor must have its *_scale_inv")
+        return loaded.values, loaded.scale_inv
 
-    def load_expert(self, name: str, loaded: torch.Tensor, expert: int, proj: str) -> None:
-        """One expert's `gate_proj`/`up_proj` [I, H] or `down_proj` [H, I]; other ranks' experts are skipped."""
+    def _slice_into(self, target: torch.Tensor, scale: torch.Tensor | None, values: torch.Tensor,
+                    scale_inv: torch.Tensor | None, dim: int, start: int, size: int, offset: int = 0) -> None:
+        """Copy rows (dim -2) or columns (dim -1) [start, start + size) of `values` into `target` at
+        `offset` along that dim, and, for FP8, the blocks covering them from `scale_inv` into `scale`
+        (`fp8_block_fits` made every bound a block boundary)."""
+        target.narrow(dim, offset, size).copy_(values.narrow(dim, start, size))
+        if scale is not None:
+            block = self.fp8.block_rows if dim in (-2, values.dim() - 2) else self.fp8.block_cols
+            scale.narrow(dim, offset // block, size // block).copy_(scale_inv.narrow(dim, start // block, size // block))
+
+    def load_expert(self, name: str, loaded, expert: int, proj: str) -> None:
+        """One expert's `gate_proj`/`up_proj` [I, H] or `down_proj` [H, I]; other ranks' experts are
+        skipped. With FP8 experts, `loaded` is an `Fp8Weight` (values and block scales)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range [0, {self.num_experts})")
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return
+        values, scale_inv = self._fp8_parts(name, loaded)
         i_local = self.intermediate_per_rank
+        start = self.intermediate_shard * i_local
         if proj == "down_proj":
-            check_shape(name, loaded, (self.hidden_size, self.total_intermediate))
-            self.w2.data[local].copy_(self._rows(loaded, 1))
+            check_shape(name, values, (self.hidden_size, self.total_intermediate))
+            self._slice_into(self.w2.data[local], self.fp8 and self.w2_scale_inv.data[local], values, scale_inv,
+                             -1, start, i_local)
         else:
-            check_shape(name, loaded, (self.total_intermediate, self.hidden_size))
-            offset = 0 if proj == "gate_proj" else i_local
-            self.w13.data[local, offset : offset + i_local].copy_(self._rows(loaded, 0))
+            check_shape(name, values, (self.total_intermediate, self.hidden_size))
+            self._slice_into(self.w13.data[local], self.fp8 and self.w13_scale_inv.data[local], values, scale_inv,
+                             -2, start, i_local, 0 if proj == "gate_proj" else i_local)
 
-    def load_fused(self, name: str, loaded: torch.Tensor, proj: str) -> None:
-        """Fused `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""
-        local = slice(self.expert_start, self.expert_start + self.num_local_experts)
+    def load_fused(self, name: str, loaded, proj: str) -> None:
+        """Fused `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I] (with FP8 experts an `Fp8Weight`)."""
+        values, scale_inv = self._fp8_parts(name, loaded)
+        i_local, total = self.intermediate_per_rank, self.total_intermediate
         if proj == "down_proj":
-            check_shape(name, loaded, (self.num_experts, self.hidden_size, self.total_intermediate))
-            self.w2.data.copy_(self._rows(loaded[local], 2))
+            check_shape(name, values, (self.num_experts, self.hidden_size, total))
         else:
-            check_shape(name, loaded, (self.num_experts, 2 * self.total_intermediate, self.hidden_size))
-            gate, up = loaded[local].split(self.total_intermediate, dim=1)
-            self.w13.data.copy_(torch.cat([self._rows(gate, 1), self._rows(up, 1)], dim=1))
+            check_shape(name, values, (self.num_experts, 2 * total, self.hidden_size))
+        local = slice(self.expert_start, self.expert_start + self.num_local_experts)
+        values, scale_inv = values[local], scale_inv[local] if scale_inv is not None else None
+        start = self.intermediate_shard * i_local
+        if proj == "down_proj":
+            self._slice_into(self.w2.data, self.fp8 and self.w2_scale_inv.data, values, scale_inv, -1, start, i_local)
+        else:
+            for part, offset in ((0, 0), (total, i_local)):  # gate rows, then up rows
+                self._slice_into(self.w13.data, self.fp8 and self.w13_scale_inv.data, values, scale_inv, -2,
+                                 part + start, i_local, offset)
+
+    def load_shared_fp8(self, name: str, loaded, proj: str) -> None:
+        """The shared expert's `gate_proj`/`up_proj` [I, H] / `down_proj` [H, I] when it stays FP8
+        (`shared_fp8`): this rank's intermediate slice, as a column / row-parallel layer would hold it."""
+        values, scale_inv = self._fp8_parts(name, loaded)
+        i_local = self.intermediate_per_rank
+        start = self.ctx.tp_rank * i_local
+        if proj == "down_proj":
+            check_shape(name, values, (self.hidden_size, self.total_intermediate))
+            self._slice_into(self.shared_w2.data, self.shared_w2_scale_inv.data, values, scale_inv, -1, start, i_local)
+        else:
+            check_shape(name, values, (self.total_intermediate, self.hidden_size))
+            self._slice_into(self.shared_w13.data, self.shared_w13_scale_inv.data, values, scale_inv, -2, start,
+                             i_local, 0 if proj == "gate_proj" else i_local)
 
     # ---- forward -------------------------------------------------------------------------
     def _route_in_one_launch(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -206,12 +304,21 @@ class SparseMoE(nn.Module):
             topk_weights, topk_ids = route_softmax_topk(
                 logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, x.dtype
             )
-        shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, logits[:, self.num_experts])
-        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, shared=shared)
+        if self.shared_fp8:
+            shared = (self.shared_w13, self.shared_w2, logits[:, self.num_experts])
+        else:
+            shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                      logits[:, self.num_experts])
+        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, shared=shared,
+                                   **self._scales_kwargs())
+
+    def _scales_kwargs(self) -> dict:
+        return {} if self.expert_scales is None else {"scales": self.expert_scales}
 
     def _local_experts(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
-        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        return self.experts_kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start,
+                                   **self._scales_kwargs())
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -7,7 +7,7 @@ Then each shard is memory-mapped and its tensors copied one at a time into the p
 converts the dtype and moves them to the device; no second full copy of the model exists.
 `mtp.*` tensors are loaded when the model built an MTP drafter (speculative decoding) and are
 otherwise recorded (name, shape, file), never an error. A block FP8 checkpoint's weights are
-dequantized as they stream in (lamina.models.quantization), each with its scale tensor.
+dequantized as they stream in (lamina.quantization), each with its scale tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from lamina.models.quantization import BlockFp8, dequantize, quantized_tensors
+from lamina.quantization import BlockFp8, Fp8Weight, dequantize, quantized_tensors
 from lamina.models.weight_map import WeightMap
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ def load_checkpoint(
                 else:
                     with safe_open(str(shard_of[scale_name]), framework="pt", device="cpu") as g:
                         scale = g.get_tensor(scale_name)
+                if name in weight_map.keeps_fp8:
+                    return Fp8Weight(f.get_tensor(name), scale)
                 return dequantize(f.get_tensor(name), scale, quantization)
 
             for name in f.keys():

@@ -18,17 +18,20 @@ from lamina.layers.attention import GatedAttention
 from lamina.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lamina.layers.gated_delta_net import GatedDeltaNet
 from lamina.layers.metadata import ForwardMetadata
-from lamina.layers.moe import DenseMLP, SparseMoE
+from lamina.layers.moe import DenseMLP, SparseMoE, fp8_experts_for
 from lamina.layers.norm import RMSNorm
 from lamina.layers.rotary import RotaryEmbedding
 from lamina.models.hybrid_config import HybridTextConfig, parse_hybrid_text_config
 from lamina.models.weight_map import WeightMap
 from lamina.parallel import layout
 from lamina.parallel.context import ParallelContext
+from lamina.quantization import BlockFp8
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridTextConfig, layer_idx: int, rotary: RotaryEmbedding, ctx: ParallelContext, dtype, device):
+    def __init__(self, cfg: HybridTextConfig, layer_idx: int, rotary: RotaryEmbedding, ctx: ParallelContext, dtype, device,
+                 fp8: BlockFp8 | None = None):
+        """`fp8`: keep the MoE experts in block FP8 (`lamina.layers.moe.fp8_experts_for`)."""
         super().__init__()
         self.ctx = ctx
         self.layer_idx = layer_idx
@@ -65,7 +68,7 @@ class HybridDecoderLayer(nn.Module):
                 moe_intermediate_size=cfg.moe_intermediate_size,
                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                 norm_topk_prob=cfg.norm_topk_prob,
-                ctx=ctx, dtype=dtype, device=device,
+                ctx=ctx, dtype=dtype, device=device, fp8=fp8,
             )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ctx, dtype=dtype, device=device)
@@ -155,7 +158,8 @@ class Qwen3NextForCausalLM(nn.Module):
             if self.is_first_stage else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): HybridDecoderLayer(cfg, i, self.rotary, ctx, dtype, device) for i in range(start, end)}
+            {str(i): HybridDecoderLayer(cfg, i, self.rotary, ctx, dtype, device, fp8_experts_for(options, device))
+             for i in range(start, end)}
         )
         if self.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
@@ -319,8 +323,14 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def _map_moe(self, wm: WeightMap, mp: str, moe: SparseMoE) -> None:
         wm.add(mp + "gate.weight", moe.gate.load_shard)
+        fp8 = moe.fp8 is not None  # the experts' loaders keep block FP8 tensors as stored
         if moe.has_shared_expert:
-            self._map_dense_mlp(wm, mp + "shared_expert.", moe.shared_expert)
+            if moe.shared_fp8:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    wm.add(f"{mp}shared_expert.{proj}.weight", lambda n, t, proj=proj: moe.load_shared_fp8(n, t, proj),
+                           keeps_fp8=True)
+            else:
+                self._map_dense_mlp(wm, mp + "shared_expert.", moe.shared_expert)
             wm.add(mp + "shared_expert_gate.weight", moe.shared_expert_gate.load_shard)
         # Per-expert tensors, or the fused 3-D pair: either layout satisfies the requirement.
         per_expert = []
@@ -328,10 +338,10 @@ class Qwen3NextForCausalLM(nn.Module):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 name = f"{mp}experts.{e}.{proj}.weight"
                 per_expert.append(name)
-                wm.add(name, lambda n, t, e=e, proj=proj: moe.load_expert(n, t, e, proj), required=False)
+                wm.add(name, lambda n, t, e=e, proj=proj: moe.load_expert(n, t, e, proj), required=False, keeps_fp8=fp8)
         fused = [mp + "experts.gate_up_proj", mp + "experts.down_proj"]
-        wm.add(fused[0], lambda n, t: moe.load_fused(n, t, "gate_up_proj"), required=False)
-        wm.add(fused[1], lambda n, t: moe.load_fused(n, t, "down_proj"), required=False)
+        wm.add(fused[0], lambda n, t: moe.load_fused(n, t, "gate_up_proj"), required=False, keeps_fp8=fp8)
+        wm.add(fused[1], lambda n, t: moe.load_fused(n, t, "down_proj"), required=False, keeps_fp8=fp8)
         wm.require_one_of(f"{mp}experts", [per_expert, fused])
 
 

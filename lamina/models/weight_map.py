@@ -14,13 +14,19 @@ class WeightMap:
         self.loaders: dict[str, Loader] = {}
         self.required: list[str] = []
         self.ignored: set[str] = set()
+        # names whose loader takes a block FP8 tensor as stored (lamina.quantization.Fp8Weight)
+        self.keeps_fp8: set[str] = set()
         # group name -> alternatives; each alternative is a list of names that must all be present
         self.one_of: dict[str, list[list[str]]] = {}
 
-    def add(self, name: str, loader: Loader, *, required: bool = True) -> None:
+    def add(self, name: str, loader: Loader, *, required: bool = True, keeps_fp8: bool = False) -> None:
+        """`keeps_fp8`: the loader keeps a block FP8 tensor as stored (values and scales) instead of
+        receiving it dequantized."""
         self.loaders[name] = loader
         if required:
             self.required.append(name)
+        if keeps_fp8:
+            self.keeps_fp8.add(name)
 
     def ignore(self, name: str) -> None:
         self.ignored.add(name)

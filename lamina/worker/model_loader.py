@@ -14,7 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lamina.layers.norm import GatedRMSNorm, RMSNorm
 from lamina.models.loader import CheckpointError, LoadReport, load_checkpoint, resolve_shards
-from lamina.models.quantization import read_quantization
+from lamina.quantization import read_quantization
 from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
@@ -76,7 +76,10 @@ def build_model(
         raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
-    quantization = read_quantization(hf_config)  # block FP8: dequantized into `dtype` as it streams in
+    quantization = read_quantization(hf_config)  # block FP8: dequantized into `dtype` as it streams in ...
+    # ... except the experts kept FP8 on the Triton kernels (lamina.layers.moe.fp8_experts_for); the
+    # engine's options may also ask for dummy FP8 weights (lamina.quantization.resolve_quantization)
+    model_options = {"quantization": quantization} | dict(model_options or {})
     if load_format != "dummy":
         resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
@@ -132,7 +135,9 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02, chu
         if param.device.type == "meta":
             continue
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
-        if name.endswith("A_log"):
+        if name.endswith("_scale_inv"):  # block FP8: values of unit scale times `std`
+            param.fill_(std)
+        elif name.endswith("A_log"):
             param.copy_(torch.empty(param.shape, device=param.device).uniform_(1.0, 16.0, generator=gen).log())
         elif name.endswith("dt_bias"):
             param.zero_()
@@ -140,7 +145,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02, chu
             flat = param.view(-1)
             for start in range(0, flat.numel(), chunk_elements):
                 part = flat[start : start + chunk_elements]
-                part.copy_(torch.empty(part.shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=gen))
+                spread = 1.0 if param.dtype == torch.float8_e4m3fn else std
+                part.copy_(torch.empty(part.shape, device=param.device, dtype=torch.float32).normal_(0.0, spread, generator=gen))
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(0.0 if module.zero_centred else 1.0)

@@ -36,9 +36,6 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching is not implemented: --no-enable-prefix-caching is accepted, "
                         "--enable-prefix-caching refused")
-    g.add_argument("--quantization", "-q", default=None,
-                   help="fp8: the checkpoint is block-wise FP8 (as its config.json says; its weights are "
-                        "dequantized into --dtype as they load); none: it is unquantized. Unset: follow the checkpoint")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="only 'auto' or the model's dtype: the KV cache is kept in the model dtype")
     g.add_argument("--trust-remote-code", action="store_true",
@@ -68,7 +65,7 @@ def _config_json(model: str | None, overrides: dict | None = None) -> dict:
 
 
 def _config_namespace(config: dict):
-    """A config.json dict (and its text_config) as attributes, enough for lamina.models.quantization."""
+    """A config.json dict (and its text_config) as attributes, enough for lamina.quantization."""
     from types import SimpleNamespace
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -99,11 +96,12 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
         raise ValueError(f"--enable-prefix-caching: prefix caching is {TRACKED}. Leave the flag out or pass "
                          "--no-enable-prefix-caching (every prompt is computed in full)")
     if args.quantization is not None:
-        from lamina.models.quantization import check_quantization_option, read_quantization
+        from lamina.quantization import read_quantization, resolve_quantization
 
         try:
             config = _config_json(model, getattr(args, "hf_overrides", None))
-            check_quantization_option(args.quantization, read_quantization(_config_namespace(config)))
+            resolve_quantization(args.quantization, read_quantization(_config_namespace(config)),
+                                 getattr(args, "load_format", "auto"))
         except ValueError as e:
             raise ValueError(f"--quantization {args.quantization}: {e}") from None
     kv = args.kv_cache_dtype

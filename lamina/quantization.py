@@ -12,8 +12,10 @@ Which tensors are quantized is read from the files (a float8 dtype in a shard's 
 guessed from names or shapes; every one must have its scale tensor with exactly that grid, checked
 from the headers before any weight is read. lamina dequantizes each weight as it streams in and
 keeps the model's dtype in memory, so every kernel and layout runs unchanged and the result is
-what transformers computes from the same files (it dequantizes the same way off a GPU). Memory is
-that of the unquantized checkpoint.
+what transformers computes from the same files (it dequantizes the same way off a GPU) — except
+where a layer keeps its weights in FP8 (`Fp8Weight`): on lamina's Triton kernels the MoE experts
+(lamina.layers.moe, lamina.kernels.expert_scales) stay float8 with their scales, half the memory
+and the bytes a decode step reads, and the kernels multiply by the scales as they go.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 # activation scales of a static scheme; lamina computes activations in the model's dtype
 STATIC_ACTIVATION_SUFFIXES = ("input_scale", "activation_scale")
 SUPPORTED = "quant_method 'fp8' with weight_block_size [bn, bk], activation_scheme 'dynamic', fmt 'e4m3'"
+
+
+@dataclass
+class Fp8Weight:
+    """A checkpoint tensor as stored: float8 values and their block scales, for a layer that keeps
+    its weights in FP8 (the loader gives every other layer the dequantized tensor)."""
+
+    values: torch.Tensor  # float8_e4m3fn [..., rows, cols]
+    scale_inv: torch.Tensor  # float32 [..., ceil(rows / bn), ceil(cols / bk)]
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,20 @@ def read_quantization(hf_config) -> BlockFp8 | None:
         raise ValueError(f"config.json: quantization_config.scale_fmt = {scale_fmt!r} is not supported (float32 "
                          f"scales only); lamina runs {SUPPORTED}")
     return BlockFp8(int(block[0]), int(block[1]))
+
+
+# The block FP8 format of dummy weights under quantization="fp8" (the Qwen "-FP8" releases' blocks)
+DUMMY_FP8 = BlockFp8(128, 128)
+
+
+def resolve_quantization(option: str | None, quant: BlockFp8 | None, load_format: str = "auto") -> BlockFp8 | None:
+    """The quantization the engine runs: the checkpoint's (`quant`), checked against vLLM's
+    `quantization` argument (`check_quantization_option`); with dummy weights, 'fp8' makes them
+    block FP8 (DUMMY_FP8) whatever the config says, so benchmarks of real shapes need only a config."""
+    if load_format == "dummy" and option is not None and option.lower() == "fp8":
+        return quant or DUMMY_FP8
+    check_quantization_option(option, quant)
+    return quant
 
 
 def check_quantization_option(option: str | None, quant: BlockFp8 | None) -> None:

@@ -1,0 +1,132 @@
+"""A block FP8 checkpoint on lamina's Triton kernels (the CPU runs them under Triton's interpreter):
+the MoE experts, and the shared expert riding in their launches, stay float8 with their block
+scales (half their memory), everything else is dequantized as it loads; the result is the
+dequantized twin's on the same kernels within float32 rounding, whole and chunked, in decode and
+prefill steps, under TP2 (each rank's slice on block bounds) and EP; blocks that do not tile a
+rank's slice fall back to dequantized experts. Dummy weights take FP8 with quantization='fp8'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.layers.moe import SparseMoE
+from tests.fp8_checkpoint import fp8_copy
+from tests.reference import lamina_logits
+
+ENGINE = dict(device="cpu", dtype="float32", show_progress=False, enforce_eager=True)
+IDS = [(i * 37 + 5) % 990 for i in range(24)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [(i * 13 + s) % 990 for i in range(n)]} for s, n in ((1, 3), (2, 11), (3, 7))]
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels(monkeypatch):
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+
+
+@pytest.fixture(scope="module")
+def fp8_short(tmp_path_factory, qwen3_5_moe_short_dir):
+    root = tmp_path_factory.mktemp("fp8_short")
+    return fp8_copy(qwen3_5_moe_short_dir, root / "fp8", twin=root / "twin")
+
+
+def _moes(llm) -> list[SparseMoE]:
+    return [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, SparseMoE)]
+
+
+def _tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_experts_stay_fp8_and_compute_the_dequantized_model(fp8_short):
+    with LLM(str(fp8_short), **ENGINE) as llm:
+        moes = _moes(llm)
+        assert moes and all(m.fp8 is not None and m.shared_fp8 for m in moes)
+        for m in moes:
+            assert m.w13.dtype == m.w2.dtype == m.shared_w13.dtype == torch.float8_e4m3fn
+            assert not hasattr(m, "shared_expert")  # no dequantized copy of the shared expert
+        ours = lamina_logits(llm, IDS)  # a prefill: the grouped kernels
+        chunked = lamina_logits(llm, IDS, [5, 1, 1, 17])  # one-token steps: the decode GEMVs
+        tokens = _tokens(llm)
+    with LLM(str(fp8_short.parent / "twin"), **ENGINE) as llm:
+        assert all(m.w13.dtype == torch.float32 for m in _moes(llm))
+        expected = lamina_logits(llm, IDS)
+        expected_tokens = _tokens(llm)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=0)
+    assert tokens == expected_tokens
+
+
+def test_tensor_and_expert_parallel_equal_one_rank(fp8_short):
+    with LLM(str(fp8_short), **ENGINE) as llm:
+        single = _tokens(llm)
+    with LLM(str(fp8_short), tensor_parallel_size=2, **ENGINE) as llm:  # 16 intermediate rows a rank: one block
+        assert _tokens(llm) == single
+    with LLM(str(fp8_short), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
+        assert _tokens(llm) == single
+
+
+def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_path, qwen3_5_moe_short_dir):
+    """32 intermediate rows in blocks of 64: the experts are dequantized as they load."""
+    path = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8", block=(64, 16), twin=tmp_path / "twin")
+    with LLM(str(path), **ENGINE) as llm:
+        assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
+        ours = lamina_logits(llm, IDS)
+    with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
+        assert torch.equal(ours, lamina_logits(llm, IDS))
+
+
+def test_reference_kernels_dequantize_everything(fp8_short, monkeypatch):
+    monkeypatch.setenv("LAMINA_KERNELS", "reference")
+    with LLM(str(fp8_short), **ENGINE) as llm:
+        assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
+
+
+def test_dummy_weights_in_fp8(tmp_path, qwen3_5_moe_short_dir):
+    """quantization='fp8' with dummy weights: the experts in 128 x 128 blocks (the Qwen releases'),
+    here of a config with 128 intermediate rows (dummy weights need only the config)."""
+    import json
+    import shutil
+
+    path = shutil.copytree(qwen3_5_moe_short_dir, tmp_path / "wide")
+    config = json.loads((path / "config.json").read_text())
+    config.update(moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    (path / "config.json").write_text(json.dumps(config))
+    with LLM(str(path), load_format="dummy", quantization="fp8", **ENGINE) as llm:
+        moes = _moes(llm)
+        assert moes and all(m.w13.dtype == torch.float8_e4m3fn and m.fp8.block_rows == 128 for m in moes)
+        assert all(torch.all(m.w13_scale_inv == 0.02) for m in moes)
+        assert len(_tokens(llm)[0]) == 5
+
+
+def test_plan_counts_fp8_experts(fp8_short, capsys):
+    """`lamina plan` of a CUDA engine counts FP8 experts at one byte a value (plus scales)."""
+    import json
+
+    from lamina.entrypoints.cli import main
+
+    sizes = {}
+    for name, path in (("fp8", fp8_short), ("twin", fp8_short.parent / "twin")):
+        assert main(["plan", str(path), "--device", "cuda", "--dtype", "bfloat16", "--json"]) == 0
+        sizes[name] = json.loads(capsys.readouterr().out)["ranks"][0]["estimate"]["weight_bytes"]
+    assert sizes["fp8"] < 0.8 * sizes["twin"]
+
+
+@pytest.mark.gpu
+def test_fp8_experts_on_the_gpu(fp8_short):
+    """bf16 on CUDA with graphs: the compiled FP8 kernels; greedy tokens within 0.05 of the best
+    logit of the float32 dequantized twin (transformers, near-tie rule); graphed = eager tokens."""
+    from tests.reference import assert_greedy_agrees, load_reference
+
+    runs = {}
+    for eager in (False, True):
+        with LLM(str(fp8_short), device="cuda", dtype="bfloat16", show_progress=False, enforce_eager=eager) as llm:
+            assert all(m.w13.dtype == torch.float8_e4m3fn for m in _moes(llm))
+            assert llm.engine.cuda_graphs != eager
+            runs[eager] = _tokens(llm)
+    assert runs[False] == runs[True]
+    reference = load_reference(fp8_short.parent / "twin")
+    for prompt, tokens in zip(PROMPTS, runs[False]):
+        assert_greedy_agrees(reference, prompt["prompt_token_ids"], tokens, margin=0.05)
