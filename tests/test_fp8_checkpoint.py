@@ -32,6 +32,7 @@ def fp8_dirs(tmp_path_factory, qwen3_next_dir, qwen3_5_moe_dir):
     return {
         "qwen3_next": fp8_copy(qwen3_next_dir, root / "q3next", twin=root / "q3next_twin"),
         "qwen3_5_moe": fp8_copy(qwen3_5_moe_dir, root / "q35", twin=root / "q35_twin"),
+        "qwen4_exp": fp8_copy(tc.make_qwen4_exp(root / "q4src"), root / "q4", twin=root / "q4_twin"),
     }
 
 
@@ -61,7 +62,7 @@ def test_agrees_with_transformers_on_the_same_files(fp8_dirs, family, chunks, qw
         assert (ours - _logits(original)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "qwen4_exp"])
 def test_weights_are_the_dequantized_values(fp8_dirs, family):
     """Every parameter equals the float32 checkpoint of the dequantized values (computed by the
     test's own code), bit for bit."""

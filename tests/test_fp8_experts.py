@@ -59,6 +59,20 @@ def test_experts_stay_fp8_and_compute_the_dequantized_model(fp8_short):
     assert tokens == expected_tokens
 
 
+def test_qwen4_exp_experts_stay_fp8(tmp_path):
+    """Qwen4-Exp (hyper-connections, PLE, QSA) keeps its experts FP8 the same way."""
+    from tests import tiny_checkpoints as tc
+
+    src = tc.make_qwen4_exp(tmp_path / "src")
+    path = fp8_copy(src, tmp_path / "fp8", twin=tmp_path / "twin")
+    with LLM(str(path), **ENGINE) as llm:
+        assert all(m.w13.dtype == torch.float8_e4m3fn and m.shared_fp8 for m in _moes(llm))
+        ours, tokens = lamina_logits(llm, IDS), _tokens(llm)
+    with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
+        torch.testing.assert_close(ours, lamina_logits(llm, IDS), atol=1e-4, rtol=0)
+        assert tokens == _tokens(llm)
+
+
 def test_tensor_and_expert_parallel_equal_one_rank(fp8_short):
     with LLM(str(fp8_short), **ENGINE) as llm:
         single = _tokens(llm)
@@ -68,10 +82,15 @@ def test_tensor_and_expert_parallel_equal_one_rank(fp8_short):
         assert _tokens(llm) == single
 
 
-def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_path, qwen3_5_moe_short_dir):
-    """32 intermediate rows in blocks of 64: the experts are dequantized as they load."""
+def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_path, qwen3_5_moe_short_dir, caplog):
+    """32 intermediate rows in blocks of 64: the experts are dequantized as they load, with a warning
+    that names the remedy."""
+    import logging
+
     path = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8", block=(64, 16), twin=tmp_path / "twin")
-    with LLM(str(path), **ENGINE) as llm:
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.setup"), LLM(str(path), **ENGINE) as llm:
+        assert "a rank's 32 intermediate rows of each expert are not a multiple of the 64x16 blocks" in caplog.text
+        assert "--enable-expert-parallel keep them FP8" in caplog.text
         assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
         ours = lamina_logits(llm, IDS)
     with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
@@ -130,3 +149,22 @@ def test_fp8_experts_on_the_gpu(fp8_short):
     reference = load_reference(fp8_short.parent / "twin")
     for prompt, tokens in zip(PROMPTS, runs[False]):
         assert_greedy_agrees(reference, prompt["prompt_token_ids"], tokens, margin=0.05)
+
+
+def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
+    """MTP (K = 2) on FP8 experts: verification steps put K + 1 tokens a request through the FP8
+    MoE kernels; greedy output equals plain decoding's on the same model. (The drafter's own MoE
+    layer is dequantized: it is built apart from the target's layers.)"""
+    path = fp8_copy(mtp_short_dir, tmp_path / "fp8")
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    with LLM(str(path), **ENGINE) as llm:
+        plain = _tokens(llm)
+    with LLM(str(path), **ENGINE, **spec) as llm:
+        model = llm.engine.executor.runner.model
+        target = [m for m in model.layers.modules() if isinstance(m, SparseMoE)]
+        drafter = [m for m in model.mtp.modules() if isinstance(m, SparseMoE)]
+        assert target and all(m.w13.dtype == torch.float8_e4m3fn for m in target)
+        assert drafter and all(m.fp8 is None for m in drafter)  # the drafter's experts are dequantized
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.spec_decode.num_steps for o in outs) > 0

@@ -19,7 +19,7 @@ import torch
 from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, ssm_state_dtype_choice
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
-from lamina.layers.moe import fp8_experts_for
+from lamina.layers.moe import fp8_block_fits, fp8_experts_for
 from lamina.quantization import BlockFp8, read_quantization, resolve_quantization
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
@@ -82,16 +82,11 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     architecture, model_cls = resolve_model_class(hf_config)
     cfg = model_cls.parse_config(hf_config, architecture)
     quantization = resolve_quantization(args.quantization, read_quantization(hf_config), args.load_format)
-    if quantization is not None:
-        fp8_experts = fp8_experts_for({"quantization": quantization}, device)
-        logger.info("weights are %s: %s", quantization.describe(),
-                    f"the MoE experts stay FP8 (where the blocks tile each rank's slice), everything else is "
-                    f"dequantized into {str(dtype).removeprefix('torch.')} as it loads" if fp8_experts else
-                    f"each is dequantized into {str(dtype).removeprefix('torch.')} as it loads (the memory of an "
-                    "unquantized checkpoint)")
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
+    if quantization is not None:
+        _log_fp8_experts(quantization, cfg, plan, device, dtype)
     max_model_len = resolve_max_model_len(args, cfg)
     # The model's own config (spellings normalised by read_model_config) so that transformers
     # does not re-read a config.json its version may refuse.
@@ -124,6 +119,24 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
         default_sampling=default_sampling,
     )
+
+
+def _log_fp8_experts(quantization: BlockFp8, cfg, plan: ParallelPlan, device: torch.device, dtype: torch.dtype) -> None:
+    """Say where block FP8 weights stay FP8, and why not when a GPU engine's experts cannot."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    inter = getattr(cfg, "moe_intermediate_size", 0)
+    inter_per_rank = inter if plan.ep_enabled else inter // max(plan.tp, 1)
+    if not fp8_experts_for({"quantization": quantization}, device) or not inter:
+        logger.info("weights are %s: each is dequantized into %s as it loads", quantization.describe(), dtype_name)
+    elif fp8_block_fits(quantization, inter_per_rank):
+        logger.info("weights are %s: the MoE experts stay FP8, everything else is dequantized into %s as it loads",
+                    quantization.describe(), dtype_name)
+    else:
+        logger.warning("weights are %s, but a rank's %d intermediate rows of each expert are not a multiple of the "
+                       "%dx%d blocks (powers of two, columns >= 16): the experts are dequantized into %s, twice the "
+                       "memory; fewer tensor-parallel ranks or --enable-expert-parallel keep them FP8",
+                       quantization.describe(), inter_per_rank, quantization.block_rows, quantization.block_cols,
+                       dtype_name)
 
 
 def load_tokenizer(path: str, config=None):

@@ -23,7 +23,7 @@ from lamina.layers.gated_delta_net import GatedDeltaNet
 from lamina.layers.hyper_connections import HyperConnection
 from lamina.layers.indexed_attention import IndexedGatedAttention, QSAIndexer
 from lamina.layers.metadata import ForwardMetadata
-from lamina.layers.moe import SparseMoE
+from lamina.layers.moe import SparseMoE, fp8_experts_for
 from lamina.layers.ngram_hash import ngram_windows
 from lamina.layers.ple import NGramHashEmbedding, PLELayer, ple_table_rows, resolve_ple_table_device
 from lamina.layers.rotary import RotaryEmbedding
@@ -37,8 +37,9 @@ from lamina.parallel.context import ParallelContext
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(
         self, cfg: Qwen4ExpTextConfig, layer_idx: int, rotary: RotaryEmbedding, ctx: ParallelContext,
-        dtype, device, ple_table_device,
+        dtype, device, ple_table_device, fp8=None,
     ):
+        """`fp8`: keep the MoE experts in block FP8 (`lamina.layers.moe.fp8_experts_for`)."""
         super().__init__()
         self.ctx = ctx
         self.layer_idx = layer_idx
@@ -74,7 +75,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
             hidden_size=hidden, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-            norm_topk_prob=cfg.norm_topk_prob, ctx=ctx, dtype=dtype, device=device,
+            norm_topk_prob=cfg.norm_topk_prob, ctx=ctx, dtype=dtype, device=device, fp8=fp8,
         )
         ple_index = cfg.ple_index(layer_idx)
         self.ple: PLELayer | None = None
@@ -191,7 +192,8 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
             if self.is_first_stage else None
         )
         self.layers = nn.ModuleDict({
-            str(i): Qwen4ExpDecoderLayer(cfg, i, self.rotary, ctx, dtype, device, self.ple_table_device)
+            str(i): Qwen4ExpDecoderLayer(cfg, i, self.rotary, ctx, dtype, device, self.ple_table_device,
+                                         fp8_experts_for(options, device))
             for i in range(start, end)
         })
         if self.is_last_stage:
