@@ -16,7 +16,7 @@ MODEL_NAME = "tiny"
 
 
 class RunningServer:
-    def __init__(self, engine: LLMEngine, **config):
+    def __init__(self, engine: LLMEngine, root_path: str = "", **config):
         config.setdefault("served_model_names", [MODEL_NAME])
         config.setdefault("drain_timeout_s", 5.0)
         self.app = build_app(engine, ServerConfig(**config))
@@ -27,7 +27,7 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
         uv_config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on", root_path=root_path)
         self.server = LaminaServer(uv_config, self.state)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -9,9 +9,10 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -56,6 +57,13 @@ class ServerConfig:
     model_root: str | None = None
     chat: ChatOptions | None = None  # tool-call and reasoning parsers, chat template override
     log_stats_interval_s: float | None = None  # the engine-statistics line every this many seconds (None: off)
+    # CORS (vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials and
+    # their defaults: any origin, method and header, no credentials)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns them off)
 
 
 class ServerState:
@@ -189,10 +197,14 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
             await asyncio.to_thread(state.async_engine.stop)
             state.async_engine.fail_all("the server has shut down")
 
+    docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="lamina", version=lamina.__version__, lifespan=lifespan,
-                  summary="OpenAI-compatible server for the Qwen hybrid MoE models")
+                  summary="OpenAI-compatible server for the Qwen hybrid MoE models", **docs)
     app.state.lamina = state
     app.add_middleware(GuardMiddleware, state=state)
+    # added last, so outermost: a browser's preflight (OPTIONS) is answered before the API key check
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
     def count_error(request: Request, error: APIError) -> None:
         endpoint = _ENDPOINTS.get(request.url.path)

@@ -8,6 +8,7 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -50,7 +51,22 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "qwen3.5-35b-a3b (lamina/entrypoints/presets.py); no tokenizer: token-id prompts only")
     s.add_argument("--num-layers", type=int, default=None, metavar="N", help="with --preset: override its layer count")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    s.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="vLLM's flag: uvicorn's log level (default: --log-level)")
+    s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
+                   help="do not log each HTTP request (vLLM's spelling: --disable-uvicorn-access-log)")
+    s.add_argument("--root-path", default=None, metavar="PATH",
+                   help="vLLM's flag: the path prefix a reverse proxy serves the API under (ASGI root_path)")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help="vLLM's flag: CORS origins, a JSON list (default: [\"*\"])")
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="vLLM's flag: CORS methods, a JSON list (default: [\"*\"])")
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="vLLM's flag: CORS headers, a JSON list (default: [\"*\"])")
+    s.add_argument("--allow-credentials", action="store_true", help="vLLM's flag: CORS credentials")
+    s.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="vLLM's flag: no /docs, /redoc or /openapi.json")
     s.add_argument("--disable-log-stats", action="store_true",
                    help="do not log the engine-statistics line (prompt / generation tok/s, running and waiting "
                         "requests, KV cache use, step times)")
@@ -61,6 +77,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_compat_args(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -140,14 +166,19 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=names, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
             max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, model_root=model,
             chat=chat, log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+            allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+            fastapi_docs=not args.disable_fastapi_docs,
         )
         app = build_app(llm.engine, config)
         import uvicorn  # the server stack loads only for `lamina serve` (bench / generate run without it)
 
         from lamina.entrypoints.openai.uvicorn_server import LaminaServer
 
-        uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
-                                   access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+        uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1],
+                                   log_level=args.uvicorn_log_level or args.log_level,
+                                   access_log=not args.no_access_log, timeout_graceful_shutdown=5,
+                                   root_path=args.root_path or "")
         server = LaminaServer(uv_config, app.state.lamina)
         print(f"[lamina] serving {names[0]!r} on http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
         server.run(sockets=[sock])
