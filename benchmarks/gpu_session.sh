@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -762,6 +762,19 @@ for k in d['top_kernels'][:8]: print(round(k['us_per_step'],1), k['calls_per_ste
           --output-json /tmp/fp8rows_new_$i.json 2>&1 | tail -1
       done
       merge_latency fp8rows ;;
+    s32g)  # session 32: the FP8 tile sweep widened (16 / 32 gate/up rows), the FP8 engine's GPU test on the shipped
+      # tiles, then an 8k prompt's TTFT in bf16 and with FP8 experts (the grouped kernels' prefill tiles)
+      timeout 200 python3 benchmarks/tune_moe_fp8.py --out $OUT/tune_moe_fp8_wide.json 2>&1 | grep -v Warn | tail -3 | cut -c1-700
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_experts.py 2>&1 | tail -2
+      for q in none fp8; do
+        timeout 90 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
+          --output-json /tmp/ttft8k_fp8_$q.json 2>&1 | grep -v Warn | tail -1
+      done
+      python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/ttft8k_fp8_*.json'))}
+json.dump(out, open('$OUT/ttft8k_fp8.json', 'w'), indent=1)
+for k, v in out.items(): print(k, round(v[0]['ttft_ms'], 1))" ;;
     s32)  # next session, one call: the GPU tests session 31's last call did not reach (its limit cut it), YaRN's and the
       # bf16 pool's and MTP's, then max_model_len auto on this GPU (a default engine, the preset's 32k length),
       # then on two GPUs the TP2 / PP2 graphs, on an H200 batch 1 against transformers

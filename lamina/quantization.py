@@ -168,6 +168,31 @@ def quantized_tensors(headers, quant: BlockFp8 | None, model_dir) -> dict[str, s
     return out
 
 
+def is_expert_tensor(name: str) -> bool:
+    """A routed or shared expert weight of a target layer (`mlp.experts.*`, `mlp.shared_expert.*`),
+    the tensors lamina keeps FP8; MTP layers (`mtp.*`) are dequantized anyway."""
+    if name.startswith("mtp.") or name.endswith(SCALE_SUFFIX):
+        return False
+    return ".mlp.experts." in name or ".mlp.shared_expert." in name
+
+
+def unquantized_expert_tensors(headers) -> list[str]:
+    """Expert tensors (`is_expert_tensor`) the shard headers hold in another dtype than float8:
+    a block FP8 checkpoint with any of them keeps its experts dequantized."""
+    return sorted(name for h in headers for name, (dtype, _) in h.tensors.items()
+                  if is_expert_tensor(name) and not dtype.startswith("F8"))
+
+
+def unquantized_experts(model_dir, load_format: str = "auto") -> list[str]:
+    """The expert tensors of a block FP8 checkpoint that are not FP8 ([] for dummy weights), from its
+    shard headers: with any, lamina keeps every expert dequantized (lamina.layers.moe.fp8_experts_for)."""
+    if load_format == "dummy":
+        return []
+    from lamina.models.loader import read_header, resolve_shards
+
+    return unquantized_expert_tensors([read_header(p) for p in resolve_shards(model_dir)])
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: BlockFp8) -> torch.Tensor:
     """float32 `weight * scale_inv` with one multiplier per block of the last two dims."""
     *lead, rows, cols = weight.shape

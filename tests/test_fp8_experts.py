@@ -73,13 +73,55 @@ def test_qwen4_exp_experts_stay_fp8(tmp_path):
         assert tokens == _tokens(llm)
 
 
+def _prompt_logprobs(llm) -> torch.Tensor:
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": IDS}], params, use_tqdm=False)[0]
+    return torch.tensor([float(getattr(e[t], "logprob", e[t])) for e, t in zip(out.prompt_logprobs[1:], IDS[1:])])
+
+
 def test_tensor_and_expert_parallel_equal_one_rank(fp8_short):
+    """TP2 (16 intermediate rows a rank: one block of values and scales each) and TP2 + EP: the
+    single rank's tokens and prompt logprobs (a wrong block's scale would move them)."""
     with LLM(str(fp8_short), **ENGINE) as llm:
-        single = _tokens(llm)
-    with LLM(str(fp8_short), tensor_parallel_size=2, **ENGINE) as llm:  # 16 intermediate rows a rank: one block
-        assert _tokens(llm) == single
-    with LLM(str(fp8_short), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
-        assert _tokens(llm) == single
+        single, single_lp = _tokens(llm), _prompt_logprobs(llm)
+    for layout in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+        with LLM(str(fp8_short), **layout, **ENGINE) as llm:
+            assert _tokens(llm) == single, layout
+            torch.testing.assert_close(_prompt_logprobs(llm), single_lp, atol=1e-4, rtol=0)
+
+
+def test_fused_expert_tensors_stay_fp8(tmp_path, qwen3_5_moe_short_dir):
+    """Fused 3-D `experts.gate_up_proj` / `down_proj` with their scales, kept FP8: the twin's result."""
+    from tests import tiny_checkpoints as tc
+
+    fused = tc.fuse_experts_copy(qwen3_5_moe_short_dir, tmp_path / "fused")
+    path = fp8_copy(fused, tmp_path / "fp8", twin=tmp_path / "twin")
+    with LLM(str(path), **ENGINE) as llm:
+        assert all(m.w13.dtype == torch.float8_e4m3fn for m in _moes(llm))
+        ours = lamina_logits(llm, IDS)
+    with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
+        torch.testing.assert_close(ours, lamina_logits(llm, IDS), atol=1e-4, rtol=0)
+
+
+def test_a_checkpoint_with_unquantized_expert_tensors_keeps_its_experts_dequantized(tmp_path, fp8_short, caplog):
+    """One expert tensor left in bf16 (as a recipe may leave the shared expert): every expert is
+    dequantized, with a warning naming it, and the result is the twin's."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(fp8_short, tmp_path / "mixed")
+    twin = load_file(str(fp8_short.parent / "twin" / "model.safetensors"))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    tensors[name] = twin[name].to(torch.bfloat16)
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.setup"), LLM(str(path), **ENGINE) as llm:
+        assert f"1 expert tensors are not FP8 (e.g. {name})" in caplog.text
+        assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
+        assert len(_tokens(llm)[0]) == 5
 
 
 def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_path, qwen3_5_moe_short_dir, caplog):
@@ -120,17 +162,22 @@ def test_dummy_weights_in_fp8(tmp_path, qwen3_5_moe_short_dir):
         assert len(_tokens(llm)[0]) == 5
 
 
-def test_plan_counts_fp8_experts(fp8_short, capsys):
-    """`lamina plan` of a CUDA engine counts FP8 experts at one byte a value (plus scales)."""
+def test_plan_counts_fp8_experts(fp8_short, capsys, monkeypatch):
+    """`lamina plan` of a CUDA engine (from config.json, on the meta device, whatever this machine's
+    kernels) counts the routed and shared experts at one byte a value plus float32 block scales."""
     import json
 
     from lamina.entrypoints.cli import main
 
+    monkeypatch.delenv("LAMINA_KERNELS")
     sizes = {}
     for name, path in (("fp8", fp8_short), ("twin", fp8_short.parent / "twin")):
         assert main(["plan", str(path), "--device", "cuda", "--dtype", "bfloat16", "--json"]) == 0
         sizes[name] = json.loads(capsys.readouterr().out)["ranks"][0]["estimate"]["weight_bytes"]
-    assert sizes["fp8"] < 0.8 * sizes["twin"]
+    layers, experts, hidden, inter, block = 3, 8 + 1, 64, 32, 16  # the short checkpoint; + the shared expert
+    values = layers * experts * 3 * inter * hidden
+    scales = layers * experts * (2 * inter // block * hidden // block + hidden // block * inter // block)
+    assert sizes["fp8"] == sizes["twin"] - values + 4 * scales
 
 
 @pytest.mark.gpu

@@ -38,10 +38,11 @@ def _fp8(shape, seed, block):
     return q.to(DEVICE), s.to(DEVICE), dequantize(q, s, BlockFp8(*block)).to(DEVICE)
 
 
-def _case(num_tokens, expert_start, num_local, with_shared, dtype, block, hidden=48, inter=32):
+def _case(num_tokens, expert_start, num_local, with_shared, dtype, block, hidden=48, inter=None):
     """(x, w13, w2, weights, ids, shared, scales, ref): top-3 of 8 experts in FP8, and the float32
     reference on the dequantized weights."""
     top_k, total_experts = 3, 8
+    inter = inter or max(32, *block)
     x = (torch.randn(num_tokens, hidden, generator=_gen(1))).to(DEVICE, dtype)
     w13, s13, d13 = _fp8((num_local, 2 * inter, hidden), 2, block)
     w2, s2, d2 = _fp8((num_local, hidden, inter), 3, block)
@@ -80,6 +81,11 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
     ours = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, scales=scales)
     _check(ours, ref, dtype)
     assert torch.equal(ours, fused_moe(x, w13, w2, weights, ids, expert_start, shared, scales=scales))
+    # the GPU's relation of tiles to blocks: several programs per block row (4 and 2 of 16 rows), the
+    # hidden dim in several K steps
+    narrow = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, scales=scales,
+                            config=dict(fma=1, up_n=4, up_k=16, down_n=2, down_k=16, up_warps=2, down_warps=2))
+    _check(narrow, ref, dtype)
     if num_tokens > 1:  # a token's result does not depend on the others
         alone = shared and (shared[0], shared[1], shared[2][:1])
         assert torch.equal(fused_moe_gemv(x[:1], w13, w2, weights[:1], ids[:1], expert_start, alone, scales=scales),
@@ -93,6 +99,10 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
     # prefill-like tiles: 64 output rows over 16-row blocks, K tiles cut to the block width
     (12, 0, 8, True, torch.float32, (16, 16), dict(block_m=16, up_n=64, up_k=64, down_n=64, down_k=64, warps=4,
                                                    stages=2, n_fastest=True)),
+    # K tiles narrower than a block column (16 of 64: the GPU's 64 of 128), 48 hidden columns in one
+    # partial block
+    (10, 0, 8, True, torch.float32, (16, 64), dict(block_m=16, up_n=32, up_k=16, down_n=16, down_k=16, warps=4,
+                                                   stages=2)),
 ])
 def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config,
                                         bf16_dots):

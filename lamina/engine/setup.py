@@ -20,7 +20,7 @@ from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device,
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.layers.moe import fp8_block_fits, fp8_experts_for
-from lamina.quantization import BlockFp8, read_quantization, resolve_quantization
+from lamina.quantization import BlockFp8, unquantized_experts, read_quantization, resolve_quantization
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
 from lamina.parallel.plan import ParallelPlan, build_plan
@@ -42,6 +42,7 @@ class EngineSetup:
     dtype: torch.dtype
     ssm_state_dtype: torch.dtype  # the recurrent state pool's (mamba_ssm_cache_dtype, resolved)
     quantization: BlockFp8 | None  # the weights' block FP8 format (the checkpoint's, or dummy FP8)
+    fp8_experts: bool  # every expert tensor of the checkpoint is FP8 (else all are dequantized)
     parallel_config: ParallelConfig
     plan: ParallelPlan
     max_model_len: int
@@ -58,6 +59,7 @@ class EngineSetup:
             "speculative_config": self.spec_config,
             "mtp_prefix": self.mtp_prefix,
             "quantization": self.quantization,
+            "fp8_experts": self.fp8_experts,
         }
 
     def node_ranks(self) -> list[int]:
@@ -85,8 +87,11 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
+    fp8_experts = True  # every expert tensor of the checkpoint is FP8 (dummy weights: by construction)
     if quantization is not None:
-        _log_fp8_experts(quantization, cfg, plan, device, dtype)
+        unquantized = unquantized_experts(model_path, args.load_format)
+        fp8_experts = not unquantized
+        _log_fp8_experts(quantization, cfg, plan, device, dtype, unquantized)
     max_model_len = resolve_max_model_len(args, cfg)
     # The model's own config (spellings normalised by read_model_config) so that transformers
     # does not re-read a config.json its version may refuse.
@@ -115,19 +120,25 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
         device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype, quantization=quantization,
+        fp8_experts=fp8_experts,
         parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,
         default_sampling=default_sampling,
     )
 
 
-def _log_fp8_experts(quantization: BlockFp8, cfg, plan: ParallelPlan, device: torch.device, dtype: torch.dtype) -> None:
+def _log_fp8_experts(quantization: BlockFp8, cfg, plan: ParallelPlan, device: torch.device, dtype: torch.dtype,
+                     unquantized: list[str]) -> None:
     """Say where block FP8 weights stay FP8, and why not when a GPU engine's experts cannot."""
     dtype_name = str(dtype).removeprefix("torch.")
     inter = getattr(cfg, "moe_intermediate_size", 0)
     inter_per_rank = inter if plan.ep_enabled else inter // max(plan.tp, 1)
     if not fp8_experts_for({"quantization": quantization}, device) or not inter:
         logger.info("weights are %s: each is dequantized into %s as it loads", quantization.describe(), dtype_name)
+    elif unquantized:
+        logger.warning("weights are %s, but %d expert tensors are not FP8 (e.g. %s): every expert is dequantized into "
+                       "%s as it loads, twice the memory of FP8 experts", quantization.describe(), len(unquantized),
+                       unquantized[0], dtype_name)
     elif fp8_block_fits(quantization, inter_per_rank):
         logger.info("weights are %s: the MoE experts stay FP8, everything else is dequantized into %s as it loads",
                     quantization.describe(), dtype_name)

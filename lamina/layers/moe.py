@@ -41,12 +41,20 @@ from lamina.parallel.context import ParallelContext, divide_exact
 def fp8_experts_for(options: dict | None, device) -> BlockFp8 | None:
     """The block FP8 format to keep a model's experts in: the checkpoint's (`options["quantization"]`)
     when its MoE layers run on lamina's Triton kernels (`options["kernel_set"]`, else the device's
-    kernel set); None: every weight is dequantized as it loads (the reference kernels)."""
-    quantization = (options or {}).get("quantization")
-    if quantization is None:
+    kernel set) on a GPU that has float8 e4m3 (sm89+: Triton refuses the type below), and every
+    expert tensor of the checkpoint is FP8 (`options["fp8_experts"]`, from the shard headers:
+    lamina.quantization.unquantized_experts); None: every weight is dequantized as it loads."""
+    options = options or {}
+    quantization = options.get("quantization")
+    if quantization is None or options.get("fp8_experts") is False:
         return None
-    kernels = (options or {}).get("kernel_set") or kernel_set(device)
-    return quantization if kernels == "triton" else None
+    kernels = options.get("kernel_set") or kernel_set(device)
+    if kernels != "triton":
+        return None
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    return quantization
 
 
 def fp8_block_fits(fp8: BlockFp8, intermediate_per_rank: int) -> bool:
@@ -130,7 +138,8 @@ class SparseMoE(nn.Module):
         if self.fp8:
             self.w13_scale_inv = _scale_param(self.w13.shape, self.fp8, device)  # [E_local, 2I_local/bn, H/bk]
             self.w2_scale_inv = _scale_param(self.w2.shape, self.fp8, device)  # [E_local, H/bn, I_local/bk]
-        self.kernels = kernel_set(device if device is not None else ctx.device)
+        # (FP8 experts are only asked for on the Triton kernel set: `lamina plan` builds on the meta device)
+        self.kernels = "triton" if fp8 is not None else kernel_set(device if device is not None else ctx.device)
         # Up to this many tokens (decode) the router GEMV and the top-k are one Triton launch; 0: never.
         self.fused_router_max_tokens = fused_router_max_tokens(self.kernels)
         if self.kernels == "triton":

@@ -14,7 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lamina.layers.norm import GatedRMSNorm, RMSNorm
 from lamina.models.loader import CheckpointError, LoadReport, load_checkpoint, resolve_shards
-from lamina.quantization import read_quantization
+from lamina.quantization import unquantized_experts, read_quantization
 from lamina.models.qwen4_exp_config import normalise_layer_type_spelling
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import ParallelContext
@@ -80,6 +80,8 @@ def build_model(
     # ... except the experts kept FP8 on the Triton kernels (lamina.layers.moe.fp8_experts_for); the
     # engine's options may also ask for dummy FP8 weights (lamina.quantization.resolve_quantization)
     model_options = {"quantization": quantization} | dict(model_options or {})
+    if model_options["quantization"] is not None and "fp8_experts" not in model_options:
+        model_options["fp8_experts"] = not unquantized_experts(model_dir, load_format)
     if load_format != "dummy":
         resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
