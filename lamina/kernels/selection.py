@@ -83,6 +83,13 @@ def _switch(name: str, default: str) -> bool:
     return wanted == "1"
 
 
+def fp8_experts_enabled() -> bool:
+    """Whether a block FP8 checkpoint's MoE experts may stay FP8 on the Triton kernels
+    (lamina.layers.moe.fp8_experts_for): on unless `LAMINA_FP8_EXPERTS=0`, which dequantizes them
+    as they load (bf16 experts: twice their memory, the bf16 prefill tiles)."""
+    return _switch("LAMINA_FP8_EXPERTS", "1")
+
+
 def decode_gemv_enabled(kernels: str) -> bool:
     """Whether the Triton kernel set's small-batch linears (the delta-net in_proj, attention qkv,
     out_proj / o_proj, the router) run lamina's split-K GEMV (`lamina.kernels.triton_gemv`) for

@@ -23,7 +23,7 @@ from torch import nn
 
 from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.moe import grouped_experts
-from lamina.kernels.selection import fused_router_max_tokens, gemv_route_enabled, kernel_set
+from lamina.kernels.selection import fp8_experts_enabled, fused_router_max_tokens, gemv_route_enabled, kernel_set
 from lamina.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -41,12 +41,14 @@ from lamina.parallel.context import ParallelContext, divide_exact
 def fp8_experts_for(options: dict | None, device) -> BlockFp8 | None:
     """The block FP8 format to keep a model's experts in: the checkpoint's (`options["quantization"]`)
     when its MoE layers run on lamina's Triton kernels (`options["kernel_set"]`, else the device's
-    kernel set) on a GPU that has float8 e4m3 (sm89+: Triton refuses the type below), and every
+    kernel set) on a GPU that has float8 e4m3 (sm89+: Triton refuses the type below), every
     expert tensor of the checkpoint is FP8 (`options["fp8_experts"]`, from the shard headers:
-    lamina.quantization.unquantized_experts); None: every weight is dequantized as it loads."""
+    lamina.quantization.unquantized_experts), and `LAMINA_FP8_EXPERTS` is not 0 (prefill-heavy
+    work may prefer bf16 experts: docs/PERFORMANCE.md, session 32); None: every weight is
+    dequantized as it loads."""
     options = options or {}
     quantization = options.get("quantization")
-    if quantization is None or options.get("fp8_experts") is False:
+    if quantization is None or options.get("fp8_experts") is False or not fp8_experts_enabled():
         return None
     kernels = options.get("kernel_set") or kernel_set(device)
     if kernels != "triton":
