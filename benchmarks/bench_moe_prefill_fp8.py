@@ -1,7 +1,7 @@
 """The fused MoE on a prefill chunk at the Qwen3.5-35B-A3B shape (256 experts of 512 x 2048, top-8,
 the shared expert fused), bf16 weights against FP8 experts (128 x 128 blocks) in its two forms, in
-one run: each weight tile dequantized into bf16 before its dot (`fp8_scale_b` 1, the default) or
-the tile's products scaled after the dot in a second accumulator (0).
+one run: the tile's products scaled after the dot in a second accumulator (`fp8_scale_b` 0, the
+default) or each weight tile dequantized into bf16 before its dot (1).
 
     python benchmarks/bench_moe_prefill_fp8.py [--tokens 2048,8192] --out bench_moe_prefill_fp8.json
 """

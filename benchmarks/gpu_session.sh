@@ -713,8 +713,8 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         tests/test_qwen4_graphs.py 2>&1 | tail -4  # the start-up path since session 30's memory plan
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
-    s33)  # next session, one call: the FP8 grouped kernels' dequantize-before-dot form (session 32's last change,
-      # compiled on no GPU yet) under its tests, its prefill against bf16 and the scaled-products form, an 8k
+    s33)  # next session, one call: the FP8 grouped kernels' dequantize-before-dot form (fp8_scale_b 1, session 32's
+      # last change, compiled on no GPU yet) under its tests, its prefill against bf16 and the default form, an 8k
       # prompt's TTFT bf16 / FP8 (fla warmed by a first run), then on two GPUs the TP2 / PP2 graphs, on an H200
       # batch 1 against transformers
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2

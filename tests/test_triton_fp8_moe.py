@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from lamina.kernels.expert_scales import ExpertScales  # noqa: E402
 from lamina.kernels.moe import grouped_experts  # noqa: E402
-from lamina.kernels.triton_moe import fused_moe  # noqa: E402
+from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
 from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from lamina.quantization import BlockFp8, dequantize  # noqa: E402
 from tests.fp8_checkpoint import quantize_block_fp8  # noqa: E402
@@ -107,11 +107,15 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
 ])
 def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config,
                                         bf16_dots):
+    """Both forms: the tile's products scaled after the dot (the default) and each weight tile
+    dequantized before it (`fp8_scale_b` 1)."""
     x, w13, w2, weights, ids, shared, scales, ref = _case(num_tokens, expert_start, num_local, with_shared, dtype, block)
-    ours = fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=config, gemv_max_tokens=0, scales=scales)
-    _check(ours, ref, dtype)
-    assert torch.equal(ours, fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=config,
-                                       gemv_max_tokens=0, scales=scales))
+    for form in (None, 1):
+        cfg = config if form is None else dict(config or default_config(num_tokens * 3, dtype), fp8_scale_b=form)
+        ours = fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg, gemv_max_tokens=0, scales=scales)
+        _check(ours, ref, dtype)
+        assert torch.equal(ours, fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg,
+                                           gemv_max_tokens=0, scales=scales))
 
 
 def test_scales_that_do_not_match_are_refused():

@@ -211,7 +211,7 @@ def fused_moe(
 
     `scales`: the experts' weights (and the shared expert's) are block FP8 with these scales
     (`lamina.kernels.expert_scales`); the grouped kernels' K tiles are cut to the block width, and
-    the CUTLASS grouped GEMM is not used. Config key `fp8_scale_b` (default 1): see `scale_b` below."""
+    the CUTLASS grouped GEMM is not used. Config key `fp8_scale_b` (default 0): see `scale_b` below."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -233,10 +233,11 @@ def fused_moe(
         cfg.update(up_k=min(cfg["up_k"], scales.block[1]), down_k=min(cfg["down_k"], scales.block[1]))
     s13, s2, shared_s13, shared_s2 = scales.pointers() if scales is not None else (x, x, x, x)  # (unused without FP8)
     bn, bk = scales.block if scales is not None else (1, 1)
-    # FP8: each weight tile dequantized into x's dtype before its dot (one accumulator, the bf16
-    # model's numbers), or (`fp8_scale_b` 0, for A/B runs) the tile's products scaled after it, in a
-    # second accumulator: 8k-token TTFT 140-149 -> 311-313 ms on an H100 (session 32), register-bound
-    scale_b = bool(cfg.get("fp8_scale_b", 1))
+    # FP8: the tile's products scaled after its dot, in a second accumulator (the default, the form
+    # measured on a GPU: 8k-token TTFT 140-149 ms with bf16 experts, 311-313 ms with FP8 on an H100,
+    # session 32), or (`fp8_scale_b` 1) each weight tile dequantized into x's dtype before its dot, one
+    # accumulator: interpreter-tested only, to be timed (benchmarks/bench_moe_prefill_fp8.py) first
+    scale_b = bool(cfg.get("fp8_scale_b", 0))
     block_m = cfg["block_m"]
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
     num_routed_blocks = block_expert.shape[0]
