@@ -23,6 +23,14 @@ json.dump(out, open('$OUT/$1.json', 'w'), indent=1)
 for k, v in out.items():
     for r in (v if isinstance(v, list) else [v]): print(k, round(r.get('tpot_ms'), 3), round(r.get('output_tok_per_s'), 1), round(r.get('hbm_roofline_fraction'), 4))"
 }
+# merge_throughput NAME OUTFILE: the throughput records /tmp/NAME*.json into $OUT/OUTFILE.json, one line each
+merge_throughput() {
+  python3 -c "
+import json, glob
+out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/$1*.json'))}
+json.dump(out, open('$OUT/$2.json', 'w'), indent=1)
+for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))"
+}
 # ab_b1 NAME ROUNDS: batch-1 latency of .baseline then this tree, alternating, ROUNDS times, into $OUT/NAME.json
 ab_b1() {
   for i in $(seq $2); do
@@ -743,11 +751,7 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
           --input-len 1024 --output-len 256 --quantization $q --output-json /tmp/thr_fp8_$q.json 2>&1 \
           | grep -v Warn | tail -3 | cut -c1-400
       done
-      python3 -c "
-import json, glob
-out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/thr_fp8_*.json'))}
-json.dump(out, open('$OUT/throughput_fp8.json', 'w'), indent=1)
-for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))" ;;
+      merge_throughput thr_fp8_ throughput_fp8 ;;
     s32d)  # session 32: the FP8 experts' decode GEMV tiles swept (L2-cold, against bf16 in the same run), then
       # the kernels of a batch-1 decode step in bf16 and with FP8 experts (torch profiler)
       timeout 300 python3 benchmarks/tune_moe_fp8.py --out $OUT/tune_moe_fp8.json 2>&1 | grep -v Warn | tail -5 | cut -c1-600
@@ -826,11 +830,7 @@ for k, v in out.items(): print(k, round(v[0]['ttft_ms'], 1))" ;;
           --input-len 1024 --output-len 256 --mamba-ssm-cache-dtype $ssm --output-json /tmp/thr_ssm_$ssm.json 2>&1 \
           | grep -v Warn | tail -4 | cut -c1-400
       done
-      python3 -c "
-import json, glob
-out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/thr_ssm_*.json'))}
-json.dump(out, open('$OUT/throughput_ssm_dtype.json', 'w'), indent=1)
-for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))" ;;
+      merge_throughput thr_ssm_ throughput_ssm_dtype ;;
     thr30)  # session 30: the kernels of a step prefilling eight 1k prompts (first: fla-core autotunes there on a fresh
       # machine), offline throughput (512 x 1024 / 256, 256 sequences), its steps split prompt-bearing / decode, then
       # the kernels of a batch-256 decode step (torch profiler)
