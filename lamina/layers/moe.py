@@ -106,8 +106,8 @@ class SparseMoE(nn.Module):
     ):
         """`fp8`: the checkpoint's block FP8 format, for a model on lamina's Triton kernels: the
         experts (and the shared expert riding in their launches) stay float8 with their block
-        scales when the blocks tile this rank's intermediate slice (`fp8_block`); else everything
-        is dequantized as it loads."""
+        scales when the blocks tile this rank's intermediate slice (`fp8_block_fits`); else the experts
+        are dequantized as they load."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok = {top_k} must be in [1, num_experts = {num_experts}]")
