@@ -60,7 +60,7 @@ def test_transformers_baseline_loads_after_lamina_is_gone(qwen3_next_dir, tmp_pa
 
     alive_at_baseline = []
 
-    def baseline(model_path, batch, input_len, output_len, device, dtype):
+    def baseline(model_path, batch, input_len, output_len, device, dtype, hf_overrides=None):
         alive_at_baseline.extend(type(o).__name__ for o in gc.get_objects()
                                  if isinstance(o, torch.nn.Module) and type(o).__module__.startswith("lamina."))
         return {"engine": "stub", "output_tok_per_s": 1.0, "tpot_ms": 1000.0}
@@ -92,6 +92,11 @@ def test_transformers_baseline_of_a_config_only_checkpoint_is_built_in_the_dtype
         torch.nn.Linear.reset_parameters = real_init
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert built and set(built) == {torch.bfloat16}
+    # --hf-overrides reach the baseline's config as they reach lamina's
+    overridden = transformers_model(str(config_only), torch.device("cpu"), torch.bfloat16,
+                                    {"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    assert overridden.config.rope_parameters["rope_type"] == "linear"
+    assert overridden.config.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
 
 
 def test_distinct_experts_are_counted_in_real_decode_steps(qwen3_next_dir):

@@ -289,31 +289,33 @@ def run_latency(args, model_path: str) -> list[dict]:
     return records
 
 
-def transformers_model(model_path: str, device: torch.device, dtype: torch.dtype):
-    """transformers' model of the checkpoint in `dtype` on `device`: its weights, or its own random
-    init for a config-only directory (the dummy presets), built in `dtype` from the start: plain
-    `cls(config)` would first build float32 weights, twice the bytes (the 35B preset's then does not
-    fit an 80 GB GPU)."""
+def transformers_model(model_path: str, device: torch.device, dtype: torch.dtype, hf_overrides: dict | None = None):
+    """transformers' model of the checkpoint in `dtype` on `device` (config.json with `hf_overrides`
+    laid over it, as lamina read it): its weights, or its own random init for a config-only
+    directory (the dummy presets), built in `dtype` from the start: plain `cls(config)` would first
+    build float32 weights, twice the bytes (the 35B preset's then does not fit an 80 GB GPU)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(model_path)
+    from lamina.worker.model_loader import read_model_config
+
+    config = read_model_config(model_path, hf_overrides)
     cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(0)
     if any(Path(model_path).glob("*.safetensors")):
-        return cls.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        return cls.from_pretrained(model_path, config=config, dtype=dtype).to(device).eval()
     with torch.device(device):
         return cls._from_config(config, dtype=dtype).eval()
 
 
 def transformers_decode(model_path: str, batch: int, input_len: int, output_len: int, device: torch.device,
-                        dtype: torch.dtype) -> dict:
+                        dtype: torch.dtype, hf_overrides: dict | None = None) -> dict:
     """transformers' `generate` on the checkpoint (`transformers_model`). TPOT comes from one timed
     `generate`: a stopping criterion (called once per generated token) syncs the device and stamps
     the time, and TPOT is the mean gap between the stamps after the first token (subtracting two
     separately timed runs went negative under load)."""
     import transformers
 
-    model = transformers_model(model_path, device, dtype)
+    model = transformers_model(model_path, device, dtype, hf_overrides)
     config = model.config
     vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     ids = torch.randint(0, min(vocab, 200_000), (batch, input_len), device=device)
@@ -442,7 +444,11 @@ def run_bench(args) -> int:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device, None)
         for record in records:
-            baseline = transformers_decode(model_path, record["batch_size"], args.input_len, args.output_len, device, dtype)
+            baseline = transformers_decode(model_path, record["batch_size"], args.input_len, args.output_len, device,
+                                           dtype, getattr(args, "hf_overrides", None))
+            # what transformers ran: the checkpoint's own weights, or for dummy weights its random bf16 init
+            # (lamina's FP8 dummy experts have no transformers counterpart)
+            baseline["quantization"] = None if args.load_format == "dummy" else record.get("quantization")
             record["baseline"] = baseline
             record["speedup_vs_baseline"] = record["output_tok_per_s"] / baseline["output_tok_per_s"]
     records = [with_shared_keys(r) for r in records]
