@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's flag. Unset: follow the checkpoint's config.json. fp8: the checkpoint is block-wise "
                         "FP8 (on a GPU its MoE experts stay FP8, the rest is dequantized into --dtype as it loads; "
                         "with --load-format dummy: FP8 dummy weights); none: it is unquantized")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="vLLM's flag: a YAML file of long option names and values (e.g. 'max-model-len: 32k'); "
+                        "options on the command line win. JSON options also take vLLM's key-by-key form: "
+                        "--hf-overrides.rope_parameters.rope_type yarn, --speculative-config.num_speculative_tokens 2")
     g.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
                    help="vLLM's flag: a JSON object laid over config.json, nested objects merged key by key, "
                         "e.g. '{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", ...}}}'")
@@ -261,10 +265,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _boolean_flags(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Every subcommand's on/off options -> whether it has a `--no-` form (for `--config` files)."""
+    flags: dict[str, bool] = {}
+    parsers = [parser]
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                flags[action.option_strings[0]] = True
+            elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                flags.update({o: False for o in action.option_strings if o.startswith("--")})
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
+    from lamina.entrypoints.cli_args import expand_argv
+
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.invocation = list(sys.argv[1:] if argv is None else argv)  # what ran (bench records keep it)
+    given = list(sys.argv[1:] if argv is None else argv)
+    try:
+        expanded = expand_argv(given, _boolean_flags(parser))  # --config FILE, --json-option.key value
+    except ValueError as e:
+        print(f"lamina: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(expanded)
+    args.invocation = given  # what ran (bench records keep it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
