@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,42 +126,48 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s):\n  {shown}{more}")
 
     bar = tqdm(shards, desc="Loading safetensors shards", unit="shard", disable=not progress or len(shards) < 1)
-    for shard in bar:
-        with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+    other_shards = ExitStack()  # shards holding scales of another shard's weights, each opened once
+    opened: dict[Path, object] = {}
 
-            def read(name: str):
-                if name not in scale_of:
-                    return f.get_tensor(name)
-                scale_name = scale_of[name]
-                if shard_of[scale_name] == shard.path:
-                    scale = f.get_tensor(scale_name)
-                else:
-                    with safe_open(str(shard_of[scale_name]), framework="pt", device="cpu") as g:
-                        scale = g.get_tensor(scale_name)
-                if name in weight_map.keeps_fp8:
-                    return Fp8Weight(f.get_tensor(name), scale)
-                return dequantize(f.get_tensor(name), scale, quantization)
+    def scale_tensor(scale_name: str):
+        path = shard_of[scale_name]
+        if path not in opened:
+            opened[path] = other_shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        return opened[path].get_tensor(scale_name)
 
-            for name in f.keys():
-                if name in scales:  # read with its weight
-                    continue
-                if name.startswith(SIDE_PREFIXES) and name not in weight_map.loaders and name not in weight_map.ignored:
-                    report.side_tensors[name] = (shard.path, shard.tensors[name][1])
-                    continue
-                if name.startswith(skip_prefixes) or (skip_name is not None and skip_name(name)) or name in weight_map.ignored:
-                    report.skipped.append(name)
-                    continue
-                loader = weight_map.loaders.get(name)
-                if loader is None:
-                    report.unexpected.append(name)
-                    continue
-                try:
-                    loader(name, read(name))
-                except CheckpointError:
-                    raise
-                except ValueError as e:
-                    raise CheckpointError(f"{shard.path.name}: {e}") from e
-                report.loaded.append(name)
+    with other_shards:  # closed however the loading ends
+        for shard in bar:
+            with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+
+                def read(name: str):
+                    if name not in scale_of:
+                        return f.get_tensor(name)
+                    scale_name = scale_of[name]
+                    scale = f.get_tensor(scale_name) if shard_of[scale_name] == shard.path else scale_tensor(scale_name)
+                    if name in weight_map.keeps_fp8:
+                        return Fp8Weight(f.get_tensor(name), scale)
+                    return dequantize(f.get_tensor(name), scale, quantization)
+
+                for name in f.keys():
+                    if name in scales:  # read with its weight
+                        continue
+                    if name.startswith(SIDE_PREFIXES) and name not in weight_map.loaders and name not in weight_map.ignored:
+                        report.side_tensors[name] = (shard.path, shard.tensors[name][1])
+                        continue
+                    if name.startswith(skip_prefixes) or (skip_name is not None and skip_name(name)) or name in weight_map.ignored:
+                        report.skipped.append(name)
+                        continue
+                    loader = weight_map.loaders.get(name)
+                    if loader is None:
+                        report.unexpected.append(name)
+                        continue
+                    try:
+                        loader(name, read(name))
+                    except CheckpointError:
+                        raise
+                    except ValueError as e:
+                        raise CheckpointError(f"{shard.path.name}: {e}") from e
+                    report.loaded.append(name)
     if report.unexpected:
         logger.warning("ignored %d unexpected checkpoint tensors, e.g. %s", len(report.unexpected), report.unexpected[:5])
     return report
