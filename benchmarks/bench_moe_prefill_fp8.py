@@ -1,9 +1,11 @@
 """The fused MoE on a prefill chunk at the Qwen3.5-35B-A3B shape (256 experts of 512 x 2048, top-8,
-the shared expert fused), bf16 weights against FP8 experts (128 x 128 blocks) in its two forms, in
-one run: the tile's products scaled after the dot in a second accumulator (`fp8_scale_b` 0, the
-default) or each weight tile dequantized into bf16 before its dot (1).
+the shared expert fused), bf16 weights against FP8 experts (128 x 128 blocks) in its three forms, in
+one run: each weight tile dequantized into bf16 before its dot (`fp8_scale_b` 1, the default) or the
+same transposed, the weight tile as the dot's left operand (`fp8_swap_ab` 1), or the tile's products
+scaled after the dot in a second accumulator (`fp8_scale_b` 0). `--sweep` then times the first two
+on other tiles (K tiles up to the 128-wide block), for 1,024 tokens or more.
 
-    python benchmarks/bench_moe_prefill_fp8.py [--tokens 2048,8192] --out bench_moe_prefill_fp8.json
+    python benchmarks/bench_moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] --out bench_moe_prefill_fp8.json
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ from lamina.kernels.expert_scales import ExpertScales  # noqa: E402
 from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, BLOCK = 2048, 512, 256, 8, 128
+# (block_m, up_n, up_k, down_n, down_k, warps, stages) tried by --sweep, with n_fastest
+SWEEP = [(128, 128, 128, 128, 128, 8, 3), (128, 128, 64, 128, 64, 8, 4), (128, 64, 128, 64, 128, 4, 3),
+         (64, 128, 128, 128, 128, 4, 3), (64, 64, 128, 64, 128, 4, 4), (64, 128, 64, 128, 64, 4, 4),
+         (128, 256, 64, 256, 64, 8, 3), (128, 128, 128, 128, 128, 8, 2), (64, 64, 64, 64, 64, 4, 4),
+         (128, 128, 64, 128, 64, 8, 3)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -51,6 +59,8 @@ def main() -> None:
             "bf16": lambda: fused_moe(x, bf16[0], bf16[1], weights, ids, shared=(bf16[2], bf16[3], logits[:, EXPERTS])),
             "fp8_scale_b": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
                                              scales=scales, config=dict(cfg, fp8_scale_b=1)),
+            "fp8_swap_ab": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
+                                             scales=scales, config=dict(cfg, fp8_swap_ab=1)),
             "fp8_scale_products": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
                                                     scales=scales, config=dict(cfg, fp8_scale_b=0)),
         }
@@ -60,6 +70,17 @@ def main() -> None:
             out = fn().float()
             rec[name + "_ms"] = triton.testing.do_bench(fn)
             rec[name + "_rel_err_vs_bf16"] = ((out - ref).norm() / ref.norm()).item()
+        if args.sweep and tokens >= 1024:  # prefill tiles
+            rec["sweep_fp8_scale_b_ms"] = []
+            for (bm, un, uk, dn, dk, warps, stages), swap in ((t, swap) for t in SWEEP for swap in (0, 1)):
+                tile = dict(block_m=bm, up_n=un, up_k=uk, down_n=dn, down_k=dk, warps=warps, stages=stages,
+                            n_fastest=True, fp8_swap_ab=swap)
+                try:
+                    ms = triton.testing.do_bench(lambda: fused_moe(
+                        x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]), scales=scales, config=tile))
+                except Exception as e:  # a tile over shared memory: recorded, not fatal
+                    ms = repr(e)[:120]
+                rec["sweep_fp8_scale_b_ms"].append([tile, ms])
         print(json.dumps(rec))
         results.append(rec)
     if args.out:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33 ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -734,6 +734,35 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       done
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
+    s33b)  # session 33: the FP8 grouped kernels' default flipped to the dequantize-before-dot form: its tests compiled,
+      # the engine's FP8 GPU test, the forms at decode and prefill sizes, the prefill tiles swept for them (the swapped
+      # form too), an 8k prompt's TTFT bf16 / FP8 alternating, then
+      # FP8 latency at batch 16 / 64 (their decode tiles are grouped too; batch 1 runs the GEMVs), .baseline (the old
+      # form) against this tree, alternating, two rounds
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_experts.py 2>&1 | tail -2
+      timeout 240 python3 benchmarks/bench_moe_prefill_fp8.py --tokens 16,64,2048,8192 --sweep \
+        --out $OUT/bench_moe_prefill_fp8_sweep.json 2>&1 | grep -v Warn | tail -4 | cut -c1-3000
+      i=0; for q in none fp8 none fp8; do i=$((i+1))
+        timeout 120 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
+          --output-json /tmp/ttft8kb_${i}_$q.json 2>&1 | grep "^| 1 "
+      done
+      merge_latency ttft8kb > /dev/null
+      for i in 1 2; do
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 80 $L --batch-size 16 64 \
+          --input-len 128 --output-len 64 --quantization fp8 --output-json /tmp/fp8form_base_$i.json 2>&1 | tail -1)
+        LAMINA_GDN_PREFILL=reference timeout 80 $L --batch-size 16 64 --input-len 128 --output-len 64 --quantization fp8 \
+          --output-json /tmp/fp8form_new_$i.json 2>&1 | tail -1
+      done
+      merge_latency fp8form ;;
+    s33c)  # session 33: offline throughput (512 x 1024 / 256) at the default max_num_seqs, bf16 then FP8 experts
+      # on the dequantize-before-dot grouped kernels
+      for q in none fp8; do
+        timeout 200 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \
+          --input-len 1024 --output-len 256 --quantization $q --output-json /tmp/thr33_fp8_$q.json 2>&1 \
+          | grep -v Warn | tail -3 | cut -c1-400
+      done
+      merge_throughput thr33_fp8_ throughput_fp8_s33 ;;
     s32b)  # session 32: FP8 experts (block FP8 kept on the Triton MoE kernels): their kernels compiled on CUDA
       # and the engine's GPU test (graphs, against the dequantized twin's reference), then the dummy preset in
       # bf16 and with FP8 experts (--quantization fp8), same process order: batch 1 / 16 / 64 latency

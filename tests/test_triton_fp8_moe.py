@@ -107,11 +107,12 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
 ])
 def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config,
                                         bf16_dots):
-    """Both forms: the tile's products scaled after the dot (the default) and each weight tile
-    dequantized before it (`fp8_scale_b` 1)."""
+    """Every form: each weight tile dequantized before its dot (the default), the same transposed with
+    the weight tile as the dot's left operand (`fp8_swap_ab` 1) and the tile's products scaled after
+    the dot (`fp8_scale_b` 0)."""
     x, w13, w2, weights, ids, shared, scales, ref = _case(num_tokens, expert_start, num_local, with_shared, dtype, block)
-    for form in (None, 1):
-        cfg = config if form is None else dict(config or default_config(num_tokens * 3, dtype), fp8_scale_b=form)
+    for form in (None, dict(fp8_swap_ab=1), dict(fp8_scale_b=0)):
+        cfg = config if form is None else dict(config or default_config(num_tokens * 3, dtype), **form)
         ours = fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg, gemv_max_tokens=0, scales=scales)
         _check(ours, ref, dtype)
         assert torch.equal(ours, fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg,

@@ -90,6 +90,41 @@ def _block_scale_rows(offs_n, k0, expert, s_ptr, shared_s_ptr, stride_se, stride
     return tl.load(base + (offs_n // BN) * tl.where(is_shared, stride_ssn, stride_sn) + k0 // BK)
 
 
+@triton.jit
+def _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr, stride_se, stride_sn,
+                      stride_ssn, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr):
+    """FP8 weights: the tile `[N, K]` of rows `offs_n`, columns `k` (within one block column, from
+    `k0`), times its block scales, in `dtype`."""
+    w = tl.load(w_base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    w_s = _block_scale_rows(tl.where(n_ok, offs_n, 0), k0, expert, s_ptr, shared_s_ptr, stride_se, stride_sn,
+                            stride_ssn, BN, BK)
+    return (w.to(tl.float32) * w_s[:, None]).to(dtype)
+
+
+@triton.jit
+def _gate_up_swapped(x_ptr, w_base, stride_n, tokens, row_ok, offs_n, n_ok, offs_k, expert, s_ptr, shared_s_ptr,
+                     hidden, inter, stride_xt, stride_se, stride_sn, stride_ssn, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """The gate and up products of a row block, transposed (`[N, M]` each, float32): each dequantized
+    weight tile is the dot's left operand, which Hopper's MMA may take from registers, where a
+    right operand goes back through shared memory."""
+    gate_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden
+        x_t = tl.load(x_ptr + tokens[None, :] * stride_xt + k[:, None], mask=row_ok[None, :] & k_ok[:, None],
+                      other=0.0)  # [K, M]
+        gate_w = _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
+                                   stride_se, stride_sn, stride_ssn, BN, BK, x_t.dtype)  # [N, K]
+        up_w = _dequantized_tile(w_base, stride_n, offs_n + inter, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
+                                 stride_se, stride_sn, stride_ssn, BN, BK, x_t.dtype)  # [N, K]
+        gate_t = tl.dot(gate_w, x_t, gate_t, input_precision=PRECISION)
+        up_t = tl.dot(up_w, x_t, up_t, input_precision=PRECISION)
+    return gate_t, up_t
+
+
 @triton.jit(do_not_specialize=COUNT_ARGS)
 def _gate_up_kernel(
     x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr, s_ptr, shared_s_ptr,
@@ -97,7 +132,8 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_swn, stride_ap, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -111,6 +147,14 @@ def _gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
+    if SWAP_AB:  # FP8 only: the transposed product, the dequantized weight tile as the dot's left operand
+        gate_t, up_t = _gate_up_swapped(x_ptr, w_base, stride_n, tokens, row_ok, offs_n, n_ok, offs_k, expert, s_ptr,
+                                        shared_s_ptr, hidden, inter, stride_xt, stride_se, stride_sn, stride_ssn,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, BN, BK)  # [N, M] each
+        act_t = gate_t / (1.0 + tl.exp(-gate_t)) * up_t
+        tl.store(act_ptr + slots[None, :] * stride_ap + offs_n[:, None], act_t.to(act_ptr.dtype.element_ty),
+                 mask=row_ok[None, :] & n_ok[:, None])
+        return
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -147,7 +191,8 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_swn, stride_op, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -161,6 +206,19 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
+    if SWAP_AB:  # FP8 only: the transposed product, the dequantized weight tile as the dot's left operand
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < inter
+            a_t = tl.load(act_ptr + slots[None, :] * stride_ap + k[:, None], mask=row_ok[None, :] & k_ok[:, None],
+                          other=0.0)  # [K, M]
+            w_t = _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
+                                    stride_se, stride_sn, stride_ssn, BN, BK, a_t.dtype)  # [N, K]
+            acc_t = tl.dot(w_t, a_t, acc_t, input_precision=PRECISION)
+        tl.store(out_ptr + slots[None, :] * stride_op + offs_n[:, None], acc_t.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[None, :] & n_ok[:, None])
+        return
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
@@ -211,7 +269,7 @@ def fused_moe(
 
     `scales`: the experts' weights (and the shared expert's) are block FP8 with these scales
     (`lamina.kernels.expert_scales`); the grouped kernels' K tiles are cut to the block width, and
-    the CUTLASS grouped GEMM is not used. Config key `fp8_scale_b` (default 0): see `scale_b` below."""
+    the CUTLASS grouped GEMM is not used. Config key `fp8_scale_b` (default 1): see `scale_b` below."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -233,11 +291,14 @@ def fused_moe(
         cfg.update(up_k=min(cfg["up_k"], scales.block[1]), down_k=min(cfg["down_k"], scales.block[1]))
     s13, s2, shared_s13, shared_s2 = scales.pointers() if scales is not None else (x, x, x, x)  # (unused without FP8)
     bn, bk = scales.block if scales is not None else (1, 1)
-    # FP8: the tile's products scaled after its dot, in a second accumulator (the default, the form
-    # measured on a GPU: 8k-token TTFT 140-149 ms with bf16 experts, 311-313 ms with FP8 on an H100,
-    # session 32), or (`fp8_scale_b` 1) each weight tile dequantized into x's dtype before its dot, one
-    # accumulator: interpreter-tested only, to be timed (benchmarks/bench_moe_prefill_fp8.py) first
-    scale_b = bool(cfg.get("fp8_scale_b", 0))
+    # FP8: each weight tile dequantized into x's dtype before its dot, one accumulator (the default:
+    # at the 35B-A3B shape on an H200, 8k tokens took 2.12 ms against 5.50 ms for the other form and
+    # 1.28 ms on bf16 weights, session 33), or (`fp8_scale_b` 0) the tile's products scaled after its
+    # dot into a second accumulator (benchmarks/bench_moe_prefill_fp8.py times both)
+    scale_b = bool(cfg.get("fp8_scale_b", 1))
+    # `fp8_swap_ab` 1 (with fp8_scale_b 1): the same tiles' products transposed, the dequantized
+    # weight tile as the dot's left operand (kernels' SWAP_AB)
+    swap_ab = scales is not None and scale_b and bool(cfg.get("fp8_swap_ab", 0))
     block_m = cfg["block_m"]
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
     num_routed_blocks = block_expert.shape[0]
@@ -261,7 +322,7 @@ def fused_moe(
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
         s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
+        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b, SWAP_AB=swap_ab,
         **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
@@ -275,6 +336,7 @@ def fused_moe(
         s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
+        SWAP_AB=swap_ab,
         **pdl_kwargs(x.device),
         num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
