@@ -1,9 +1,9 @@
 """The fused MoE on a prefill chunk at the Qwen3.5-35B-A3B shape (256 experts of 512 x 2048, top-8,
-the shared expert fused), bf16 weights against FP8 experts (128 x 128 blocks) in its three forms, in
-one run: each weight tile dequantized into bf16 before its dot (`fp8_scale_b` 1, the default) or the
-same transposed, the weight tile as the dot's left operand (`fp8_swap_ab` 1), or the tile's products
-scaled after the dot in a second accumulator (`fp8_scale_b` 0). `--sweep` then times the first two
-on other tiles (K tiles up to the 128-wide block), for 1,024 tokens or more.
+the shared expert fused), bf16 weights on their default tiles against FP8 experts (128 x 128 blocks)
+on theirs, in one run, in both forms: each weight tile dequantized into bf16 before its dot
+(`fp8_scale_b` 1, the default) or the tile's products scaled after the dot in a second accumulator
+(`fp8_scale_b` 0). `--sweep` then times the default form on other tiles (K tiles up to the
+128-wide block), for 1,024 tokens or more.
 
     python benchmarks/bench_moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] --out bench_moe_prefill_fp8.json
 """
@@ -54,27 +54,25 @@ def main() -> None:
         logits = torch.randn(tokens, EXPERTS + 1, device=dev, generator=gen)
         weights, ids = torch.softmax(logits[:, :EXPERTS], -1).topk(TOP_K, dim=-1)
         weights = weights.to(torch.bfloat16)
-        cfg = dict(default_config(tokens * TOP_K, torch.bfloat16))
+        cfg = dict(default_config(tokens * TOP_K, torch.bfloat16, fp8=True))
         runs = {
             "bf16": lambda: fused_moe(x, bf16[0], bf16[1], weights, ids, shared=(bf16[2], bf16[3], logits[:, EXPERTS])),
             "fp8_scale_b": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
                                              scales=scales, config=dict(cfg, fp8_scale_b=1)),
-            "fp8_swap_ab": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
-                                             scales=scales, config=dict(cfg, fp8_swap_ab=1)),
             "fp8_scale_products": lambda: fused_moe(x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]),
                                                     scales=scales, config=dict(cfg, fp8_scale_b=0)),
         }
         ref = runs["bf16"]().float()
-        rec = {"tokens": tokens, "config": cfg}
+        rec = {"tokens": tokens, "config": cfg, "bf16_config": default_config(tokens * TOP_K, torch.bfloat16)}
         for name, fn in runs.items():
             out = fn().float()
             rec[name + "_ms"] = triton.testing.do_bench(fn)
             rec[name + "_rel_err_vs_bf16"] = ((out - ref).norm() / ref.norm()).item()
         if args.sweep and tokens >= 1024:  # prefill tiles
             rec["sweep_fp8_scale_b_ms"] = []
-            for (bm, un, uk, dn, dk, warps, stages), swap in ((t, swap) for t in SWEEP for swap in (0, 1)):
+            for bm, un, uk, dn, dk, warps, stages in SWEEP:
                 tile = dict(block_m=bm, up_n=un, up_k=uk, down_n=dn, down_k=dk, warps=warps, stages=stages,
-                            n_fastest=True, fp8_swap_ab=swap)
+                            n_fastest=True)
                 try:
                     ms = triton.testing.do_bench(lambda: fused_moe(
                         x, w13, w2, weights, ids, shared=(sw13, sw2, logits[:, EXPERTS]), scales=scales, config=tile))

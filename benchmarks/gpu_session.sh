@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -755,7 +755,17 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
           --output-json /tmp/fp8form_new_$i.json 2>&1 | tail -1
       done
       merge_latency fp8form ;;
-    s33c)  # session 33: offline throughput (512 x 1024 / 256) at the default max_num_seqs, bf16 then FP8 experts
+    s33c)  # session 33: the FP8 prefill tiles (from part s33b's sweep): the kernel tests compiled, both forms against
+      # bf16 at 2,048 / 8,192 tokens, an 8k prompt's TTFT bf16 / FP8 alternating
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2
+      timeout 100 python3 benchmarks/bench_moe_prefill_fp8.py --out $OUT/bench_moe_prefill_fp8_tiles.json 2>&1 \
+        | grep -v Warn | tail -2 | cut -c1-800
+      i=0; for q in none fp8 none fp8; do i=$((i+1))
+        timeout 120 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
+          --output-json /tmp/ttft8kc_${i}_$q.json 2>&1 | grep "^| 1 "
+      done
+      merge_latency ttft8kc > /dev/null ;;
+    s33d)  # next session: offline throughput (512 x 1024 / 256) at the default max_num_seqs, bf16 then FP8 experts
       # on the dequantize-before-dot grouped kernels
       for q in none fp8; do
         timeout 200 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \

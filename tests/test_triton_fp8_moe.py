@@ -19,7 +19,13 @@ triton = pytest.importorskip("triton")
 
 from lamina.kernels.expert_scales import ExpertScales  # noqa: E402
 from lamina.kernels.moe import grouped_experts  # noqa: E402
-from lamina.kernels.triton_moe import default_config, fused_moe  # noqa: E402
+from lamina.kernels.triton_moe import (  # noqa: E402
+    DEFAULT_CONFIG_LONG_PREFILL_FP8,
+    DEFAULT_CONFIG_PREFILL_FP8,
+    PREFILL_MAX_PAIRS,
+    default_config,
+    fused_moe,
+)
 from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from lamina.quantization import BlockFp8, dequantize  # noqa: E402
 from tests.fp8_checkpoint import quantize_block_fp8  # noqa: E402
@@ -104,19 +110,30 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
     # partial block
     (10, 0, 8, True, torch.float32, (16, 64), dict(block_m=16, up_n=32, up_k=16, down_n=16, down_k=16, warps=4,
                                                    stages=2)),
+    # the FP8 prefill tiles as shipped (the GPU's; K tiles cut to the 32-wide block columns here)
+    (20, 0, 8, True, torch.bfloat16, (16, 32), DEFAULT_CONFIG_PREFILL_FP8),
+    (20, 3, 4, False, torch.bfloat16, (32, 32), DEFAULT_CONFIG_LONG_PREFILL_FP8),
 ])
 def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config,
                                         bf16_dots):
-    """Every form: each weight tile dequantized before its dot (the default), the same transposed with
-    the weight tile as the dot's left operand (`fp8_swap_ab` 1) and the tile's products scaled after
-    the dot (`fp8_scale_b` 0)."""
+    """Both forms: each weight tile dequantized before its dot (the default) and the tile's products
+    scaled after the dot (`fp8_scale_b` 0)."""
     x, w13, w2, weights, ids, shared, scales, ref = _case(num_tokens, expert_start, num_local, with_shared, dtype, block)
-    for form in (None, dict(fp8_swap_ab=1), dict(fp8_scale_b=0)):
+    for form in (None, dict(fp8_scale_b=0)):
         cfg = config if form is None else dict(config or default_config(num_tokens * 3, dtype), **form)
         ours = fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg, gemv_max_tokens=0, scales=scales)
         _check(ours, ref, dtype)
         assert torch.equal(ours, fused_moe(x, w13, w2, weights, ids, expert_start, shared, config=cfg,
                                            gemv_max_tokens=0, scales=scales))
+
+
+def test_fp8_experts_take_their_own_prefill_tiles():
+    """Prefill chunks on FP8 experts take the tiles swept for them; decode sizes and bf16 weights keep theirs."""
+    assert default_config(2048 * 8, torch.bfloat16, fp8=True) is DEFAULT_CONFIG_PREFILL_FP8
+    assert default_config(PREFILL_MAX_PAIRS + 1, torch.bfloat16, fp8=True) is DEFAULT_CONFIG_LONG_PREFILL_FP8
+    assert default_config(64 * 8, torch.bfloat16, fp8=True) is default_config(64 * 8, torch.bfloat16)
+    assert default_config(PREFILL_MAX_PAIRS + 1, torch.bfloat16) is not DEFAULT_CONFIG_LONG_PREFILL_FP8
+    assert default_config(PREFILL_MAX_PAIRS + 1, torch.float32, fp8=True) is default_config(1, torch.float32)
 
 
 def test_scales_that_do_not_match_are_refused():

@@ -90,41 +90,6 @@ def _block_scale_rows(offs_n, k0, expert, s_ptr, shared_s_ptr, stride_se, stride
     return tl.load(base + (offs_n // BN) * tl.where(is_shared, stride_ssn, stride_sn) + k0 // BK)
 
 
-@triton.jit
-def _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr, stride_se, stride_sn,
-                      stride_ssn, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr):
-    """FP8 weights: the tile `[N, K]` of rows `offs_n`, columns `k` (within one block column, from
-    `k0`), times its block scales, in `dtype`."""
-    w = tl.load(w_base + offs_n[:, None] * stride_n + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    w_s = _block_scale_rows(tl.where(n_ok, offs_n, 0), k0, expert, s_ptr, shared_s_ptr, stride_se, stride_sn,
-                            stride_ssn, BN, BK)
-    return (w.to(tl.float32) * w_s[:, None]).to(dtype)
-
-
-@triton.jit
-def _gate_up_swapped(x_ptr, w_base, stride_n, tokens, row_ok, offs_n, n_ok, offs_k, expert, s_ptr, shared_s_ptr,
-                     hidden, inter, stride_xt, stride_se, stride_sn, stride_ssn, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
-    """The gate and up products of a row block, transposed (`[N, M]` each, float32): each dequantized
-    weight tile is the dot's left operand, which Hopper's MMA may take from registers, where a
-    right operand goes back through shared memory."""
-    gate_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < hidden
-        x_t = tl.load(x_ptr + tokens[None, :] * stride_xt + k[:, None], mask=row_ok[None, :] & k_ok[:, None],
-                      other=0.0)  # [K, M]
-        gate_w = _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
-                                   stride_se, stride_sn, stride_ssn, BN, BK, x_t.dtype)  # [N, K]
-        up_w = _dequantized_tile(w_base, stride_n, offs_n + inter, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
-                                 stride_se, stride_sn, stride_ssn, BN, BK, x_t.dtype)  # [N, K]
-        gate_t = tl.dot(gate_w, x_t, gate_t, input_precision=PRECISION)
-        up_t = tl.dot(up_w, x_t, up_t, input_precision=PRECISION)
-    return gate_t, up_t
-
-
 @triton.jit(do_not_specialize=COUNT_ARGS)
 def _gate_up_kernel(
     x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, act_ptr, s_ptr, shared_s_ptr,
@@ -132,8 +97,7 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_swn, stride_ap, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -147,14 +111,6 @@ def _gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:  # FP8 only: the transposed product, the dequantized weight tile as the dot's left operand
-        gate_t, up_t = _gate_up_swapped(x_ptr, w_base, stride_n, tokens, row_ok, offs_n, n_ok, offs_k, expert, s_ptr,
-                                        shared_s_ptr, hidden, inter, stride_xt, stride_se, stride_sn, stride_ssn,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, BN, BK)  # [N, M] each
-        act_t = gate_t / (1.0 + tl.exp(-gate_t)) * up_t
-        tl.store(act_ptr + slots[None, :] * stride_ap + offs_n[:, None], act_t.to(act_ptr.dtype.element_ty),
-                 mask=row_ok[None, :] & n_ok[:, None])
-        return
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -191,8 +147,7 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_swn, stride_op, stride_se, stride_sn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, N_FASTEST: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_B: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     pid_m, pid_n = _block_ids(N_FASTEST)
@@ -206,19 +161,6 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:  # FP8 only: the transposed product, the dequantized weight tile as the dot's left operand
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < inter
-            a_t = tl.load(act_ptr + slots[None, :] * stride_ap + k[:, None], mask=row_ok[None, :] & k_ok[:, None],
-                          other=0.0)  # [K, M]
-            w_t = _dequantized_tile(w_base, stride_n, offs_n, n_ok, k, k_ok, k0, expert, s_ptr, shared_s_ptr,
-                                    stride_se, stride_sn, stride_ssn, BN, BK, a_t.dtype)  # [N, K]
-            acc_t = tl.dot(w_t, a_t, acc_t, input_precision=PRECISION)
-        tl.store(out_ptr + slots[None, :] * stride_op + offs_n[:, None], acc_t.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[None, :] & n_ok[:, None])
-        return
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
@@ -269,7 +211,8 @@ def fused_moe(
 
     `scales`: the experts' weights (and the shared expert's) are block FP8 with these scales
     (`lamina.kernels.expert_scales`); the grouped kernels' K tiles are cut to the block width, and
-    the CUTLASS grouped GEMM is not used. Config key `fp8_scale_b` (default 1): see `scale_b` below."""
+    the CUTLASS grouped GEMM is not used, and prefill chunks take their own tiles (`default_config`).
+    Config key `fp8_scale_b` (default 1): see `scale_b` below."""
     num_tokens, top_k = topk_ids.shape
     num_local_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -284,7 +227,7 @@ def fused_moe(
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    cfg = dict(default_config(num_pairs, x.dtype))
+    cfg = dict(default_config(num_pairs, x.dtype, fp8=scales is not None))
     cfg.update(config or {})
     if scales is not None:  # a K tile within one block column
         scales.check(w13, w2, shared)
@@ -292,13 +235,10 @@ def fused_moe(
     s13, s2, shared_s13, shared_s2 = scales.pointers() if scales is not None else (x, x, x, x)  # (unused without FP8)
     bn, bk = scales.block if scales is not None else (1, 1)
     # FP8: each weight tile dequantized into x's dtype before its dot, one accumulator (the default:
-    # at the 35B-A3B shape on an H200, 8k tokens took 2.12 ms against 5.50 ms for the other form and
-    # 1.28 ms on bf16 weights, session 33), or (`fp8_scale_b` 0) the tile's products scaled after its
+    # at the 35B-A3B shape, 8k tokens took 2.12 ms against 5.50 ms for the other form and 1.28 ms on
+    # bf16 weights on an H200, session 33), or (`fp8_scale_b` 0) the tile's products scaled after its
     # dot into a second accumulator (benchmarks/bench_moe_prefill_fp8.py times both)
     scale_b = bool(cfg.get("fp8_scale_b", 1))
-    # `fp8_swap_ab` 1 (with fp8_scale_b 1): the same tiles' products transposed, the dequantized
-    # weight tile as the dot's left operand (kernels' SWAP_AB)
-    swap_ab = scales is not None and scale_b and bool(cfg.get("fp8_swap_ab", 0))
     block_m = cfg["block_m"]
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local_experts, expert_start, block_m)
     num_routed_blocks = block_expert.shape[0]
@@ -322,7 +262,7 @@ def fused_moe(
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
         s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b, SWAP_AB=swap_ab,
+        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
         **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
@@ -336,7 +276,6 @@ def fused_moe(
         s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-        SWAP_AB=swap_ab,
         **pdl_kwargs(x.device),
         num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
     )
@@ -410,21 +349,31 @@ DEFAULT_CONFIG_FP32 = dict(block_m=16, up_n=32, up_k=64, down_n=32, down_k=64, w
 DEFAULT_CONFIG_PREFILL = dict(block_m=64, up_n=64, up_k=64, down_n=64, down_k=64, warps=4, stages=4, n_fastest=True)
 DEFAULT_CONFIG_LONG_PREFILL = dict(block_m=128, up_n=128, up_k=64, down_n=128, down_k=64, warps=8, stages=3,
                                    n_fastest=True)
+# FP8 experts (weight tiles dequantized before their dots): `python benchmarks/bench_moe_prefill_fp8.py
+# --sweep` on an H100 (bench_moe_prefill_fp8_sweep_h100_s33.json): 2,048 tokens 0.741 -> 0.709 ms
+# (bf16 weights on their tiles: 0.718), 8,192 tokens 2.204 -> 1.950 ms (bf16: 1.408).
+DEFAULT_CONFIG_PREFILL_FP8 = dict(block_m=64, up_n=128, up_k=64, down_n=128, down_k=64, warps=4, stages=4,
+                                  n_fastest=True)
+DEFAULT_CONFIG_LONG_PREFILL_FP8 = dict(block_m=128, up_n=128, up_k=128, down_n=128, down_k=128, warps=8, stages=3,
+                                       n_fastest=True)
 DECODE_MAX_PAIRS = 512  # 64 tokens of top-8: the decode tiles' tuned range
 PREFILL_MAX_PAIRS = 16384  # 2,048 tokens of top-8; longer chunks take the long-prefill tiles
 
 
-def default_config(num_pairs: int, dtype: torch.dtype) -> dict:
-    """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs. The tiles (and
-    so the K-summation order) follow the call's size: on the GPU a token's bf16 result may round
-    differently with the size of its step (docs/ARCHITECTURE.md, "Batch invariance")."""
+def default_config(num_pairs: int, dtype: torch.dtype, fp8: bool = False) -> dict:
+    """The grouped kernels' tiles for a call of `num_pairs` (token, expert) pairs (`fp8`: on block
+    FP8 experts). The tiles (and so the K-summation order) follow the call's size: on the GPU a
+    token's bf16 result may round differently with the size of its step (docs/ARCHITECTURE.md,
+    "Batch invariance")."""
     if dtype == torch.float32:  # 4-byte tiles: the bf16 tiles would overflow shared memory
         return DEFAULT_CONFIG_FP32
     if num_pairs <= 64:
         return DEFAULT_CONFIG_SMALL
     if num_pairs <= DECODE_MAX_PAIRS:
         return DEFAULT_CONFIG_LARGE
-    return DEFAULT_CONFIG_PREFILL if num_pairs <= PREFILL_MAX_PAIRS else DEFAULT_CONFIG_LONG_PREFILL
+    if num_pairs <= PREFILL_MAX_PAIRS:
+        return DEFAULT_CONFIG_PREFILL_FP8 if fp8 else DEFAULT_CONFIG_PREFILL
+    return DEFAULT_CONFIG_LONG_PREFILL_FP8 if fp8 else DEFAULT_CONFIG_LONG_PREFILL
 
 
 @triton.jit
