@@ -31,6 +31,15 @@ out = {f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp
 json.dump(out, open('$OUT/$2.json', 'w'), indent=1)
 for k, v in out.items(): print(k, v[0]['max_num_seqs'], round(v[0]['output_tok_per_s']), round(v[0]['total_tok_per_s']))"
 }
+# ttft8k_fp8_ab NAME: an 8,192-token prompt's TTFT, bf16 then FP8 experts, twice, one process each, into $OUT/NAME.json
+ttft8k_fp8_ab() {
+  local i=0 q
+  for q in none fp8 none fp8; do i=$((i+1))
+    timeout 120 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
+      --output-json /tmp/$1_${i}_$q.json 2>&1 | grep "^| 1 "
+  done
+  merge_latency $1 > /dev/null
+}
 # ab_b1 NAME ROUNDS: batch-1 latency of .baseline then this tree, alternating, ROUNDS times, into $OUT/NAME.json
 ab_b1() {
   for i in $(seq $2); do
@@ -735,19 +744,15 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then bash $0 tp2graphs; fi
       if python3 -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then bash $0 compare25; fi ;;
     s33b)  # session 33: the FP8 grouped kernels' default flipped to the dequantize-before-dot form: its tests compiled,
-      # the engine's FP8 GPU test, the forms at decode and prefill sizes, the prefill tiles swept for them (the swapped
-      # form too), an 8k prompt's TTFT bf16 / FP8 alternating, then
+      # the engine's FP8 GPU test, the forms at decode and prefill sizes, the prefill tiles swept for them (at
+      # 8675752 the swapped-operand form too), an 8k prompt's TTFT bf16 / FP8 alternating, then
       # FP8 latency at batch 16 / 64 (their decode tiles are grouped too; batch 1 runs the GEMVs), .baseline (the old
       # form) against this tree, alternating, two rounds
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_experts.py 2>&1 | tail -2
       timeout 240 python3 benchmarks/bench_moe_prefill_fp8.py --tokens 16,64,2048,8192 --sweep \
         --out $OUT/bench_moe_prefill_fp8_sweep.json 2>&1 | grep -v Warn | tail -4 | cut -c1-3000
-      i=0; for q in none fp8 none fp8; do i=$((i+1))
-        timeout 120 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
-          --output-json /tmp/ttft8kb_${i}_$q.json 2>&1 | grep "^| 1 "
-      done
-      merge_latency ttft8kb > /dev/null
+      ttft8k_fp8_ab ttft8kb
       for i in 1 2; do
         (cd .baseline && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 80 $L --batch-size 16 64 \
           --input-len 128 --output-len 64 --quantization fp8 --output-json /tmp/fp8form_base_$i.json 2>&1 | tail -1)
@@ -760,19 +765,10 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fp8_moe.py 2>&1 | tail -2
       timeout 100 python3 benchmarks/bench_moe_prefill_fp8.py --out $OUT/bench_moe_prefill_fp8_tiles.json 2>&1 \
         | grep -v Warn | tail -2 | cut -c1-800
-      i=0; for q in none fp8 none fp8; do i=$((i+1))
-        timeout 120 $L --batch-size 1 --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --quantization $q \
-          --output-json /tmp/ttft8kc_${i}_$q.json 2>&1 | grep "^| 1 "
-      done
-      merge_latency ttft8kc > /dev/null ;;
-    s33d)  # next session: offline throughput (512 x 1024 / 256) at the default max_num_seqs, bf16 then FP8 experts
-      # on the dequantize-before-dot grouped kernels
-      for q in none fp8; do
-        timeout 200 python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 512 \
-          --input-len 1024 --output-len 256 --quantization $q --output-json /tmp/thr33_fp8_$q.json 2>&1 \
-          | grep -v Warn | tail -3 | cut -c1-400
-      done
-      merge_throughput thr33_fp8_ throughput_fp8_s33 ;;
+      ttft8k_fp8_ab ttft8kc ;;
+    s33d)  # next session: part s32c's offline throughput (512 x 1024 / 256, bf16 then FP8 experts) on the
+      # dequantize-before-dot grouped kernels
+      bash $0 s32c ;;
     s32b)  # session 32: FP8 experts (block FP8 kept on the Triton MoE kernels): their kernels compiled on CUDA
       # and the engine's GPU test (graphs, against the dequantized twin's reference), then the dummy preset in
       # bf16 and with FP8 experts (--quantization fp8), same process order: batch 1 / 16 / 64 latency
