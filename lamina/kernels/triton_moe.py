@@ -28,6 +28,7 @@ from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.grouped_mm_moe import grouped_mm_moe, grouped_mm_usable
 from lamina.kernels.selection import moe_prefill_grouped_mm
+from lamina.kernels.tile_fit import launch_fitted
 from lamina.kernels.triton_align import align_pairs
 
 from lamina.kernels.triton_moe_gemv import GEMV_MAX_INTER, GEMV_MAX_TOKENS, fused_moe_gemv
@@ -256,29 +257,39 @@ def fused_moe(
         return (num_tiles, num_blocks) if n_fastest else (num_blocks, num_tiles)
 
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
-    _gate_up_kernel[grid(triton.cdiv(inter, cfg["up_n"]))](
-        x, w13, shared_w13, sorted_pairs, block_expert, act, s13, shared_s13,
-        num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
-        s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
-        TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], PRECISION=precision,
-        N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )
+    up_tiles = dict(up_n=cfg["up_n"], up_k=cfg["up_k"], stages=cfg["stages"], warps=cfg["warps"])
+
+    def launch_gate_up(t: dict) -> None:
+        _gate_up_kernel[grid(triton.cdiv(inter, t["up_n"]))](
+            x, w13, shared_w13, sorted_pairs, block_expert, act, s13, shared_s13,
+            num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
+            s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
+            TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t["up_n"], BLOCK_K=t["up_k"], PRECISION=precision,
+            N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
+            **pdl_kwargs(x.device), num_warps=t["warps"], num_stages=t["stages"],
+        )
+
+    launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages")
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
     # (other ranks' experts: a zero part, whatever its weight).
     alloc = torch.empty if shared is not None else torch.zeros
     parts = alloc(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
-    _down_kernel[grid(triton.cdiv(hidden, cfg["down_n"]))](
-        act, w2, shared_w2, sorted_pairs, block_expert, parts, s2, shared_s2,
-        num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), parts.stride(0),
-        s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
-        TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
-        PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-        **pdl_kwargs(x.device),
-        num_warps=cfg.get("down_warps", cfg["warps"]), num_stages=cfg.get("down_stages", cfg["stages"]),
-    )
+    down_tiles = dict(down_n=cfg["down_n"], down_k=cfg["down_k"], down_stages=cfg.get("down_stages", cfg["stages"]),
+                      down_warps=cfg.get("down_warps", cfg["warps"]))
+
+    def launch_down(t: dict) -> None:
+        _down_kernel[grid(triton.cdiv(hidden, t["down_n"]))](
+            act, w2, shared_w2, sorted_pairs, block_expert, parts, s2, shared_s2,
+            num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), parts.stride(0),
+            s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
+            TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t["down_n"], BLOCK_K=t["down_k"],
+            PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
+            **pdl_kwargs(x.device), num_warps=t["down_warps"], num_stages=t["down_stages"],
+        )
+
+    launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages")
     return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype
 
 

@@ -44,6 +44,7 @@ import triton.language as tl
 from lamina.kernels.expert_scales import ExpertScales
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import moe_gemv_fma_max_tokens, triton_interpreted
+from lamina.kernels.tile_fit import SM90_SHARED_MEMORY, shared_memory_limit
 
 __all__ = ["GEMV_CONFIG", "GEMV_CONFIG_FMA", "GEMV_CONFIG_FMA_FP8", "GEMV_CONFIG_ONE_TOKEN", "GEMV_MAX_INTER", "GEMV_MAX_TOKENS",
            "fused_moe_gemv"]
@@ -381,9 +382,6 @@ GEMV_MAX_INTER = 1024
 # 144 KiB in bf16; the pipelined down tile's formula checked against sm_90 compiles):
 # gate/up: the gate and up weight tiles [up_k, up_n] and the 16-row token tile [16, up_k];
 # down: the weight tile [down_k, down_n] and the 16-row activation tile [16, down_k].
-SHARED_MEMORY_LIMIT = 227 * 1024
-
-
 def _shared_memory(cfg: dict, element_size: int) -> tuple[int, int]:
     """(gate/up, down) shared memory in bytes of a config's pipelined tiles."""
     up = (cfg["up_stages"] - 1) * (2 * cfg["up_n"] + 16) * cfg["up_k"] * element_size
@@ -391,12 +389,13 @@ def _shared_memory(cfg: dict, element_size: int) -> tuple[int, int]:
     return up, down
 
 
-def _fit_shared_memory(cfg: dict, element_size: int) -> None:
-    """Narrow each pipelined tile (then cut its stages) until it fits the GPU's shared memory."""
+def _fit_shared_memory(cfg: dict, element_size: int, limit: int = SM90_SHARED_MEMORY) -> None:
+    """Narrow each pipelined tile (then cut its stages) until it fits `limit` bytes of shared memory
+    (the GPU's: `lamina.kernels.tile_fit.shared_memory_limit`)."""
     for n, stages, which in (("up_n", "up_stages", 0), ("down_n", "down_stages", 1)):
-        while _shared_memory(cfg, element_size)[which] > SHARED_MEMORY_LIMIT and cfg[n] > 16:
+        while _shared_memory(cfg, element_size)[which] > limit and cfg[n] > 16:
             cfg[n] //= 2
-        while _shared_memory(cfg, element_size)[which] > SHARED_MEMORY_LIMIT and cfg[stages] > 2:
+        while _shared_memory(cfg, element_size)[which] > limit and cfg[stages] > 2:
             cfg[stages] -= 1
 
 
@@ -454,7 +453,7 @@ def fused_moe_gemv(
     if shared is not None and shared[0].shape != (two_inter, hidden):
         raise ValueError(f"shared expert gate_up {tuple(shared[0].shape)} does not match the experts' {(two_inter, hidden)}")
     if not config and not fma:  # (the FMA kernels hold no shared-memory pipeline)
-        _fit_shared_memory(cfg, x.element_size())
+        _fit_shared_memory(cfg, x.element_size(), shared_memory_limit(x.device))
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
