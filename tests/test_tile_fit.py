@@ -85,21 +85,27 @@ def _moe_case(num_tokens=6, hidden=48, inter=32, num_experts=8, top_k=3):
 TUNED = dict(block_m=16, up_n=32, up_k=32, down_n=32, down_k=32, warps=4, stages=4)
 
 
+def _tuned(monkeypatch):
+    """fused_moe's own tiles are TUNED (a config passed in is taken as given: tuning)."""
+    monkeypatch.setattr(triton_moe, "default_config", lambda *args, **kwargs: TUNED)
+
+
 def test_grouped_moe_launches_on_tiles_that_fit_and_keeps_them(monkeypatch):
     monkeypatch.setattr(tile_fit, "_FITTED", {})
+    _tuned(monkeypatch)
     up = SmallGpu(triton_moe._gate_up_kernel, budget=32 * 16 * 2)
     down = SmallGpu(triton_moe._down_kernel, budget=32 * 32 * 2)
     monkeypatch.setattr(triton_moe, "_gate_up_kernel", up)
     monkeypatch.setattr(triton_moe, "_down_kernel", down)
     x, w13, w2, weights, ids = _moe_case()
     ref = grouped_experts(x, w13, w2, weights, ids, 0)
-    first = triton_moe.fused_moe(x, w13, w2, weights, ids, config=TUNED)
+    first = triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0)
     torch.testing.assert_close(first, ref, atol=1e-5, rtol=1e-5)
     assert up.tried == [(32, 32, 4), (32, 32, 3), (32, 32, 2), (16, 32, 2)]
     assert down.tried == [(32, 32, 4), (32, 32, 3), (32, 32, 2)]
     # The fit is kept: the next call launches once per kernel, with the same sums.
     up.tried.clear(), down.tried.clear()
-    assert torch.equal(triton_moe.fused_moe(x, w13, w2, weights, ids, config=TUNED), first)
+    assert torch.equal(triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0), first)
     assert up.tried == [(16, 32, 2)] and down.tried == [(32, 32, 2)]
     # ... which are the sums of those tiles given as the config on a GPU that takes them.
     monkeypatch.setattr(triton_moe, "_gate_up_kernel", up.kernel)
@@ -110,12 +116,34 @@ def test_grouped_moe_launches_on_tiles_that_fit_and_keeps_them(monkeypatch):
 
 def test_grouped_moe_raises_when_nothing_fits_or_the_refusal_is_not_shared_memory(monkeypatch):
     x, w13, w2, weights, ids = _moe_case()
+    _tuned(monkeypatch)
     for budget, refusal in ((16 * 16 * 2 - 1, "shared memory"), (0, "threads")):
         monkeypatch.setattr(tile_fit, "_FITTED", {})
         up = SmallGpu(triton_moe._gate_up_kernel, budget=budget, refusal=refusal)
         monkeypatch.setattr(triton_moe, "_gate_up_kernel", up)
         with pytest.raises(OutOfResources, match=refusal):
-            triton_moe.fused_moe(x, w13, w2, weights, ids, config=TUNED)
+            triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0)
         assert up.tried[-1] == ((16, 16, 2) if refusal == "shared memory" else (32, 32, 4))
         monkeypatch.setattr(triton_moe, "_gate_up_kernel", up.kernel)
         assert tile_fit._FITTED == {}  # nothing remembered from a launch that never ran
+    # A config passed in (tuning) is launched as given: its refusal is the caller's to see.
+    monkeypatch.setattr(triton_moe, "_gate_up_kernel", SmallGpu(triton_moe._gate_up_kernel, budget=32 * 32 * 3))
+    with pytest.raises(OutOfResources):
+        triton_moe.fused_moe(x, w13, w2, weights, ids, config=TUNED)
+    assert tile_fit._FITTED == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_moe_tiles_over_the_gpus_shared_memory_launch_narrowed(monkeypatch):
+    """On the GPU itself: float32 tiles far over any card's shared memory (Triton's real refusal)
+    launch narrowed, with the reference's sums."""
+    monkeypatch.setattr(tile_fit, "_FITTED", {})
+    huge = dict(block_m=64, up_n=256, up_k=256, down_n=256, down_k=256, warps=8, stages=4)
+    monkeypatch.setattr(triton_moe, "default_config", lambda *args, **kwargs: huge)
+    x, w13, w2, weights, ids = _moe_case(num_tokens=40, hidden=512, inter=512)
+    ours = triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0)
+    torch.testing.assert_close(ours, grouped_experts(x, w13, w2, weights, ids, 0), atol=1e-4, rtol=1e-4)
+    fitted = sorted(tile_fit._FITTED.values(), key=lambda t: "up_n" in t)  # down, gate/up
+    assert [t["down_n"] * t["down_k"] * t["down_stages"] for t in fitted[:1]] < [256 * 256 * 4]
+    assert [t["up_n"] * t["up_k"] * t["stages"] for t in fitted[1:]] < [256 * 256 * 4] and len(fitted) == 2

@@ -208,7 +208,8 @@ def fused_moe(
     pairs outside CUDA-graph capture (prefill chunks, eager steps) run `lamina.kernels.grouped_mm_moe`
     instead (bf16 on sm90+). A config's keys: block_m, up_n, up_k, down_n, down_k, warps, stages, and
     optionally down_warps / down_stages (the down kernel's, default warps / stages) and n_fastest
-    (launch order, see `_block_ids`; the same sums either way).
+    (launch order, see `_block_ids`; the same sums either way). Without a config, tiles the GPU
+    lacks the shared memory for are narrowed until they launch (`lamina.kernels.tile_fit`).
 
     `scales`: the experts' weights (and the shared expert's) are block FP8 with these scales
     (`lamina.kernels.expert_scales`); the grouped kernels' K tiles are cut to the block width, and
@@ -270,7 +271,10 @@ def fused_moe(
             **pdl_kwargs(x.device), num_warps=t["warps"], num_stages=t["stages"],
         )
 
-    launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages")
+    if config is None:
+        launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages")
+    else:  # tuning: the tiles as given
+        launch_gate_up(up_tiles)
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
     # (other ranks' experts: a zero part, whatever its weight).
     alloc = torch.empty if shared is not None else torch.zeros
@@ -289,7 +293,10 @@ def fused_moe(
             **pdl_kwargs(x.device), num_warps=t["down_warps"], num_stages=t["down_stages"],
         )
 
-    launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages")
+    if config is None:
+        launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages")
+    else:  # tuning: the tiles as given
+        launch_down(down_tiles)
     return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype
 
 
