@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lamina import LLM, SamplingParams
+from lamina.entrypoints.openai.token_text import logprob_token_text
 from tests.server_harness import MODEL_NAME, RunningServer
 
 # The copied tokenizer's ChatML template, plus Qwen3's switch: enable_thinking=False closes an empty think block.
@@ -368,6 +369,54 @@ def test_metrics_parse_and_move(server, client):
     assert after["lamina_time_per_output_token_seconds_count"] == \
         before["lamina_time_per_output_token_seconds_count"] + 2
     assert after["lamina_kv_cache_usage_ratio"] == 0 and after["lamina_num_requests_running"] == 0
+
+
+def _ids(names):
+    assert all(n.startswith("token_id:") for n in names), names
+    return [int(n.split(":", 1)[1]) for n in names]
+
+
+def test_return_tokens_as_token_ids(client, ref):
+    """vLLM's `return_tokens_as_token_ids`: logprobs name each token `token_id:N`, the ids the model
+    generated (and, under echo, the prompt's), with the same logprobs; text offsets still count text,
+    and chat's `bytes` stay the token's own."""
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    kwargs["extra_body"] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    named = client.completions.create(**kwargs).choices[0].logprobs
+    expected = ref.generate([PROMPT], _greedy(max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
+    assert _ids(named.tokens) == list(expected)
+    assert named.token_logprobs == pytest.approx(plain.token_logprobs)
+    assert named.text_offset == plain.text_offset
+    for top_named, top_plain in zip(named.top_logprobs, plain.top_logprobs):
+        _ids(top_named)
+        assert sorted(top_named.values()) == pytest.approx(sorted(top_plain.values()))
+    streamed = [t for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices
+                if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == named.tokens
+    echoed = client.completions.create(**dict(kwargs, echo=True, max_tokens=1)).choices[0].logprobs
+    assert _ids(echoed.tokens)[:-1] == ref.get_tokenizer().encode(PROMPT)
+
+    chat = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**chat, extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    named = client.chat.completions.create(
+        **chat, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.content
+    tokenizer = ref.get_tokenizer()
+    for e_named, e_plain, token_id in zip(named, plain, _ids([e.token for e in named])):
+        assert logprob_token_text(tokenizer, token_id) == e_plain.token and e_named.bytes == e_plain.bytes
+        assert e_named.logprob == pytest.approx(e_plain.logprob)
+        _ids([t.token for t in e_named.top_logprobs])
+
+
+def test_return_tokens_as_token_ids_server_flag(ckpt):
+    """`--return-tokens-as-token-ids` makes it every request's default; a request's `false` wins."""
+    with _llm(ckpt) as llm, RunningServer(llm.engine, return_tokens_as_token_ids=True) as srv:
+        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
+            _ids(c.completions.create(**kwargs).choices[0].logprobs.tokens)
+            off = c.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": False})
+            assert not any(t.startswith("token_id:") for t in off.choices[0].logprobs.tokens)
 
 
 def test_auth(ckpt):

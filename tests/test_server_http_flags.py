@@ -58,12 +58,13 @@ def test_cli_flags(capsys):
     args = build_parser().parse_args([
         "serve", "/m", "--allowed-origins", '["http://a.example"]', "--allowed-methods", '["GET", "POST"]',
         "--allow-credentials", "--root-path", "/api", "--disable-fastapi-docs", "--uvicorn-log-level", "trace",
-        "--disable-uvicorn-access-log"])
+        "--disable-uvicorn-access-log", "--return-tokens-as-token-ids"])
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers) == (["http://a.example"], ["GET", "POST"], ["*"])
-    assert args.allow_credentials and args.disable_fastapi_docs and args.no_access_log
+    assert args.allow_credentials and args.disable_fastapi_docs and args.no_access_log and args.return_tokens_as_token_ids
     assert (args.root_path, args.uvicorn_log_level) == ("/api", "trace")
     defaults = build_parser().parse_args(["serve"])
     assert defaults.allowed_origins == ["*"] and not defaults.no_access_log and defaults.uvicorn_log_level is None
+    assert not defaults.return_tokens_as_token_ids
     for bad in ("http://a.example", '{"a": 1}'):
         with pytest.raises(SystemExit):
             cli_main(["serve", "--allowed-origins", bad])

@@ -57,6 +57,7 @@ class ServerConfig:
     model_root: str | None = None
     chat: ChatOptions | None = None  # tool-call and reasoning parsers, chat template override
     log_stats_interval_s: float | None = None  # the engine-statistics line every this many seconds (None: off)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens 'token_id:N' unless a request says otherwise
     # CORS (vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials and
     # their defaults: any origin, method and header, no credentials)
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
@@ -77,6 +78,7 @@ class ServerState:
         self.serving = OpenAIServing(self.async_engine, config.served_model_names, self.metrics,
                                      retry_after_s=config.retry_after_s)
         self.serving.chat_options = config.chat or ChatOptions()
+        self.serving.return_tokens_as_token_ids = config.return_tokens_as_token_ids
 
     async def drain(self, timeout_s: float | None = None, give_up=lambda: False) -> None:
         """Refuse new requests, give in-flight ones `timeout_s` to finish (or until `give_up()`), then end

@@ -56,6 +56,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="vLLM's flag: uvicorn's log level (default: --log-level)")
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
                    help="do not log each HTTP request (vLLM's spelling: --disable-uvicorn-access-log)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="vLLM's flag: logprobs name each token as 'token_id:N' (a request's "
+                        "return_tokens_as_token_ids field overrides it)")
     s.add_argument("--root-path", default=None, metavar="PATH",
                    help="vLLM's flag: the path prefix a reverse proxy serves the API under (ASGI root_path)")
     s.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
@@ -168,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
             chat=chat, log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-            fastapi_docs=not args.disable_fastapi_docs,
+            fastapi_docs=not args.disable_fastapi_docs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
         app = build_app(llm.engine, config)
         import uvicorn  # the server stack loads only for `lamina serve` (bench / generate run without it)

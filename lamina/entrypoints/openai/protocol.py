@@ -84,6 +84,8 @@ class _SamplingFields(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = None
     prompt_logprobs: _int(ge=-1) | None = None  # -1: the whole vocabulary (within the engine's max_logprobs)
+    # vLLM's extra: logprobs name each token `token_id:N` (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

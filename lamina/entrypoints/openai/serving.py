@@ -86,6 +86,7 @@ class OpenAIServing:
         self.retry_after_s = retry_after_s
         self.created = int(time.time())
         self._token_text_cache: dict[int, str] = {}
+        self.return_tokens_as_token_ids = False  # the server's default (--return-tokens-as-token-ids)
 
     # ---- model, tokenizer ------------------------------------------------------------------
     @property
@@ -114,6 +115,16 @@ class OpenAIServing:
             if len(self._token_text_cache) < 1 << 20:
                 self._token_text_cache[token_id] = text
         return text
+
+    def tokens_as_ids(self, req) -> bool:
+        """Whether `req`'s logprobs name tokens `token_id:N` (vLLM's `return_tokens_as_token_ids`: the
+        request's field, else the server's flag)."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if asked is None else bool(asked)
+
+    def logprob_token(self, token_id: int, as_id: bool) -> str:
+        """A token as a logprobs answer names it: `token_id:N` when `as_id`, else its text."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
 
     def token_byte_list(self, token_id: int) -> list[int]:
         """A token's UTF-8 bytes for chat logprobs (the raw bytes of a partial character)."""

@@ -71,14 +71,17 @@ def _apply_template(serving: OpenAIServing, req: ChatCompletionRequest, messages
     return [int(t) for t in ids]
 
 
-def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, start: int, num: int) -> list[dict]:
+def _logprobs_entries(serving: OpenAIServing, token_ids: list[int], entries, start: int, num: int,
+                      as_ids: bool = False) -> list[dict]:
+    """Chat logprobs of tokens `start:`; `as_ids`: tokens named `token_id:N` (their `bytes` stay the
+    token's own)."""
     content = []
     for token_id, entry in zip(token_ids[start:], (entries or [])[start:]):
-        text = serving.token_text(token_id)
         content.append({
-            "token": text, "logprob": finite(entry.get(token_id)), "bytes": serving.token_byte_list(token_id),
-            "top_logprobs": [{"token": serving.token_text(tid), "logprob": lp, "bytes": serving.token_byte_list(tid)}
-                             for tid, lp in serving.top(entry, num)],
+            "token": serving.logprob_token(token_id, as_ids), "logprob": finite(entry.get(token_id)),
+            "bytes": serving.token_byte_list(token_id),
+            "top_logprobs": [{"token": serving.logprob_token(tid, as_ids), "logprob": lp,
+                              "bytes": serving.token_byte_list(tid)} for tid, lp in serving.top(entry, num)],
         })
     return content
 
@@ -138,7 +141,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
                     continuous_usage, len(token_ids), echo,
                     [output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
-                     for _ in range(params.n)]),
+                     for _ in range(params.n)], serving.tokens_as_ids(req)),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -152,7 +155,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         logprobs = None
         if num_logprobs is not None:
             logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0,
-                                                     num_logprobs), "refusal": None}
+                                                     num_logprobs, serving.tokens_as_ids(req)), "refusal": None}
         message: dict[str, Any] = {"role": "assistant", "content": completion.text, "refusal": None, "tool_calls": []}
         finish_reason = completion.finish_reason
         if parser.active:
@@ -181,8 +184,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
                   num_logprobs: int | None, include_usage: bool, arrival: float, continuous_usage: bool,
-                  prompt_tokens: int, echo: str, parsers: list[ChatOutputParser]):
-    """`parsers`: one output parser per choice (streamed parsing keeps state). `continuous_usage`
+                  prompt_tokens: int, echo: str, parsers: list[ChatOutputParser], tokens_as_ids: bool = False):
+    """`parsers`: one output parser per choice (streamed parsing keeps state); `tokens_as_ids`: logprobs
+    name tokens `token_id:N`. `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats): every chunk carries its choice's usage so far (the
     prompt's tokens and that choice's tokens, as vLLM counts them with n > 1); the last chunk, the
     totals over all choices."""
@@ -229,7 +233,7 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                     logprobs = None
                     if num_logprobs is not None:
                         entries = _logprobs_entries(serving, completion.token_ids, completion.logprobs, sent_tokens[j],
-                                                    num_logprobs)
+                                                    num_logprobs, tokens_as_ids)
                         sent_tokens[j] += len(entries)
                         logprobs = {"content": entries, "refusal": None} if entries else None
                     if not deltas and not finished and logprobs is None:

@@ -43,12 +43,14 @@ class _LogprobsBuilder:
     likeliest: `num + 1` entries when that token is not among them, `num` when it is (`logprobs: 0`
     gives the token alone), as OpenAI's legacy completions and vLLM answer; the token first, then the
     others likeliest first (vLLM's order). The engine's entry holds the token's logprob even when it
-    lies outside the top `num`."""
+    lies outside the top `num`. `as_ids` (vLLM's `return_tokens_as_token_ids`): tokens are named
+    `token_id:N`; `text_offset` still counts the tokens' text."""
 
-    def __init__(self, serving: OpenAIServing, num: int, offset: int = 0):
+    def __init__(self, serving: OpenAIServing, num: int, offset: int = 0, as_ids: bool = False):
         self.serving = serving
         self.num = num
         self.offset = offset
+        self.as_ids = as_ids
         self.done = 0
 
     def take(self, token_ids: list[int], entries: list[dict[int, float] | None] | None) -> dict[str, Any]:
@@ -57,17 +59,18 @@ class _LogprobsBuilder:
         end = min(len(token_ids), len(entries))
         for token_id, entry in zip(token_ids[self.done:end], entries[self.done:end]):
             text = self.serving.token_text(token_id)
-            out["tokens"].append(text)
+            name = self.serving.logprob_token(token_id, self.as_ids)
+            out["tokens"].append(name)
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
             else:
                 own = finite(entry.get(token_id))
                 out["token_logprobs"].append(own)
-                top: dict[str, float] = {text: own} if token_id in entry else {}
+                top: dict[str, float] = {name: own} if token_id in entry else {}
                 for t, lp in self.serving.top(entry, self.num):
                     if t != token_id:  # distinct ids may share a text: keep the first (the token's own, or likelier)
-                        top.setdefault(self.serving.token_text(t), lp)
+                        top.setdefault(self.serving.logprob_token(t, self.as_ids), lp)
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
@@ -90,7 +93,8 @@ class _Choice:
         self.prompt_ids = prompt_ids
         self.holdback = holdback
         self.generate = generate  # False for echo with max_tokens = 0: the generated token is dropped
-        self.builder = _LogprobsBuilder(serving, req.logprobs) if req.logprobs is not None else None
+        self.builder = (_LogprobsBuilder(serving, req.logprobs, as_ids=serving.tokens_as_ids(req))
+                        if req.logprobs is not None else None)
         self.echo_logprobs = req.echo and req.logprobs is not None
         # token ids in the answer: asked for, or the only output there is without a tokenizer
         self.with_ids = bool(req.return_token_ids) or serving.tokenizer is None
@@ -106,7 +110,7 @@ class _Choice:
         if not self.echo_logprobs or self.builder is None:
             return None
         entries = output.prompt_logprobs or [None] * len(self.prompt_ids)
-        prompt = _LogprobsBuilder(self.builder.serving, self.builder.num)
+        prompt = _LogprobsBuilder(self.builder.serving, self.builder.num, as_ids=self.builder.as_ids)
         out = prompt.take(self.prompt_ids, entries)
         self.builder.offset = prompt.offset
         return out
