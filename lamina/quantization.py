@@ -168,19 +168,27 @@ def quantized_tensors(headers, quant: BlockFp8 | None, model_dir) -> dict[str, s
     return out
 
 
-def is_expert_tensor(name: str) -> bool:
+def is_expert_tensor(name: str, mtp_prefix: str = "mtp.") -> bool:
     """A routed or shared expert weight of a target layer (`mlp.experts.*`, `mlp.shared_expert.*`),
-    the tensors lamina keeps FP8; MTP layers (`mtp.*`) are dequantized anyway."""
-    if name.startswith("mtp.") or name.endswith(SCALE_SUFFIX):
+    the tensors lamina keeps FP8; the MTP drafter's (under `mtp_prefix`) are `is_drafter_expert_tensor`."""
+    if name.startswith(mtp_prefix) or name.endswith(SCALE_SUFFIX):
         return False
     return ".mlp.experts." in name or ".mlp.shared_expert." in name
 
 
-def unquantized_expert_tensors(headers) -> list[str]:
-    """Expert tensors (`is_expert_tensor`) the shard headers hold in another dtype than float8:
-    a block FP8 checkpoint with any of them keeps its experts dequantized."""
+def is_drafter_expert_tensor(name: str, mtp_prefix: str = "mtp.") -> bool:
+    """An expert weight of the MTP drafter's layers (under `mtp_prefix`)."""
+    return name.startswith(mtp_prefix) and not name.endswith(SCALE_SUFFIX) and (
+        ".mlp.experts." in name or ".mlp.shared_expert." in name)
+
+
+def unquantized_expert_tensors(headers, *, drafter: bool = False, mtp_prefix: str = "mtp.") -> list[str]:
+    """Expert tensors (`is_expert_tensor`, or with `drafter` the MTP drafter's) the shard headers hold
+    in another dtype than float8: a block FP8 checkpoint with any of them keeps those experts
+    (the target's, or the drafter's) dequantized."""
+    chosen = is_drafter_expert_tensor if drafter else is_expert_tensor
     return sorted(name for h in headers for name, (dtype, _) in h.tensors.items()
-                  if is_expert_tensor(name) and not dtype.startswith("F8"))
+                  if chosen(name, mtp_prefix) and not dtype.startswith("F8"))
 
 
 def unquantized_experts(model_dir, load_format: str = "auto") -> list[str]:

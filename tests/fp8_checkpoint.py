@@ -44,7 +44,8 @@ def fp8_copy(src: Path, dst: Path, *, block=(16, 16), scales_apart: bool = False
     means), computed here independently of lamina."""
     shutil.copytree(src, dst)
     index = dst / "model.safetensors.index.json"
-    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() else ["model.safetensors"]
+    files = (sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists()
+             else sorted(p.name for p in dst.glob("*.safetensors")))  # e.g. model + a separate mtp shard
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(dst / f)))

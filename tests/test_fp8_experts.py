@@ -124,15 +124,30 @@ def test_a_checkpoint_with_unquantized_expert_tensors_keeps_its_experts_dequanti
         assert len(_tokens(llm)[0]) == 5
 
 
+def test_the_fallback_warning_names_a_remedy_only_where_one_works(caplog):
+    """64 intermediate rows in 64-row blocks split over two tensor-parallel ranks: fewer ranks (or
+    expert parallelism) would keep the experts FP8, and the warning says so."""
+    import logging
+    from types import SimpleNamespace
+
+    from lamina.engine.setup import _log_fp8_experts
+    from lamina.quantization import BlockFp8
+
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.setup"):
+        _log_fp8_experts(BlockFp8(64, 16), SimpleNamespace(moe_intermediate_size=64),
+                         SimpleNamespace(ep_enabled=False, tp=2), torch.device("cpu"), torch.float32, [])
+    assert "a rank's 32 intermediate rows" in caplog.text and "--enable-expert-parallel keep them FP8" in caplog.text
+
+
 def test_blocks_that_do_not_tile_a_slice_fall_back_to_dequantized_experts(tmp_path, qwen3_5_moe_short_dir, caplog):
     """32 intermediate rows in blocks of 64: the experts are dequantized as they load, with a warning
-    that names the remedy."""
+    that names no remedy (a whole expert does not fit the blocks either)."""
     import logging
 
     path = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8", block=(64, 16), twin=tmp_path / "twin")
     with caplog.at_level(logging.WARNING, logger="lamina.engine.setup"), LLM(str(path), **ENGINE) as llm:
         assert "a rank's 32 intermediate rows of each expert are not a multiple of the 64x16 blocks" in caplog.text
-        assert "--enable-expert-parallel keep them FP8" in caplog.text
+        assert "twice the memory\n" in caplog.text and "--enable-expert-parallel" not in caplog.text
         assert all(m.fp8 is None and m.w13.dtype == torch.float32 for m in _moes(llm))
         ours = lamina_logits(llm, IDS)
     with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
@@ -164,10 +179,12 @@ def test_dummy_weights_in_fp8(tmp_path, qwen3_5_moe_short_dir):
         assert len(_tokens(llm)[0]) == 5
 
 
-def test_plan_counts_fp8_experts(fp8_short, capsys, monkeypatch):
+def test_plan_counts_fp8_experts(fp8_short, capsys, monkeypatch, tmp_path):
     """`lamina plan` of a CUDA engine (from config.json, on the meta device, whatever this machine's
-    kernels) counts the routed and shared experts at one byte a value plus float32 block scales."""
+    kernels) counts the routed and shared experts at one byte a value plus float32 block scales, and
+    at the dtype's bytes when the checkpoint has an unquantized expert tensor (as the engine loads it)."""
     import json
+    import shutil
 
     from lamina.entrypoints.cli import main
 
@@ -180,6 +197,17 @@ def test_plan_counts_fp8_experts(fp8_short, capsys, monkeypatch):
     values = layers * experts * 3 * inter * hidden
     scales = layers * experts * (2 * inter // block * hidden // block + hidden // block * inter // block)
     assert sizes["fp8"] == sizes["twin"] - values + 4 * scales
+    # One expert tensor left unquantized: the engine dequantizes every expert, and so does the plan.
+    from safetensors.torch import load_file, save_file
+
+    mixed = shutil.copytree(fp8_short, tmp_path / "mixed")
+    tensors = load_file(str(mixed / "model.safetensors"))
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.bfloat16)
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, str(mixed / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["plan", str(mixed), "--device", "cuda", "--dtype", "bfloat16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["estimate"]["weight_bytes"] == sizes["twin"]
 
 
 @pytest.mark.gpu
@@ -202,9 +230,9 @@ def test_fp8_experts_on_the_gpu(fp8_short):
 
 def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
     """MTP (K = 2) on FP8 experts: verification steps put K + 1 tokens a request through the FP8
-    MoE kernels; greedy output equals plain decoding's on the same model. (The drafter's own MoE
-    layer is dequantized: it is built apart from the target's layers.)"""
-    path = fp8_copy(mtp_short_dir, tmp_path / "fp8")
+    MoE kernels, and the drafter's own experts stay FP8 too; greedy output equals plain decoding's
+    on the same model, and the drafts are those of the dequantized twin's drafter."""
+    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
     with LLM(str(path), **ENGINE) as llm:
         plain = _tokens(llm)
@@ -213,7 +241,35 @@ def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
         target = [m for m in model.layers.modules() if isinstance(m, SparseMoE)]
         drafter = [m for m in model.mtp.modules() if isinstance(m, SparseMoE)]
         assert target and all(m.w13.dtype == torch.float8_e4m3fn for m in target)
-        assert drafter and all(m.fp8 is None for m in drafter)  # the drafter's experts are dequantized
+        assert drafter and all(m.fp8 is not None and m.w13.dtype == torch.float8_e4m3fn for m in drafter)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.spec_decode.num_steps for o in outs) > 0
+    with LLM(str(tmp_path / "twin"), **ENGINE, **spec) as llm:  # float32, dequantized values throughout
+        twin = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.spec_decode.num_accepted_tokens for o in outs] == [o.spec_decode.num_accepted_tokens for o in twin]
+
+
+def test_a_drafter_with_unquantized_expert_tensors_keeps_its_experts_dequantized(tmp_path, mtp_short_dir):
+    """One drafter expert tensor left in bf16: the drafter's experts are dequantized, the target's
+    stay FP8 (the target's check does not look at the drafter's tensors), and MTP still gives plain
+    decoding's tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
+    shard = next(path.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = next(n for n in sorted(tensors) if n.startswith("mtp.") and ".mlp.experts." in n
+                and not n.endswith("_scale_inv"))
+    tensors[name] = load_file(str(next((tmp_path / "twin").glob("*.safetensors"))))[name].to(torch.bfloat16)
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    with LLM(str(path), **ENGINE) as llm:
+        plain = _tokens(llm)
+    with LLM(str(path), **ENGINE, **spec) as llm:
+        model = llm.engine.executor.runner.model
+        assert all(m.w13.dtype == torch.float8_e4m3fn for m in model.layers.modules() if isinstance(m, SparseMoE))
+        assert all(m.fp8 is None for m in model.mtp.modules() if isinstance(m, SparseMoE))
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain

@@ -114,6 +114,22 @@ def test_grouped_moe_launches_on_tiles_that_fit_and_keeps_them(monkeypatch):
     assert torch.equal(triton_moe.fused_moe(x, w13, w2, weights, ids, config=fitted), first)
 
 
+def test_a_fit_is_kept_per_variant(monkeypatch):
+    """A fit found for float32 activations is not reused by bf16 ones with the same tuned tiles (their
+    shared memory differs): each call launches on the tiles of its own kind."""
+    monkeypatch.setattr(tile_fit, "_FITTED", {})
+    _tuned(monkeypatch)
+    up = SmallGpu(triton_moe._gate_up_kernel, budget=32 * 16 * 2)
+    monkeypatch.setattr(triton_moe, "_gate_up_kernel", up)
+    x, w13, w2, weights, ids = _moe_case()
+    triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0)
+    assert len(tile_fit._FITTED) == 2  # gate/up and down, float32
+    up.budget = 10**9  # bf16 tiles: room enough on this "GPU"
+    up.tried.clear()
+    triton_moe.fused_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, gemv_max_tokens=0)
+    assert up.tried == [(32, 32, 4)] and len(tile_fit._FITTED) == 4
+
+
 def test_grouped_moe_raises_when_nothing_fits_or_the_refusal_is_not_shared_memory(monkeypatch):
     x, w13, w2, weights, ids = _moe_case()
     _tuned(monkeypatch)
@@ -145,7 +161,7 @@ def test_grouped_moe_tiles_over_the_gpus_shared_memory_launch_narrowed(monkeypat
     x, w13, w2, weights, ids = _moe_case(num_tokens=40, hidden=512, inter=256)
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     ours = triton_moe.fused_moe(x, w13, w2, weights, ids, gemv_max_tokens=0)
-    fitted = {name: tiles for (name, _, _), tiles in tile_fit._FITTED.items()}
+    fitted = {name: tiles for (name, _, _, _), tiles in tile_fit._FITTED.items()}
     up, down = fitted["fused_moe gate/up"], fitted["fused_moe down"]
     assert 2 <= up["stages"] < 8 and 2 <= down["down_stages"] < 8
     given = dict(deep, up_n=up["up_n"], up_k=up["up_k"], stages=up["stages"], down_n=down["down_n"],

@@ -142,12 +142,13 @@ def _log_fp8_experts(quantization: BlockFp8, cfg, plan: ParallelPlan, device: to
     elif fp8_block_fits(quantization, inter_per_rank):
         logger.info("weights are %s: the MoE experts stay FP8, everything else is dequantized into %s as it loads",
                     quantization.describe(), dtype_name)
-    else:
+    else:  # the remedy only where a whole expert's rows would fit the blocks
+        remedy = ("; fewer tensor-parallel ranks or --enable-expert-parallel keep them FP8"
+                  if fp8_block_fits(quantization, inter) else "")
         logger.warning("weights are %s, but a rank's %d intermediate rows of each expert are not a multiple of the "
                        "%dx%d blocks (powers of two, columns >= 16): the experts are dequantized into %s, twice the "
-                       "memory; fewer tensor-parallel ranks or --enable-expert-parallel keep them FP8",
-                       quantization.describe(), inter_per_rank, quantization.block_rows, quantization.block_cols,
-                       dtype_name)
+                       "memory%s", quantization.describe(), inter_per_rank, quantization.block_rows,
+                       quantization.block_cols, dtype_name, remedy)
 
 
 def load_tokenizer(path: str, config=None):

@@ -25,7 +25,8 @@ from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
-from lamina.quantization import read_quantization, resolve_quantization
+from lamina.models.loader import CheckpointError
+from lamina.quantization import read_quantization, resolve_quantization, unquantized_experts
 from lamina.worker.model_loader import read_model_config
 
 
@@ -34,17 +35,20 @@ def _is_ple_table(name: str) -> bool:
 
 
 def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
-                  ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference") -> dict:
+                  ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference",
+                 fp8_experts: bool = True) -> dict:
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
     (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
-    whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine)."""
+    whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine) when `fp8_experts` (every
+    expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_experts`)."""
     me = plan.ranks[rank]
     ctx = ParallelContext(
         tp=GroupCollectives(plan.tp, me.tp), device=torch.device("meta"),
         dp=GroupCollectives(plan.dp, me.dp), ep=GroupCollectives(plan.ep_size, me.ep or 0),
         ep_enabled=plan.ep_enabled, expert_range=me.experts, sp=plan.sp,
     )
-    options = {"ple_table_device": "gpu", "quantization": quantization, "kernel_set": kernels}
+    options = {"ple_table_device": "gpu", "quantization": quantization, "kernel_set": kernels,
+               "fp8_experts": fp8_experts}
     model = model_cls(cfg, ctx, dtype=dtype, device="meta", layer_range=me.layer_range, options=options)
     weights = ple = 0
     seen = set()
@@ -183,6 +187,12 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                                                   engine_args.mamba_cache_dtype)
         quantization = resolve_quantization(engine_args.quantization, read_quantization(hf_config),
                                             engine_args.load_format)
+        fp8_experts = True  # every expert tensor is FP8 (dummy weights: by construction)
+        if quantization is not None:
+            try:
+                fp8_experts = not unquantized_experts(Path(args.model_path), engine_args.load_format)
+            except (CheckpointError, OSError):  # no shards to read: planned as the config says
+                pass
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)
@@ -193,7 +203,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
                 est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype,
-                                    quantization, "triton" if device_type == "cuda" else "reference")
+                                    quantization, "triton" if device_type == "cuda" else "reference", fp8_experts)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
                     ssm_state_dtype)

@@ -4,8 +4,10 @@ A block FP8 checkpoint (lamina.quantization) stores each weight as float8 e4m3 v
 one float32 multiplier per `bn x bk` block of its last two dims. Kept that way on the device, the
 routed experts' `w13 [E, 2I, H]` and `w2 [E, H, I]` come with `w13 [E, 2I/bn, ceil(H/bk)]` and
 `w2 [E, ceil(H/bn), I/bk]` scales (and the shared expert's, riding in the same launches, with
-theirs). The kernels multiply the activations by a block's scale (a program's output rows lie in
-one block row) and read the weights as float8: half the bytes of bfloat16.
+theirs). The kernels read the weights as float8, half the bytes of bfloat16: the decode GEMVs
+multiply the activations by a block's scale (a program's output rows lie in one block row); the
+grouped kernels dequantize each weight tile into the activations' dtype before its dot (or, config
+`fp8_scale_b` 0, scale the tile's products after it).
 """
 
 from __future__ import annotations

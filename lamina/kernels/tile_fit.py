@@ -25,7 +25,7 @@ SM90_SHARED_MEMORY = 227 * 1024  # a block's opt-in shared memory on an H100 / H
 SMALLEST_TILE_SIDE = 16  # a tl.dot operand's side
 SMALLEST_STAGES = 2  # one buffer in flight beside the one in use
 
-# (kernel name, device, tuned tiles) -> the tiles that launched there
+# (kernel name, device, variant, tuned tiles) -> the tiles that launched there
 _FITTED: dict[tuple, dict[str, int]] = {}
 
 
@@ -57,10 +57,12 @@ def smaller_tiles(tiles: dict[str, int], n_key: str, k_key: str, stages_key: str
 
 
 def launch_fitted(name: str, device, tiles: dict[str, int], launch: Callable[[dict[str, int]], None],
-                  n_key: str, k_key: str, stages_key: str) -> dict[str, int]:
+                  n_key: str, k_key: str, stages_key: str, variant: tuple = ()) -> dict[str, int]:
     """Call `launch(tiles)`; while the GPU refuses it for shared memory, again with `smaller_tiles`.
-    Returns the tiles that launched (remembered for the next call with the same tuned tiles)."""
-    key = (name, str(device), tuple(sorted(tiles.items())))
+    Returns the tiles that launched, remembered for the next call with the same tuned tiles and
+    `variant` (what else sets the kernel's shared memory: dtypes, row block, constexpr forms), so
+    one launch's fit never stands in for another's and the tiles follow the call alone."""
+    key = (name, str(device), variant, tuple(sorted(tiles.items())))
     fitted = _FITTED.get(key, tiles)
     while True:
         try:

@@ -258,6 +258,8 @@ def fused_moe(
         return (num_tiles, num_blocks) if n_fastest else (num_blocks, num_tiles)
 
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
+    # what besides the tiles sets the kernels' shared memory (tile_fit keeps a fit per variant)
+    variant = (x.dtype, w13.dtype, block_m, n_fastest, scale_b, bn, bk)
     up_tiles = dict(up_n=cfg["up_n"], up_k=cfg["up_k"], stages=cfg["stages"], warps=cfg["warps"])
 
     def launch_gate_up(t: dict) -> None:
@@ -272,7 +274,7 @@ def fused_moe(
         )
 
     if config is None:
-        launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages")
+        launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages", variant)
     else:  # tuning: the tiles as given
         launch_gate_up(up_tiles)
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
@@ -294,7 +296,7 @@ def fused_moe(
         )
 
     if config is None:
-        launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages")
+        launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages", variant)
     else:  # tuning: the tiles as given
         launch_down(down_tiles)
     return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype

@@ -102,7 +102,9 @@ class MTPBase(nn.Module):
 class HybridMTP(MTPBase):
     """Qwen3-Next / Qwen3.5-MoE drafter: `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.{i}`, `mtp.norm`."""
 
-    def __init__(self, target: nn.Module, *, num_layers: int, prefix: str, device, available_names=()):
+    def __init__(self, target: nn.Module, *, num_layers: int, prefix: str, device, available_names=(),
+                 fp8_experts=None):
+        """`fp8_experts`: keep the drafter's experts block FP8 (as the target's, `attach_mtp`)."""
         super().__init__(target, num_layers=num_layers, prefix=prefix, device=device)
         from lamina.models.qwen3_next import HybridDecoderLayer
 
@@ -115,7 +117,8 @@ class HybridMTP(MTPBase):
         self.pre_fc_norm_hidden = RMSNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.fc = ReplicatedLinear(2 * hidden, hidden, dtype=dtype, device=device)
         self.layers = nn.ModuleDict({
-            str(i): HybridDecoderLayer(layer_cfg, 0, target.rotary, self.ctx, dtype, device) for i in range(num_layers)
+            str(i): HybridDecoderLayer(layer_cfg, 0, target.rotary, self.ctx, dtype, device, fp8_experts)
+            for i in range(num_layers)
         })
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
 
@@ -162,10 +165,14 @@ def mtp_class_for(model_cls) -> type[MTPBase]:
     raise ValueError(f"speculative_config method 'mtp' is not supported for {model_cls.__name__}")
 
 
-def attach_mtp(model: nn.Module, *, num_layers: int, prefix: str, device, available_names=()) -> MTPBase | None:
-    """Give the last pipeline stage's model its drafter (`model.mtp`); other stages get none."""
+def attach_mtp(model: nn.Module, *, num_layers: int, prefix: str, device, available_names=(),
+               fp8_experts=None) -> MTPBase | None:
+    """Give the last pipeline stage's model its drafter (`model.mtp`); other stages get none.
+    `fp8_experts` (a BlockFp8): the drafter's MoE experts stay block FP8 on the Triton kernels, as
+    the target's (`lamina.worker.model_loader` decides: every drafter expert tensor must be FP8)."""
     if not model.is_last_stage:
         return None
     cls = mtp_class_for(type(model))
-    model.mtp = cls(model, num_layers=num_layers, prefix=prefix, device=device, available_names=available_names)
+    model.mtp = cls(model, num_layers=num_layers, prefix=prefix, device=device, available_names=available_names,
+                    fp8_experts=fp8_experts)
     return model.mtp

@@ -41,7 +41,9 @@ from lamina.parallel import layout
 
 
 class Qwen4ExpMTP(MTPBase):
-    def __init__(self, target: nn.Module, *, num_layers: int, prefix: str, device, available_names=()):
+    def __init__(self, target: nn.Module, *, num_layers: int, prefix: str, device, available_names=(),
+                 fp8_experts=None):
+        """`fp8_experts`: keep the drafter's experts block FP8 (as the target's, `attach_mtp`)."""
         super().__init__(target, num_layers=num_layers, prefix=prefix, device=device)
         from lamina.models.qwen4_exp import Qwen4ExpDecoderLayer
 
@@ -56,7 +58,8 @@ class Qwen4ExpMTP(MTPBase):
         self.fc_embedding = ReplicatedLinear(hidden, hidden, dtype=dtype, device=device)
         self.fc_hidden = ReplicatedLinear(hidden, hidden, dtype=dtype, device=device)
         self.layers = nn.ModuleDict({
-            str(i): Qwen4ExpDecoderLayer(layer_cfg, 0, target.rotary, self.ctx, dtype, device, torch.device("cpu"))
+            str(i): Qwen4ExpDecoderLayer(layer_cfg, 0, target.rotary, self.ctx, dtype, device, torch.device("cpu"),
+                                         fp8_experts)
             for i in range(num_layers)
         })
         self.hyper_connection_mixer = HyperConnection(
