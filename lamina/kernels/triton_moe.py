@@ -260,45 +260,38 @@ def fused_moe(
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)  # [T*slots, I]
     # what besides the tiles sets the kernels' shared memory (tile_fit keeps a fit per variant)
     variant = (x.dtype, w13.dtype, block_m, n_fastest, scale_b, bn, bk)
-    up_tiles = dict(up_n=cfg["up_n"], up_k=cfg["up_k"], stages=cfg["stages"], warps=cfg["warps"])
 
-    def launch_gate_up(t: dict) -> None:
-        _gate_up_kernel[grid(triton.cdiv(inter, t["up_n"]))](
-            x, w13, shared_w13, sorted_pairs, block_expert, act, s13, shared_s13,
-            num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2), act.stride(0),
-            s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
-            TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t["up_n"], BLOCK_K=t["up_k"], PRECISION=precision,
-            N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-            **pdl_kwargs(x.device), num_warps=t["warps"], num_stages=t["stages"],
-        )
+    def launch(name: str, kernel, inp, w, shared_w, out, s, shared_s, out_features: int, tiles: dict,
+               n_key: str, k_key: str, stages_key: str, warps_key: str) -> None:
+        """One grouped kernel (gate/up or down: the same arguments, in the same order) on `tiles`,
+        fitted to the GPU's shared memory unless a config was given (tuning: launched as given)."""
+        def run(t: dict) -> None:
+            kernel[grid(triton.cdiv(out_features, t[n_key]))](
+                inp, w, shared_w, sorted_pairs, block_expert, out, s, shared_s,
+                num_pairs, num_tokens, num_routed_blocks, hidden, inter,
+                inp.stride(0), w.stride(0), w.stride(1), shared_w.stride(-2), out.stride(0),
+                s.stride(0), s.stride(-2), shared_s.stride(-2),
+                TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t[n_key], BLOCK_K=t[k_key], PRECISION=precision,
+                N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
+                **pdl_kwargs(x.device), num_warps=t[warps_key], num_stages=t[stages_key],
+            )
 
-    if config is None:
-        launch_fitted("fused_moe gate/up", x.device, up_tiles, launch_gate_up, "up_n", "up_k", "stages", variant)
-    else:  # tuning: the tiles as given
-        launch_gate_up(up_tiles)
+        if config is None:
+            launch_fitted(name, x.device, tiles, run, n_key, k_key, stages_key, variant)
+        else:
+            run(tiles)
+
+    launch("fused_moe gate/up", _gate_up_kernel, x, w13, shared_w13, act, s13, shared_s13, inter,
+           dict(up_n=cfg["up_n"], up_k=cfg["up_k"], stages=cfg["stages"], warps=cfg["warps"]),
+           "up_n", "up_k", "stages", "warps")
     # Every slot is written when all experts are local and the shared rows are in; else zeros first
     # (other ranks' experts: a zero part, whatever its weight).
     alloc = torch.empty if shared is not None else torch.zeros
     parts = alloc(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
-    down_tiles = dict(down_n=cfg["down_n"], down_k=cfg["down_k"], down_stages=cfg.get("down_stages", cfg["stages"]),
-                      down_warps=cfg.get("down_warps", cfg["warps"]))
-
-    def launch_down(t: dict) -> None:
-        _down_kernel[grid(triton.cdiv(hidden, t["down_n"]))](
-            act, w2, shared_w2, sorted_pairs, block_expert, parts, s2, shared_s2,
-            num_pairs, num_tokens, num_routed_blocks, hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), shared_w2.stride(-2), parts.stride(0),
-            s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
-            TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t["down_n"], BLOCK_K=t["down_k"],
-            PRECISION=precision, N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-            **pdl_kwargs(x.device), num_warps=t["down_warps"], num_stages=t["down_stages"],
-        )
-
-    if config is None:
-        launch_fitted("fused_moe down", x.device, down_tiles, launch_down, "down_n", "down_k", "down_stages", variant)
-    else:  # tuning: the tiles as given
-        launch_down(down_tiles)
+    launch("fused_moe down", _down_kernel, act, w2, shared_w2, parts, s2, shared_s2, hidden,
+           dict(down_n=cfg["down_n"], down_k=cfg["down_k"], down_stages=cfg.get("down_stages", cfg["stages"]),
+                down_warps=cfg.get("down_warps", cfg["warps"])),
+           "down_n", "down_k", "down_stages", "down_warps")
     return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype
 
 
