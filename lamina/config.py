@@ -15,6 +15,11 @@ _DTYPES = {
 
 # vLLM's choices for --mamba-ssm-cache-dtype and --mamba-cache-dtype
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's logprobs_mode: what a sampled token's logprobs (its own, its rank, the top N) report.
+# raw: the model's logits (log_softmax of them, or the logits); processed: the values the token was
+# chosen from, after bans, the per-request adjustments, and on random rows temperature, min-p and
+# top-k / top-p (tokens those remove: -inf); greedy rows have no temperature or filters.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -88,6 +93,10 @@ class EngineArgs:
     # vLLM's name and default: the most logprobs / prompt_logprobs a request may ask (-1: the
     # whole vocabulary, which a request asks with logprobs=-1)
     max_logprobs: int = 20
+    # vLLM's name and default: what a sampled token's logprobs report: raw_logprobs, raw_logits,
+    # processed_logprobs or processed_logits (lamina.worker.sampler.LOGPROBS_MODES); prompt_logprobs
+    # are always raw logprobs
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
     # own model code; configs are read by transformers); enable_prefix_caching True is refused
     trust_remote_code: bool = False
@@ -126,6 +135,8 @@ class EngineArgs:
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 (no limit below the vocabulary), "
                              f"got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode = {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=True: prefix caching is not supported yet (every prompt is "
                              "computed in full); leave it unset or pass False")

@@ -74,3 +74,16 @@ def test_invocation_keeps_what_was_typed(monkeypatch):
     argv = ["generate", "--prompt", "x", "--hf-overrides.a", "1"]
     assert main(argv) == 0
     assert seen == {"invocation": argv, "overrides": {"a": 1}}
+
+
+def test_logprobs_mode_flag(capsys):
+    """vLLM's --logprobs-mode reaches the engine's arguments; a mode it does not know is refused."""
+    from lamina.config import EngineArgs
+
+    assert engine_kwargs(_parse(["generate", "--logprobs-mode", "processed_logits"]))["logprobs_mode"] == "processed_logits"
+    assert engine_kwargs(_parse(["serve"]))["logprobs_mode"] == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        _parse(["generate", "--logprobs-mode", "processed"])
+    assert "--logprobs-mode" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="logprobs_mode = 'logits' is not one of raw_logprobs, raw_logits"):
+        EngineArgs(model="m", logprobs_mode="logits").validate()

@@ -8,6 +8,8 @@ spoiled at chosen positions).
 
 from __future__ import annotations
 
+import math
+
 import random
 import shutil
 
@@ -282,6 +284,26 @@ def test_stops_logprobs_and_min_tokens_inside_accepted_drafts(mtp_models):
         assert len(a.logprobs) == len(a.token_ids)
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
+def test_logprobs_modes_inside_accepted_drafts(mtp_models, mode):
+    """logprobs_mode under MTP: every verified position reports what plain decoding reports, for a
+    greedy row with min_tokens bans and a seeded random row with temperature and top-k."""
+    path = mtp_models["qwen3_next"]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, seed=7, max_tokens=10, logprobs=3, ignore_eos=True)]
+    ps = prompts(2, lens=(6, 17))
+    reference, ref_outs, _ = generate(path, params=params, ps=ps, logprobs_mode=mode)
+    tokens, outs, engine = generate(path, 2, params=params, ps=ps, override=_plant_reference(reference, 2),
+                                    logprobs_mode=mode)
+    assert tokens == reference and engine.spec_decode_metrics.num_accepted_tokens > 0
+    for ours, theirs in zip(outs, ref_outs):
+        for x, y in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            finite = {t for t in y if math.isfinite(y[t])}
+            assert {t for t in x if math.isfinite(x[t])} == finite and all(abs(x[t] - y[t]) < 1e-4 for t in finite)
+    if mode == "processed_logprobs":  # the seeded row's top 3 of 5 left by top-k: finite; the greedy row's too
+        assert all(math.isfinite(v) for o in ref_outs for entry in o.outputs[0].logprobs for v in entry.values())
 
 
 def test_generation_up_to_max_model_len(mtp_models):

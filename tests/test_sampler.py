@@ -345,3 +345,49 @@ def test_window_path_keeps_the_reference_set_on_the_gpu():
         for row in (0, 4, 5, 7):
             alone = SamplingBatch.build(params[row:row + 1], [0], [0], "cuda", vocab, sampler_kernels=kernels)
             assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), (kernels, row)
+
+
+def _reported(out, row):
+    """(sampled token's value, rank, {token: value} of the top N) of one row."""
+    lp = out.logprobs
+    top = dict(zip(lp.top_token_ids[row].tolist(), lp.top_logprobs[row].tolist()))
+    return float(lp.sampled_logprobs[row]), int(lp.sampled_ranks[row]), top
+
+
+def test_logprobs_modes():
+    """vLLM's logprobs_mode: raw logprobs (the default) and raw logits of the model; processed values
+    after the bias (greedy row) and after temperature and top-k (random row), removed tokens -inf."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, V)
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 4.0}),
+              SamplingParams(temperature=0.5, top_k=4, logprobs=6, seed=11)]
+    outs = {mode: Sampler(mode)(logits, build(params)) for mode in
+            ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")}
+    tokens = outs["raw_logprobs"].token_ids
+    assert all(torch.equal(o.token_ids, tokens) for o in outs.values())  # the mode changes reports only
+    biased = logits[0].clone()
+    biased[5] += 4.0
+    top4 = logits[1].topk(4).indices
+    filtered = torch.full((V,), float("-inf"))
+    filtered[top4] = logits[1, top4] / 0.5
+    expected = {"raw_logprobs": [logits[0].log_softmax(-1), logits[1].log_softmax(-1)],
+                "raw_logits": [logits[0], logits[1]],
+                "processed_logprobs": [biased.log_softmax(-1), filtered.log_softmax(-1)],
+                "processed_logits": [biased, filtered]}
+    for mode, rows in expected.items():
+        for row, values in enumerate(rows):
+            own, rank, top = _reported(outs[mode], row)
+            token = int(tokens[row])
+            assert own == pytest.approx(float(values[token]), abs=1e-5)
+            assert rank == 1 + int((values > values[token]).sum())
+            n = params[row].logprobs
+            want = values.topk(n)
+            got = list(top.items())[:n]  # (the tensors hold the batch's largest N)
+            finite = int(want.values.isfinite().sum())  # (the order among -inf ties is the kernel's)
+            assert [t for t, _ in got[:finite]] == want.indices[:finite].tolist()
+            assert [v for _, v in got] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert int(tokens[0]) == int(biased.argmax())
+    _, _, top = _reported(outs["processed_logprobs"], 1)
+    assert sum(math.isinf(v) for v in list(top.values())[:6]) == 2  # 6 asked, 4 left by top-k
+    with pytest.raises(ValueError, match="logprobs_mode = 'processed'"):
+        Sampler("processed")

@@ -271,6 +271,7 @@ def worker_spec(setup: EngineSetup) -> WorkerSpec:
         seed=args.seed, model_options=setup.model_options(), debug_layouts=args.debug_layouts,
         gpu_memory_utilization=args.gpu_memory_utilization,
         fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
+        logprobs_mode=args.logprobs_mode,
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from lamina.config import LOGPROBS_MODES
 from lamina.entrypoints.openai.cli_serve import add_serve_parser
 from lamina.sampling_params import SamplingParams
 
@@ -65,6 +66,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask (-1: the whole vocabulary, "
                         "which a request asks with -1)")
+    g.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=LOGPROBS_MODES,
+                   help="vLLM's flag: what a sampled token's logprobs report: the model's (raw) or those the "
+                        "token was drawn from after penalties, bans, temperature and top-k / top-p / min-p "
+                        "(processed), as log-probabilities or logits (prompt_logprobs stay raw logprobs)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                         '(add "policy": "auto" to let the engine lower K when drafts do not pay)')
@@ -128,6 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager,
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
+        logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),
     )

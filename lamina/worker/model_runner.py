@@ -41,13 +41,13 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, *, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 ssm_state_dtype: torch.dtype = torch.float32):
+                 ssm_state_dtype: torch.dtype = torch.float32, logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.ssm_state_dtype = ssm_state_dtype  # the delta-net recurrent state pools' (mamba_ssm_cache_dtype)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)  # logprobs_mode: what sampled tokens' logprobs report
         self.sampler_kernels = sampler_kernels(kernel_set(device))  # the sampler's own: seeded noise, the top-k window
         self.block_size = 0
         self.kv_cache_bytes = 0
@@ -64,7 +64,7 @@ class ModelRunner:
         if getattr(model, "speculative", False):  # every stage: recurrent states are rolled back
             from lamina.worker.spec_step import SpecDecodeStep
 
-            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.sampler_kernels)
+            self.spec = SpecDecodeStep(model, device, eos_token_ids, vocab_size, self.sampler_kernels, logprobs_mode)
 
     # ---- caches --------------------------------------------------------------------------
     def paged_cache_modules(self) -> list:

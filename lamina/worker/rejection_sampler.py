@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.worker.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race, seeded_race
+from lamina.worker.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race,
+                                   check_logprobs_mode, reported_values, seeded_race)
 
 
 @dataclass
@@ -64,6 +65,7 @@ def verify_drafts(
     num_drafts: torch.Tensor,
     batch: SamplingBatch,
     draft_probs: torch.Tensor | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> VerifyOutput:
     """Args:
         logits: `[R, V]` target logits of the scored rows;
@@ -73,14 +75,22 @@ def verify_drafts(
         num_drafts: `[B]` long, k_b; batch: sampling metadata built per row (R rows, min_tokens
             counted per position);
         draft_probs: `[R, V]` q of the draft at each draft row (needed when any row is random
-            and has no seed).
+            and has no seed);
+        logprobs_mode: what the rows' logprobs report (`lamina.worker.sampler.LOGPROBS_MODES`; the
+            processed values are the target's distribution each row's token is checked against).
     """
     num_rows = logits.shape[0]
     width = rows.shape[1]
     work = logits.float().clone()  # [R, V]
-    raw_logprobs = torch.log_softmax(work, dim=-1) if batch.max_num_logprobs is not None else None
+    wanted = batch.max_num_logprobs is not None
+    processed = check_logprobs_mode(logprobs_mode).startswith("processed")
+    reported = reported_values(work, logprobs_mode) if wanted and not processed else None  # [R, V]
     if batch.has_bans:
         work[batch.ban_rows, batch.ban_cols] = float("-inf")
+    if wanted and processed:  # greedy rows: the banned logits; random rows: after temperature and filters
+        final = work if batch.all_greedy else torch.where(
+            batch.greedy[:, None], work, Sampler.filtered_logits(work.clone(), batch))  # [R, V]
+        reported = reported_values(final, logprobs_mode)  # [R, V]
     greedy_tokens = work.argmax(dim=-1)  # [R]
     has_draft = row_draft >= 0  # [R]
     draft = row_draft.clamp(min=0)  # [R]
@@ -120,8 +130,8 @@ def verify_drafts(
     tokens = torch.where(cols[None, :] < num_accepted[:, None], draft_cols, final[rows])  # [B, W]
     row_tokens = tokens[row_req, row_pos]  # [R]
     lp = None
-    if raw_logprobs is not None:
-        lp = Sampler._gather_logprobs(raw_logprobs, row_tokens, batch.max_num_logprobs)
+    if reported is not None:
+        lp = Sampler._gather_logprobs(reported, row_tokens, batch.max_num_logprobs)
     return VerifyOutput(num_accepted, tokens, row_tokens, lp, list(batch.num_logprobs))
 
 

@@ -5,7 +5,9 @@ sampling requests' :class:`~lamina.sampling_params.SamplingParams`, then calls
 :class:`Sampler` on the model's logits.  The pipeline, per row, is:
 
 1. (optional) raw logprobs: ``log_softmax`` of the unmodified logits in
-   float32, top-N and the sampled token's logprob/rank are reported from these;
+   float32, top-N and the sampled token's logprob/rank are reported from these
+   (or, by the engine's ``logprobs_mode``, from the raw logits, or from the
+   processed values of the rows' last stage below: ``LOGPROBS_MODES``);
 2. bans: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` while the
    request has generated fewer than ``min_tokens`` tokens, and the bad words
    whose other tokens the output ends with, are set to ``-inf``;
@@ -31,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from lamina.config import LOGPROBS_MODES
 from lamina.host_to_device import to_device
 from lamina.outputs import Logprob
 from lamina.sampling_params import SamplingParams
@@ -310,8 +313,22 @@ class SamplerOutput:
 # ---------------------------------------------------------------------- #
 # Sampler
 # ---------------------------------------------------------------------- #
+def check_logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode = {mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+    return mode
+
+
+def reported_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """float32 `logits` [B, V] as `mode` reports them (log_softmax for the *_logprobs modes)."""
+    return torch.log_softmax(logits, dim=-1) if mode.endswith("logprobs") else logits.clone()
+
+
 class Sampler:
-    """Stateless sampler; call it with ``(logits, batch)``."""
+    """Stateless sampler; call it with ``(logits, batch)``. `logprobs_mode`: `LOGPROBS_MODES`."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row.
@@ -329,32 +346,43 @@ class Sampler:
         # float32 working copy; the raw logits are left untouched.
         work = logits.to(torch.float32, copy=True)  # [B, V]
 
-        raw_logprobs = None
-        if batch.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(work, dim=-1)  # [B, V]
+        wanted = batch.max_num_logprobs is not None
+        processed = self.logprobs_mode.startswith("processed")
+        reported = reported_values(work, self.logprobs_mode) if wanted and not processed else None  # [B, V]
 
         apply_bans_and_adjustments(work, batch)
 
         if batch.all_greedy:
             token_ids = work.argmax(dim=-1)  # [B]
+            if wanted and processed:
+                reported = reported_values(work, self.logprobs_mode)  # [B, V]
         else:
-            token_ids = self._sample(work, batch)
+            token_ids, final = self._sample(work, batch, keep_processed=wanted and processed)
+            if final is not None:
+                reported = reported_values(final, self.logprobs_mode)  # [B, V]
 
         lp = None
-        if raw_logprobs is not None:
-            lp = self._gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
+        if reported is not None:
+            lp = self._gather_logprobs(reported, token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=lp, num_logprobs=list(batch.num_logprobs))
 
     # -- stages ----------------------------------------------------------- #
     @staticmethod
-    def _sample(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Random (and mixed greedy) sampling over the banned float32 logits."""
+    def _sample(work: torch.Tensor, batch: SamplingBatch,
+                keep_processed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Random (and mixed greedy) sampling over the banned float32 logits. Returns the tokens [B]
+        and, with `keep_processed`, the logits each row chose from [B, V] (random rows: after
+        temperature and the filters; greedy rows: the banned logits)."""
         greedy_ids = work.argmax(dim=-1) if batch.any_greedy else None  # [B]
-        probs = Sampler.probs(work, batch)  # [B, V]
-        sampled = _exponential_race(probs, batch)  # [B]
+        banned = work.clone() if keep_processed and batch.any_greedy else None  # [B, V]
+        filtered = Sampler.filtered_logits(work, batch)  # [B, V]
+        final = None
+        if keep_processed:
+            final = filtered.clone() if banned is None else torch.where(batch.greedy[:, None], banned, filtered)
+        sampled = _exponential_race(filtered.softmax(dim=-1), batch)  # [B]
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
-        return sampled
+        return sampled, final
 
     @staticmethod
     def probs(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -362,19 +390,25 @@ class Sampler:
         (vLLM's order: top-p keeps its share of what min-p left), softmax, over the (banned)
         float32 logits `work` [B, V], which it modifies. Returns [B, V]. Speculative sampling
         verifies drafts against it."""
+        return Sampler.filtered_logits(work, batch).softmax(dim=-1)  # [B, V]
+
+    @staticmethod
+    def filtered_logits(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`probs`'s logits before the softmax: temperature, min-p, top-k / top-p (removed tokens
+        -inf), over the (banned) float32 logits `work` [B, V], which it modifies. Returns [B, V]."""
         work.div_(batch.temperature.unsqueeze(1))  # [B, V]
         if batch.need_min_p:
             below = apply_min_p(work.softmax(dim=-1), batch.min_p) == 0  # [B, V]
             work = work.masked_fill_(below, float("-inf"))
         if batch.window_rows or batch.sorted_rows:
             work = filter_top_k_top_p(work, batch)
-        return work.softmax(dim=-1)  # [B, V]
+        return work  # [B, V]
 
     @staticmethod
     def _gather_logprobs(
         raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int
     ) -> LogprobsTensors:
-        """Top-``max_n`` raw logprobs plus the sampled token's logprob and rank."""
+        """Top-``max_n`` reported values (raw logprobs by default) plus the sampled token's and its rank."""
         sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
         # Rank = 1 + number of tokens strictly more likely than the sampled one.
         ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1  # [B]

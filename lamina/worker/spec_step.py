@@ -59,9 +59,10 @@ class _VerifyInputs:
 class SpecDecodeStep:
     def __init__(
         self, model, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
-        sampler_kernels: str = "torch",
+        sampler_kernels: str = "torch", logprobs_mode: str = "raw_logprobs",
     ):
         self.model = model
+        self.logprobs_mode = logprobs_mode  # what verified tokens' logprobs report (lamina.worker.sampler)
         self.mtp = getattr(model, "mtp", None)  # None on stages other than the last
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
@@ -256,7 +257,8 @@ class SpecDecodeStep:
         needs_q = batch.num_greedy + len(batch.seeded_rows) < len(host.params)  # random rows without a seed
         draft_probs = self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1]) if needs_q else None
         rows = grid.view(len(sampled), host.width)  # [B, W]
-        return verify_drafts(logits, rows, row_req, row_pos, row_draft, num_drafts, batch, draft_probs)
+        return verify_drafts(logits, rows, row_req, row_pos, row_draft, num_drafts, batch, draft_probs,
+                             logprobs_mode=self.logprobs_mode)
 
     def _draft_prob_rows(self, sampled, drafts_k, row_draft: torch.Tensor, vocab: int) -> torch.Tensor:
         """q [R, V] at every verified row: the stored draft distributions (a point mass at the

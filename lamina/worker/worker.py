@@ -42,6 +42,7 @@ class WorkerSpec:
     fail_at_step: int | None = None  # tests: rank `fail_rank` fails at this step
     fail_rank: int | None = None
     fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises
+    logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode
 
 
 def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
@@ -138,7 +139,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         replica = groups.ctx.dp.rank
         torch.manual_seed(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF)
         runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size,
-                             ssm_state_dtype=spec.ssm_state_dtype)
+                             ssm_state_dtype=spec.ssm_state_dtype, logprobs_mode=spec.logprobs_mode)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         info = pdist.gather_objects({"rank": rank, "free_bytes": free}, groups)
         if rank == 0:
