@@ -306,6 +306,32 @@ def test_logprobs_modes_inside_accepted_drafts(mtp_models, mode):
         assert all(math.isfinite(v) for o in ref_outs for entry in o.outputs[0].logprobs for v in entry.values())
 
 
+@pytest.mark.parametrize("family,layout", [("qwen3_5_moe", []), ("qwen4_exp", []), ("qwen3_5_moe", ["-pp", "2"])])
+def test_plan_counts_the_drafter(mtp_models, capsys, family, layout):
+    """`lamina plan --speculative-config` counts what the engine holds with MTP: the drafter's weights
+    (its own embedding on a pipeline's last stage) and its KV cache, beside the target's."""
+    import json
+
+    from lamina.entrypoints.cli import main
+
+    path = mtp_models[family]
+    spec_json = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert main(["plan", str(path), "--device", "cpu", "--dtype", "float32", "--json", *layout]) == 0
+    plain = json.loads(capsys.readouterr().out)["ranks"][-1]["estimate"]
+    assert main(["plan", str(path), "--device", "cpu", "--dtype", "float32", "--json", *layout,
+                 "--speculative-config", spec_json]) == 0
+    planned = json.loads(capsys.readouterr().out)["ranks"][-1]["estimate"]
+    assert planned["weight_bytes"] > plain["weight_bytes"] and planned["kv_bytes_per_token"] > plain["kv_bytes_per_token"]
+    if layout:
+        return
+    with LLM(str(path), **ENGINE, **spec(2)) as llm:
+        runner = llm.engine.executor.runner
+        params = {id(p): p for p in runner.model.parameters()}.values()
+        held = sum(p.numel() * p.element_size() for p in params)
+        assert planned["weight_bytes"] + planned["ple_table_bytes"] == held  # (Qwen4-Exp: its PLE table apart)
+        assert planned["kv_bytes_per_token"] == runner.paged_cache_bytes_per_block(16) // 16
+
+
 def test_generation_up_to_max_model_len(mtp_models):
     """Drafts and the drafter's lookahead are cut at max_model_len; the last steps still verify."""
     path = mtp_models["qwen3_5_moe"]

@@ -25,9 +25,19 @@ from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
-from lamina.models.loader import CheckpointError
+from lamina.models.loader import CheckpointError, read_header, resolve_shards
 from lamina.quantization import read_quantization, resolve_quantization, unquantized_experts
-from lamina.worker.model_loader import read_model_config
+from lamina.worker.model_loader import attach_drafter, read_model_config
+
+
+def _headers(model_path, engine_args: EngineArgs) -> list:
+    """The checkpoint's shard headers ([] for dummy weights or a folder without shards)."""
+    if engine_args.load_format == "dummy":
+        return []
+    try:
+        return [read_header(p) for p in resolve_shards(Path(model_path))]
+    except (CheckpointError, OSError):
+        return []
 
 
 def _is_ple_table(name: str) -> bool:
@@ -36,11 +46,13 @@ def _is_ple_table(name: str) -> bool:
 
 def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
                   ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference",
-                 fp8_experts: bool = True) -> dict:
+                 fp8_experts: bool = True, drafter: dict | None = None) -> dict:
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
     (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
     whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine) when `fp8_experts` (every
-    expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_experts`)."""
+    expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_experts`). `drafter`
+    (`hf_config`, `mtp_prefix`, shard `headers`) under MTP: the last stage's drafter is built too, and
+    its weights (its own embedding table on a pipeline's last stage) and KV cache are counted."""
     me = plan.ranks[rank]
     ctx = ParallelContext(
         tp=GroupCollectives(plan.tp, me.tp), device=torch.device("meta"),
@@ -50,6 +62,10 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
     options = {"ple_table_device": "gpu", "quantization": quantization, "kernel_set": kernels,
                "fp8_experts": fp8_experts}
     model = model_cls(cfg, ctx, dtype=dtype, device="meta", layer_range=me.layer_range, options=options)
+    if drafter is not None and model.is_last_stage:
+        attach_drafter(model, drafter["hf_config"], dict(options, mtp_prefix=drafter["mtp_prefix"]), "meta",
+                       drafter["headers"])
+    mtp = getattr(model, "mtp", None)
     weights = ple = 0
     seen = set()
     for name, param in model.named_parameters():
@@ -61,7 +77,8 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
             ple += nbytes
         else:
             weights += nbytes
-    kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, dtype) for m in model.paged_cache_modules())
+    caches = model.paged_cache_modules() + (mtp.paged_cache_modules() if mtp is not None else [])
+    kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, dtype) for m in caches)
     state = sum(m.bind_state(1, dtype, "meta", ssm_dtype=ssm_state_dtype) for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
             "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch.")}
@@ -176,8 +193,10 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         architecture, model_cls = resolve_model_class(hf_config)
         cfg = model_cls.parse_config(hf_config, architecture)
         spec = SpeculativeConfig.parse(engine_args.speculative_config)
+        drafter = None
         if spec is not None:  # refuse what `generate` would refuse, from config and headers alone
-            check_speculative(spec, hf_config, model_cls, Path(args.model_path), engine_args.load_format)
+            prefix = check_speculative(spec, hf_config, model_cls, Path(args.model_path), engine_args.load_format)
+            drafter = {"hf_config": hf_config, "mtp_prefix": prefix, "headers": _headers(args.model_path, engine_args)}
         device_type = "cpu" if engine_args.device == "cpu" else ("cuda" if engine_args.device.startswith("cuda") or torch.cuda.is_available() else "cpu")
         plan = build_plan(cfg, engine_args.parallel_config(), num_devices=None, device_type=device_type)
         dtype = resolve_dtype(engine_args.dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), getattr(hf_config, "dtype", None))
@@ -203,7 +222,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
                 est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype,
-                                    quantization, "triton" if device_type == "cuda" else "reference", fp8_experts)
+                                    quantization, "triton" if device_type == "cuda" else "reference", fp8_experts,
+                                    drafter)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
                     ssm_state_dtype)

@@ -113,26 +113,32 @@ def build_model(
 
 
 def _attach_drafter(model, model_dir, hf_config, model_options: dict, device, load_format: str) -> None:
-    """Speculative decoding: the last stage's model gets its MTP drafter (lamina.models.mtp). Its
-    experts stay block FP8 where the target's may (`fp8_experts_for`) and every drafter expert tensor
-    of the checkpoint is FP8 (dummy weights: by construction)."""
+    """Speculative decoding: the last stage's model gets its MTP drafter (lamina.models.mtp)."""
+    from lamina.models.loader import read_header
+
+    model.speculative = True  # every stage keeps per-position states; the last one also drafts
+    headers = [] if load_format == "dummy" else [read_header(path) for path in resolve_shards(Path(model_dir))]
+    attach_drafter(model, hf_config, model_options, device, headers)
+
+
+def attach_drafter(model, hf_config, model_options: dict, device, headers: list) -> None:
+    """Give the last stage's `model` its MTP drafter, from the checkpoint's shard `headers` ([] for
+    dummy weights). Its experts stay block FP8 where the target's may (`fp8_experts_for`) and every
+    drafter expert tensor of the checkpoint is FP8 (dummy weights: by construction). Also what
+    `lamina plan` builds on the meta device."""
     from lamina.layers.moe import fp8_experts_for
     from lamina.models.hybrid_config import num_mtp_layers
-    from lamina.models.loader import read_header
     from lamina.models.mtp import attach_mtp
     from lamina.quantization import unquantized_expert_tensors
 
-    model.speculative = True  # every stage keeps per-position states; the last one also drafts
     prefix = model_options.get("mtp_prefix") or "mtp."
-    headers = [] if load_format == "dummy" else [read_header(path) for path in resolve_shards(Path(model_dir))]
-    names = [n for h in headers for n in h.tensors]
     drafter_fp8 = None
     if model_options.get("quantization") is not None and not unquantized_expert_tensors(
             headers, drafter=True, mtp_prefix=prefix):
         drafter_fp8 = fp8_experts_for(dict(model_options, fp8_experts=True), device)
     attach_mtp(
-        model, num_layers=num_mtp_layers(hf_config), prefix=prefix, device=device, available_names=names,
-        fp8_experts=drafter_fp8,
+        model, num_layers=num_mtp_layers(hf_config), prefix=prefix, device=device,
+        available_names=[n for h in headers for n in h.tensors], fp8_experts=drafter_fp8,
     )
 
 

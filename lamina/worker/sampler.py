@@ -378,7 +378,7 @@ class Sampler:
         filtered = Sampler.filtered_logits(work, batch)  # [B, V]
         final = None
         if keep_processed:
-            final = filtered.clone() if banned is None else torch.where(batch.greedy[:, None], banned, filtered)
+            final = filtered if banned is None else torch.where(batch.greedy[:, None], banned, filtered)
         sampled = _exponential_race(filtered.softmax(dim=-1), batch)  # [B]
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
