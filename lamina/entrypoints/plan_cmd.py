@@ -46,7 +46,7 @@ def _is_ple_table(name: str) -> bool:
 
 def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
                   ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference",
-                 fp8_experts: bool = True, drafter: dict | None = None) -> dict:
+                  fp8_experts: bool = True, drafter: dict | None = None) -> dict:
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
     (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
     whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine) when `fp8_experts` (every

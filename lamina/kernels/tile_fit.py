@@ -3,8 +3,8 @@
 The grouped MoE kernels' prefill tiles were swept on sm90 (227 KiB of shared memory a block);
 an sm89 or sm80/86 card has ~100-164 KiB, and Triton refuses the launch with `OutOfResources`.
 `launch_fitted` retries with fewer pipeline stages (down to two), then with the tile's wider side
-halved (down to 16), and remembers the fit per (kernel, device, tuned tiles), so later calls
-launch once. The sums stay exact to the kernel's contract (the tile sides only change the
+halved (down to 16), and remembers the fit per (kernel, device, variant, tuned tiles), so later
+calls launch once. The sums stay exact to the kernel's contract (the tile sides only change the
 K-summation order, as the tiles chosen by call size already do: docs/ARCHITECTURE.md, "Batch
 invariance"). Under Triton's interpreter nothing is refused.
 """
