@@ -228,15 +228,11 @@ def test_fp8_experts_on_the_gpu(fp8_short):
         assert_greedy_agrees(reference, prompt["prompt_token_ids"], tokens, margin=0.05)
 
 
-def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
-    """MTP (K = 2) on FP8 experts: verification steps put K + 1 tokens a request through the FP8
-    MoE kernels, and the drafter's own experts stay FP8 too; greedy output equals plain decoding's
-    on the same model, and the drafts are those of the dequantized twin's drafter."""
-    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
+def _check_mtp_on_fp8_experts(path, engine: dict):
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
-    with LLM(str(path), **ENGINE) as llm:
+    with LLM(str(path), **engine) as llm:
         plain = _tokens(llm)
-    with LLM(str(path), **ENGINE, **spec) as llm:
+    with LLM(str(path), **engine, **spec) as llm:
         model = llm.engine.executor.runner.model
         target = [m for m in model.layers.modules() if isinstance(m, SparseMoE)]
         drafter = [m for m in model.mtp.modules() if isinstance(m, SparseMoE)]
@@ -245,9 +241,36 @@ def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.spec_decode.num_steps for o in outs) > 0
+    return outs
+
+
+def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
+    """MTP (K = 2) on FP8 experts: verification steps put K + 1 tokens a request through the FP8
+    MoE kernels, and the drafter's own experts stay FP8 too; greedy output equals plain decoding's
+    on the same model, and the drafts are those of the dequantized twin's drafter."""
+    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
+    outs = _check_mtp_on_fp8_experts(path, ENGINE)
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
     with LLM(str(tmp_path / "twin"), **ENGINE, **spec) as llm:  # float32, dequantized values throughout
         twin = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.spec_decode.num_accepted_tokens for o in outs] == [o.spec_decode.num_accepted_tokens for o in twin]
+
+
+def test_mtp_on_fp8_experts_qwen4_exp(tmp_path):
+    """The same for Qwen4-Exp's drafter (its own decoder layer class)."""
+    from tests import tiny_checkpoints as tc
+
+    src = tc.add_mtp_weights(tc.make_qwen4_exp(tmp_path / "q4"), shared_head=True)
+    _check_mtp_on_fp8_experts(fp8_copy(src, tmp_path / "fp8"), ENGINE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mtp_on_fp8_experts_on_the_gpu(tmp_path, mtp_short_dir):
+    """On CUDA (float32, graphs): the compiled FP8 kernels in the drafter's passes and the
+    verification steps; greedy output equals plain decoding's."""
+    _check_mtp_on_fp8_experts(fp8_copy(mtp_short_dir, tmp_path / "fp8"),
+                              dict(ENGINE, device="cuda", enforce_eager=False))
 
 
 def test_a_drafter_with_unquantized_expert_tensors_keeps_its_experts_dequantized(tmp_path, mtp_short_dir):
