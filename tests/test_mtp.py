@@ -286,6 +286,26 @@ def test_stops_logprobs_and_min_tokens_inside_accepted_drafts(mtp_models):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
+def test_logit_bias_and_allowed_token_ids_inside_accepted_drafts(mtp_models):
+    """logit_bias and allowed_token_ids (the same at every position) under MTP: every verified row
+    applies them, so greedy and seeded random output equal plain decoding's, drafts accepted."""
+    path = mtp_models["qwen3_next"]
+    ps = prompts(3, lens=(6, 17))
+    plain = generate(path, ps=ps)[0]
+    favoured = [toks[2] for toks in plain]  # a token plain decoding reaches, pushed up
+    allowed = sorted({t for toks in plain for t in toks} | {3, 5, 7, 11})
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={favoured[0]: 2.5}),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed,
+                             logit_bias={favoured[1]: -1.5})]
+    reference = generate(path, params=params, ps=ps)[0]
+    assert reference != plain  # the options change the text
+    assert all(t in allowed for t in reference[1])
+    tokens, _, engine = generate(path, 2, params=params, ps=ps, override=_plant_reference(reference, 2))
+    assert tokens == reference and engine.spec_decode_metrics.num_accepted_tokens > 0
+    unplanted = generate(path, 2, params=params, ps=ps)[0]  # the drafter's own drafts (biased outputs: rejected more)
+    assert unplanted == reference
+
+
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
 def test_logprobs_modes_inside_accepted_drafts(mtp_models, mode):
     """logprobs_mode under MTP: every verified position reports what plain decoding reports, for a

@@ -7,6 +7,8 @@ positions (the request's last known token and its k_b drafts), flat `[R, V]`. Ro
 - Greedy requests: draft j+1 is accepted while it equals the target's argmax at row j (after the
   same min_tokens bans plain decoding applies); the token after the accepted prefix is the
   argmax at the first mismatching row, or at the bonus row. The output is the plain greedy one.
+  (p, and the greedy argmax, are taken after the rows' logit_bias and allowed_token_ids too: the
+  same at every position. The drafter drafts without them: only its acceptance rate changes.)
 - Random requests without a seed (speculative sampling): with p the target's and q the
   drafter's processed distribution at a row, draft d is accepted with probability
   min(1, p(d)/q(d)) (u q(d) <= p(d), u ~ U[0, 1)); at the first rejection the token is drawn
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lamina.worker.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race,
-                                   check_logprobs_mode, reported_values, seeded_race)
+                                   apply_bans_and_adjustments, check_logprobs_mode, reported_values, seeded_race)
 
 
 @dataclass
@@ -85,8 +87,7 @@ def verify_drafts(
     wanted = batch.max_num_logprobs is not None
     processed = check_logprobs_mode(logprobs_mode).startswith("processed")
     reported = reported_values(work, logprobs_mode) if wanted and not processed else None  # [R, V]
-    if batch.has_bans:
-        work[batch.ban_rows, batch.ban_cols] = float("-inf")
+    apply_bans_and_adjustments(work, batch)  # min_tokens bans, logit_bias, allowed_token_ids (per row)
     if wanted and processed:  # greedy rows: the banned logits; random rows: after temperature and filters
         final = work if batch.all_greedy else torch.where(
             batch.greedy[:, None], work, Sampler.filtered_logits(work.clone(), batch))  # [R, V]
