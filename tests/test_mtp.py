@@ -306,6 +306,31 @@ def test_logit_bias_and_allowed_token_ids_inside_accepted_drafts(mtp_models):
     assert unplanted == reference
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_with_mtp(mtp_models, async_scheduling):
+    """prompt_logprobs under MTP (prompts in chunks beside other requests' verification steps; steps
+    planned ahead or not): the plain run's prompt logprobs and its tokens."""
+    path = mtp_models["qwen3_5_moe"]
+    ps = prompts(4, lens=(9, 23, 5))
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, prompt_logprobs=0, logprobs=1)]
+    small = dict(max_num_batched_tokens=8)  # the 23-token prompt in chunks, beside the others' steps
+    reference, ref_outs, _ = generate(path, params=params, ps=ps, **small)
+    tokens, outs, engine = generate(path, 2, params=params, ps=ps, async_scheduling=async_scheduling, **small)
+    assert tokens == reference and engine.spec_decode_metrics.num_steps > 0
+    assert engine.async_scheduling == async_scheduling
+    for ours, theirs, p in zip(outs, ref_outs, params):
+        if p.prompt_logprobs is None:
+            assert ours.prompt_logprobs is None
+            continue
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs) == len(ours.prompt_token_ids)
+        for x, y in zip(ours.prompt_logprobs, theirs.prompt_logprobs):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+
+
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
 def test_logprobs_modes_inside_accepted_drafts(mtp_models, mode):
     """logprobs_mode under MTP: every verified position reports what plain decoding reports, for a

@@ -20,7 +20,7 @@ from tests.test_parallel_layouts import ENGINE, PROMPT_LENS
 from tests.reference import assert_greedy_agrees, load_reference
 
 K = 2
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)  # (every rank scores prompts)
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
 
@@ -38,18 +38,20 @@ def mtp_dirs(tmp_path_factory, qwen3_next_dir):
     }
 
 
-_single: dict[str, list[list[int]]] = {}
+_single: dict[str, tuple[list[list[int]], list]] = {}
 
 
-def single_rank_plain(path) -> list[list[int]]:
+def single_rank_plain(path) -> tuple[list[list[int]], list]:
+    """(tokens, prompt logprobs) of each prompt, single rank, no speculation."""
     if str(path) not in _single:
         with LLM(str(path), **ENGINE) as llm:
-            _single[str(path)] = [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+            outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
+            _single[str(path)] = ([o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs])
     return _single[str(path)]
 
 
 def run_layout_spec(path, **layout):
-    reference = single_rank_plain(path)
+    reference, reference_prompt_logprobs = single_rank_plain(path)
 
     def plant(request, proposed):
         i, n = int(request.request_id), len(request.output_token_ids)
@@ -61,9 +63,14 @@ def run_layout_spec(path, **layout):
 
     with LLM(str(path), debug_layouts=True, speculative_config=SPEC, **ENGINE, **layout) as llm:
         llm.engine.draft_override = plant
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+        results = llm.generate(prompts(), PARAMS, use_tqdm=False)
+        outs = [o.outputs[0].token_ids for o in results]
         metrics = llm.engine.spec_decode_metrics
         counts = list(llm.engine.step_token_counts)
+    for ours, theirs in zip([o.prompt_logprobs for o in results], reference_prompt_logprobs):
+        assert len(ours) == len(theirs) and ours[0] is None
+        for x, y in zip(ours[1:], theirs[1:]):  # every rank scored its prompt rows (a TP collective)
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # partial acceptance happened
     if layout.get("enable_expert_parallel"):  # an idle replica runs the drafter's passes in lockstep too
         assert any(0 in step and sum(step) > 0 for step in counts), counts

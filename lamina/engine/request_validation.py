@@ -100,9 +100,9 @@ class RequestValidation:
                 raise ValueError(error)
 
     # Sampling options the speculative (MTP) verification path does not apply yet.
-    # (logit_bias and allowed_token_ids are the same at every position: verification applies them.)
-    _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "prompt_logprobs",
-                     "structured_outputs")
+    # (logit_bias and allowed_token_ids are the same at every position: verification applies them;
+    # prompt logprobs are scored from the target's prompt rows as in plain decoding.)
+    _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "structured_outputs")
 
     def _check_token_options(self, params: SamplingParams, vocab: int) -> None:
         """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized;
@@ -126,7 +126,7 @@ class RequestValidation:
                 raise ValueError(
                     f"{', '.join(used)} cannot be combined with speculative decoding (MTP) yet: the verification "
                     "path applies temperature, top-k, top-p, min-p, min_tokens, logit_bias and allowed_token_ids "
-                    "only; start the engine without speculative_config to use them"
+                    "only (prompt_logprobs work too); start the engine without speculative_config to use them"
                 )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

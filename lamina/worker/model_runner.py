@@ -254,29 +254,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify_and_propose(self, plan: StepPlan, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, SampledToken]:
-        """Last stage under speculative decoding (a TP collective: every TP rank calls it)."""
-        return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size).result()
+        """Last stage under speculative decoding (a TP collective: every TP rank calls it); chunks that
+        asked for prompt logprobs score their prompt positions too."""
+        scored = score_prompt_chunks(self.model, hidden, plan.chunks) if self._scores_prompts(plan) else {}
+        results = self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size).result()
+        return self._with_prompt_logprobs(results, scored) if self.model.ctx.tp_rank == 0 else results
+
+    @staticmethod
+    def _scores_prompts(plan: StepPlan) -> bool:
+        return any(c.num_prompt_tokens for c in plan.chunks)
+
+    @staticmethod
+    def _with_prompt_logprobs(results: dict[str, SampledToken], scored: dict) -> dict[str, SampledToken]:
+        """`results` with each scored request's prompt logprobs (`score_prompt_chunks`) added."""
+        for request_id, (start, entries, ranks) in scored.items():
+            result = results.setdefault(request_id, SampledToken(None))
+            result.prompt_logprobs, result.prompt_logprobs_start = entries, start
+            result.prompt_logprob_ranks = ranks
+        return results
 
     @torch.inference_mode()
     def logits_and_sample(self, plan: StepPlan, hidden: torch.Tensor, logits_rows: list[int], *, sample: bool = True):
         """Last stage: logits of the sampling rows (a TP collective: every TP rank calls it), then
         sample on the rank that reports results. Chunks of requests that asked for prompt logprobs
         also score their prompt positions (lamina.worker.prompt_logprobs)."""
-        scored = {}
-        if any(c.num_prompt_tokens for c in plan.chunks):
-            scored = score_prompt_chunks(self.model, hidden, plan.chunks)
+        scored = score_prompt_chunks(self.model, hidden, plan.chunks) if self._scores_prompts(plan) else {}
         chunks = [c for c in plan.chunks if c.sample]
         results = {}
         if chunks:
             rows = to_device(logits_rows, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B_sample, vocab]
             results = self.sample(logits, chunks) if sample else {}
-        if sample:
-            for request_id, (start, entries, ranks) in scored.items():
-                result = results.setdefault(request_id, SampledToken(None))
-                result.prompt_logprobs, result.prompt_logprobs_start = entries, start
-                result.prompt_logprob_ranks = ranks
-        return results
+        return self._with_prompt_logprobs(results, scored) if sample else results
 
     @torch.inference_mode()
     def replay_decode(self, plan: StepPlan, stream_in: torch.Tensor | None = None, size: int | None = None) -> torch.Tensor:
@@ -336,9 +345,11 @@ class ModelRunner:
                 )
         hidden, inputs = self.forward_stage(plan)
         if self.spec is not None and self.spec.mtp is not None:
+            if self._scores_prompts(plan):  # prompt logprobs: read with the step's results
+                return ReadyStep(self.verify_and_propose(plan, hidden, inputs))
             with torch.inference_mode():
                 return self.spec.finish_step(plan, hidden, inputs.token_ids, inputs.meta, self.block_size)
-        if any(c.num_prompt_tokens for c in plan.chunks) or not any(c.sample for c in plan.chunks):
+        if self._scores_prompts(plan) or not any(c.sample for c in plan.chunks):
             return ReadyStep(self.logits_and_sample(plan, hidden, inputs.logits_rows))
         with torch.inference_mode():
             rows = to_device(inputs.logits_rows, self.device)
