@@ -94,8 +94,8 @@ class EngineArgs:
     # whole vocabulary, which a request asks with logprobs=-1)
     max_logprobs: int = 20
     # vLLM's name and default: what a sampled token's logprobs report: raw_logprobs, raw_logits,
-    # processed_logprobs or processed_logits (lamina.worker.sampler.LOGPROBS_MODES); prompt_logprobs
-    # are always raw logprobs
+    # processed_logprobs or processed_logits (LOGPROBS_MODES above; lamina.worker.sampler applies
+    # them); prompt_logprobs are always raw logprobs
     logprobs_mode: str = "raw_logprobs"
     # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
     # own model code; configs are read by transformers); enable_prefix_caching True is refused
