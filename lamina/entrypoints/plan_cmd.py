@@ -26,7 +26,7 @@ from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
 from lamina.models.loader import CheckpointError, read_header, resolve_shards
-from lamina.quantization import read_quantization, resolve_quantization, unquantized_experts
+from lamina.quantization import read_quantization, resolve_quantization, unquantized_expert_tensors
 from lamina.worker.model_loader import attach_drafter, read_model_config
 
 
@@ -50,7 +50,7 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
     (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
     whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine) when `fp8_experts` (every
-    expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_experts`). `drafter`
+    expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_expert_tensors`). `drafter`
     (`hf_config`, `mtp_prefix`, shard `headers`) under MTP: the last stage's drafter is built too, and
     its weights (its own embedding table on a pipeline's last stage) and KV cache are counted."""
     me = plan.ranks[rank]
@@ -193,10 +193,11 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         architecture, model_cls = resolve_model_class(hf_config)
         cfg = model_cls.parse_config(hf_config, architecture)
         spec = SpeculativeConfig.parse(engine_args.speculative_config)
+        headers = _headers(args.model_path, engine_args)  # read once: the FP8 experts' check and the drafter's
         drafter = None
         if spec is not None:  # refuse what `generate` would refuse, from config and headers alone
             prefix = check_speculative(spec, hf_config, model_cls, Path(args.model_path), engine_args.load_format)
-            drafter = {"hf_config": hf_config, "mtp_prefix": prefix, "headers": _headers(args.model_path, engine_args)}
+            drafter = {"hf_config": hf_config, "mtp_prefix": prefix, "headers": headers}
         device_type = "cpu" if engine_args.device == "cpu" else ("cuda" if engine_args.device.startswith("cuda") or torch.cuda.is_available() else "cpu")
         plan = build_plan(cfg, engine_args.parallel_config(), num_devices=None, device_type=device_type)
         dtype = resolve_dtype(engine_args.dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), getattr(hf_config, "dtype", None))
@@ -206,12 +207,8 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                                                   engine_args.mamba_cache_dtype)
         quantization = resolve_quantization(engine_args.quantization, read_quantization(hf_config),
                                             engine_args.load_format)
-        fp8_experts = True  # every expert tensor is FP8 (dummy weights: by construction)
-        if quantization is not None:
-            try:
-                fp8_experts = not unquantized_experts(Path(args.model_path), engine_args.load_format)
-            except (CheckpointError, OSError):  # no shards to read: planned as the config says
-                pass
+        # every expert tensor is FP8 (dummy weights, or no shards to read: as the config says)
+        fp8_experts = quantization is None or not unquantized_expert_tensors(headers)
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)
