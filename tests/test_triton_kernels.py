@@ -627,15 +627,15 @@ def test_fused_moe_parts_are_unweighted_in_the_activations_dtype(dtype, bf16_dot
     seen = {}
     real = triton_moe.sum_slots
 
-    def spy(parts, w, logit=None):
-        seen.update(parts=parts.clone(), weights=w, logit=logit)
-        return real(parts, w, logit)
+    def spy(parts, w, logit=None, local_ids=None):
+        seen.update(parts=parts.clone(), weights=w, logit=logit, local_ids=local_ids)
+        return real(parts, w, logit, local_ids)
 
     monkeypatch.setattr(triton_moe, "sum_slots", spy)
     out = triton_moe.fused_moe(x, w13, w2, weights, ids, shared=shared, config=dict(triton_moe.DEFAULT_CONFIG_FP32))
     parts = seen["parts"]  # [T, k + 1, H]
     assert parts.dtype == dtype and parts.shape == (5, 4, 48)
-    assert seen["weights"] is weights and seen["logit"] is shared[2]
+    assert seen["weights"] is weights and seen["logit"] is shared[2] and seen["local_ids"] == (ids, 0, 8)
     f = torch.nn.functional
     for t in range(5):
         for slot in range(4):
@@ -796,7 +796,7 @@ def _moe_case(num_tokens, expert_start, num_local, with_shared, dtype=torch.floa
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])
-@pytest.mark.parametrize("expert_start,num_local,with_shared", [(0, 8, True), (0, 8, False), (3, 4, False)])
+@pytest.mark.parametrize("expert_start,num_local,with_shared", [(0, 8, True), (0, 8, False), (3, 4, False), (3, 4, True)])
 def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, with_shared):
     """The decode path (two GEMV launches) against the reference, with experts of other EP ranks
     (ids outside [expert_start, expert_start + num_local)) and the shared expert; tiles narrower
@@ -810,6 +810,9 @@ def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, w
         again = fused_moe_gemv(x, w13, w2, weights, ids, expert_start, shared, config=tiles)
         assert torch.equal(ours, again)  # the tickets were reset: same sum, same bits
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, expert_start, shared), ref, atol=1e-5, rtol=1e-5)
+    # the grouped path on the same case: experts of other ranks beside the shared expert's rows
+    grouped = fused_moe(x, w13, w2, weights, ids, expert_start, shared, gemv_max_tokens=0)
+    torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture
@@ -972,6 +975,28 @@ def test_sum_slots_adds_in_slot_order(dtype, shared):
     assert sum_slots(parts[:0], weights[:0], None if logit is None else logit[:0]).shape == (0, 40)
     with pytest.raises(ValueError, match="parts hold 5 slots, weights 4, shared expert False"):
         sum_slots(_rand(3, 5, 40, seed=1), weights)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sum_slots_skips_the_slots_of_other_ranks_experts(shared):
+    """With the routed ids given, slots whose expert lies outside this rank's range are neither read
+    nor added: their parts may hold anything (here NaN), the sum equals zero parts there."""
+    from lamina.kernels.triton_moe import sum_slots
+
+    top_k, expert_start, num_local = 3, 4, 2
+    ids = torch.tensor([[4, 0, 5], [7, 3, 8], [5, 4, 6]], device=DEVICE)  # [T, k]; local: 4 and 5
+    local = (ids >= expert_start) & (ids < expert_start + num_local)
+    parts = _rand(3, top_k + shared, 40, seed=1)  # [T, S, H]
+    zeroed = parts.clone()
+    zeroed[:, :top_k][~local] = 0.0
+    parts[:, :top_k][~local] = float("nan")
+    weights = _rand(3, top_k, seed=2)
+    logit = _rand(3, seed=3) if shared else None
+    got = sum_slots(parts, weights, logit, local_ids=(ids, expert_start, num_local))
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, sum_slots(zeroed, weights, logit))
+    with pytest.raises(ValueError, match=r"topk_ids \(3, 2\) do not match the weights \(3, 3\)"):
+        sum_slots(parts, weights, logit, local_ids=(ids[:, :2], expert_start, num_local))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4])

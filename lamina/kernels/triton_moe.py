@@ -200,7 +200,7 @@ def fused_moe(
 
     `shared = (w13_shared [2I, H], w2_shared [H, I], gate_logit [T])` adds the shared expert in the
     same two launches: every token's extra row, weighted by sigmoid(gate_logit) (its intermediate
-    size must be the routed experts' I, and every routed expert must be local: no EP).
+    size must be the routed experts' I; with experts on other ranks too, it is added whole here).
 
     Up to `gemv_max_tokens` tokens (decode; at most GEMV_MAX_TOKENS, 0 = never) the two GEMV kernels of `triton_moe_gemv` run instead
     (no sort, the k-slot sum in registers); a `config` (grouped-GEMM tile sizes, for tuning)
@@ -284,15 +284,14 @@ def fused_moe(
     launch("fused_moe gate/up", _gate_up_kernel, x, w13, shared_w13, act, s13, shared_s13, inter,
            dict(up_n=cfg["up_n"], up_k=cfg["up_k"], stages=cfg["stages"], warps=cfg["warps"]),
            "up_n", "up_k", "stages", "warps")
-    # Every slot is written when all experts are local and the shared rows are in; else zeros first
-    # (other ranks' experts: a zero part, whatever its weight).
-    alloc = torch.empty if shared is not None else torch.zeros
-    parts = alloc(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
+    # Slots of other ranks' experts are never written: the slot sum skips them (by their ids).
+    parts = torch.empty(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)  # [T*slots, H]
     launch("fused_moe down", _down_kernel, act, w2, shared_w2, parts, s2, shared_s2, hidden,
            dict(down_n=cfg["down_n"], down_k=cfg["down_k"], down_stages=cfg.get("down_stages", cfg["stages"]),
                 down_warps=cfg.get("down_warps", cfg["warps"])),
            "down_n", "down_k", "down_stages", "down_warps")
-    return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit)  # [T, H] in x's dtype
+    return sum_slots(parts.view(num_tokens, slots, hidden), topk_weights, shared_logit,
+                     local_ids=(topk_ids, expert_start, num_local_experts))  # [T, H] in x's dtype
 
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -304,8 +303,9 @@ def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor)
 
 
 @triton.jit
-def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, out_ptr, hidden, stride_wt, stride_sl,
-                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, ids_ptr, out_ptr, hidden, stride_wt, stride_sl,
+                      stride_it, expert_start, num_local_experts, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                      LOCAL_ONLY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -314,8 +314,13 @@ def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, out_ptr, hidden,
     total = tl.zeros([BLOCK], tl.float32)
     for slot in range(0, TOP_K):  # in slot order: deterministic
         weight = tl.load(weights_ptr + token * stride_wt + slot).to(tl.float32)
-        part = tl.load(parts_ptr + (token * slots + slot) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
-        total += weight * part
+        read = ok
+        if LOCAL_ONLY:  # another rank's expert: its part was never written (not read, not added)
+            local = tl.load(ids_ptr + token * stride_it + slot + tl.zeros([BLOCK], tl.int32)).to(tl.int64)  # [BLOCK]
+            local -= expert_start
+            read = ok & (local >= 0) & (local < num_local_experts)
+        part = tl.load(parts_ptr + (token * slots + slot) * hidden + offs, mask=read, other=0.0).to(tl.float32)
+        total += tl.where(read, weight * part, 0.0)
     if SHARED:  # the shared expert's part, gated by the sigmoid of its logit in float32
         logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
         part = tl.load(parts_ptr + (token * slots + TOP_K) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
@@ -323,11 +328,16 @@ def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, out_ptr, hidden,
     tl.store(out_ptr + token * hidden + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Tensor | None = None,
+              local_ids: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """parts `[T, S, H]` (contiguous; S = k, or k + 1 with the shared expert's part last), weights
     `[T, k]` (routing weights), shared_logit `[T]` or None -> sum over the slots in slot order of
     weight * part, the shared part weighted by sigmoid(shared_logit), all in float32, rounded once
-    to the parts' dtype: `[T, H]`."""
+    to the parts' dtype: `[T, H]`.
+
+    `local_ids = (topk_ids [T, k], expert_start, num_local_experts)`: routed slots whose expert lies
+    outside [expert_start, expert_start + num_local_experts) (other EP ranks') are skipped
+    unread, so their parts may hold anything."""
     num_tokens, slots, hidden = parts.shape
     top_k = weights.shape[1]
     if not parts.is_contiguous():
@@ -339,9 +349,13 @@ def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Te
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
         logit = weights if shared_logit is None else shared_logit  # unused without the shared expert
+        ids, expert_start, num_local = local_ids if local_ids is not None else (weights, 0, 0)  # unused without
+        if local_ids is not None and ids.shape != weights.shape:
+            raise ValueError(f"topk_ids {tuple(ids.shape)} do not match the weights {tuple(weights.shape)}")
         _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            parts, weights, logit, out, hidden, weights.stride(0), logit.stride(0), TOP_K=top_k,
-            SHARED=shared_logit is not None, BLOCK=block, **pdl_kwargs(parts.device)
+            parts, weights, logit, ids, out, hidden, weights.stride(0), logit.stride(0), ids.stride(0),
+            expert_start, num_local, TOP_K=top_k, SHARED=shared_logit is not None,
+            LOCAL_ONLY=local_ids is not None, BLOCK=block, **pdl_kwargs(parts.device)
         )
     return out
 
