@@ -47,6 +47,9 @@ class ScheduledChunk:
     # Structured output: the tokens the request's grammar allows next, one bit per vocabulary id
     # (a numpy int32 array of ceil(vocab / 32) words, filled by the engine); None: no constraint.
     token_bitmask: Any = None
+    # ... and with drafts to verify, the masks of the positions after each draft (k entries: the
+    # grammar advanced through drafts 1..j for the position after draft j); None without a grammar.
+    draft_token_bitmasks: list | None = None
 
     @property
     def num_tokens(self) -> int:

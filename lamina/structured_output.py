@@ -6,8 +6,10 @@ engine fills, for every sampling request with a grammar, a token bitmask (one bi
 id, `[ceil(V/32)]` int32) of the tokens the grammar allows next, and the plan carries it to the
 rank that samples, where the sampler applies all rows' masks in one batched op. After the step the
 engine advances each request's matcher with the token it got. A preempted request keeps its matcher
-(its generated tokens are kept), so nothing rolls back; speculative decoding (which would need
-rollback of rejected drafts) is refused with a grammar.
+(its generated tokens are kept), so nothing rolls back. Under speculative decoding the engine fills
+a mask for every verified position (`bitmasks_along`: the matcher advanced through the drafts
+before that position, then rolled back), so each position is checked under the grammar state its
+accepted prefix reaches; the matcher only ever keeps the tokens emitted.
 
 JSON is compiled without free whitespace (compact `", "` / `": "` separators), so a weak model cannot
 fill its budget with blanks; a finished grammar allows only the model's EOS tokens. xgrammar's JSON
@@ -251,6 +253,33 @@ class StructuredOutputManager:
         if extra is not None:
             words &= extra
         return words
+
+    def bitmasks_along(self, request_id: str, draft_token_ids: list[int]) -> list[np.ndarray | None]:
+        """Speculative decoding: the masks of a verification's k + 1 positions, position j's with
+        the grammar advanced through the first j of the k drafts (`bitmask`'s format). Drafts are
+        taken tentatively and rolled back: the matcher ends where it started. Past a draft the
+        grammar rejects, the later positions repeat the last mask (verification rejects that draft
+        under the mask before it, so their tokens are never emitted)."""
+        entry = self._matchers[request_id]
+        matcher, waiting_for = entry[0], entry[2]
+        masks = [self.bitmask(request_id)]
+        advanced = 0
+        try:
+            for draft in draft_token_ids:
+                if entry[2] is not None:  # the grammar starts after its token
+                    if int(draft) == entry[2]:
+                        entry[2] = None
+                elif not matcher.is_terminated():
+                    if not matcher.accept_token(int(draft)):
+                        masks += [masks[-1]] * (len(draft_token_ids) + 1 - len(masks))
+                        break
+                    advanced += 1
+                masks.append(self.bitmask(request_id))
+        finally:
+            if advanced:
+                matcher.rollback(advanced)
+            entry[2] = waiting_for
+        return masks
 
     def accept(self, request_id: str, token_id: int) -> bool:
         entry = self._matchers.get(request_id)

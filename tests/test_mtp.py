@@ -9,8 +9,8 @@ spoiled at chosen positions).
 from __future__ import annotations
 
 import math
-
 import random
+import re
 import shutil
 
 import pytest
@@ -255,11 +255,13 @@ def test_drafts_match_an_independent_reference(mtp_models):
         assert first[d1] >= first.max() - 1e-3 and second[d2] >= second.max() - 1e-3
 
 
-def _plant_reference(reference: list[list[int]], k: int):
+def _plant_reference(reference: list[list[int]], k: int, exact: tuple[int, ...] = ()):
+    """Drafts = the reference continuation, the last one spoiled every other step (never for the
+    requests numbered in `exact`)."""
     def override(request, proposed):
         i, n = int(request.request_id), len(request.output_token_ids)
         drafts = list(reference[i][n : n + k])
-        if (n + i) % 2 and drafts:
+        if (n + i) % 2 and drafts and i not in exact:
             drafts[-1] = (drafts[-1] + 1) % VOCAB
         return drafts
 
@@ -304,6 +306,39 @@ def test_logit_bias_and_allowed_token_ids_inside_accepted_drafts(mtp_models):
     assert tokens == reference and engine.spec_decode_metrics.num_accepted_tokens > 0
     unplanted = generate(path, 2, params=params, ps=ps)[0]  # the drafter's own drafts (biased outputs: rejected more)
     assert unplanted == reference
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_bad_words_and_grammars_inside_accepted_drafts(mtp_models, async_scheduling):
+    """Options that read a request's tokens under MTP: each verified position applies the
+    penalties, bad words and grammar mask of the output plus the drafts before it, so greedy and
+    seeded random output equal plain decoding's, with planted drafts (accepted, and spoiled ones a
+    grammar may rule out) and with the drafter's own; such steps are never planned ahead."""
+    path = mtp_models["qwen3_next"]
+    ps = prompts(4, lens=(6, 17, 9, 12))
+    plain = generate(path, ps=ps)[0]
+    with LLM(str(path), **ENGINE) as llm:
+        word = llm.get_tokenizer().decode(plain[1][1:3])  # two tokens the seeded row might write
+    params = [
+        # token 9 pushed up, until its count in the output (drafts before a row included) pulls it down
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={9: 4.0}, repetition_penalty=1.2,
+                       frequency_penalty=1.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logit_bias={9: 5.0},
+                       presence_penalty=2.0, frequency_penalty=2.0, bad_words=[word]),
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": r"[a-d]{2,4}-[0-9]{1,3}"}),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=12, structured_outputs={"choice": ["abc", "dcba", "bad"]}),
+    ]
+    reference, ref_outs, _ = generate(path, params=params, ps=ps)
+    assert 1 < reference[0].count(9) < 12 and reference[1].count(9) == 1  # the penalties change the text
+    assert re.fullmatch(r"[a-d]{2,4}-[0-9]{1,3}", ref_outs[2].outputs[0].text)
+    assert ref_outs[3].outputs[0].text in ("abc", "dcba", "bad")
+    # the penalised rows' drafts all right (a row past accepted 9s must count them), the grammars'
+    # last draft spoiled every other step (often a token the grammar rules out)
+    tokens, outs, engine = generate(path, 3, params=params, ps=ps, override=_plant_reference(reference, 3, exact=(0, 1)),
+                                    async_scheduling=async_scheduling)
+    assert tokens == reference and outs[0].spec_decode.num_accepted_tokens >= 6
+    assert engine.num_overlapped_steps == 0  # every step reported before the next was planned
+    assert generate(path, 3, params=params, ps=ps, async_scheduling=async_scheduling)[0] == reference
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

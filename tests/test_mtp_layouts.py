@@ -20,7 +20,12 @@ from tests.test_parallel_layouts import ENGINE, PROMPT_LENS
 from tests.reference import assert_greedy_agrees, load_reference
 
 K = 2
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)  # (every rank scores prompts)
+PLAIN = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)  # (every rank scores prompts)
+# The last request's sampling reads its tokens (token 9 pushed up until its count pulls it down, drafts
+# before a verified row included): its output and drafts reach the sampling rank in the plan.
+PENALISED = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1, logit_bias={9: 4.0},
+                           frequency_penalty=1.0, repetition_penalty=1.2)
+PARAMS = [PLAIN] * (len(PROMPT_LENS) - 1) + [PENALISED]
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
 
@@ -74,6 +79,7 @@ def run_layout_spec(path, **layout):
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # partial acceptance happened
     if layout.get("enable_expert_parallel"):  # an idle replica runs the drafter's passes in lockstep too
         assert any(0 in step and sum(step) > 0 for step in counts), counts
+    assert 1 < reference[-1].count(9) < len(reference[-1]) and outs[-1] == reference[-1]
     differing = [i for i, (a, b) in enumerate(zip(reference, outs)) if a != b]
     if differing:  # allowed only as near-ties of the reference (DESIGN.md)
         ref = load_reference(path)

@@ -194,8 +194,9 @@ def test_bad_words_are_never_generated(llm):
         assert ids[:2] != first[:2]
 
 
-def test_options_refused_with_speculative_decoding(qwen3_next_dir, tmp_path):
-    """The MTP verification path does not apply these yet: refused at validation, naming the field."""
+def test_options_that_read_tokens_run_with_speculative_decoding(qwen3_next_dir, tmp_path):
+    """Penalties, bad words and structured output are taken under MTP (no longer refused) and give
+    plain decoding's greedy text (tests/test_mtp.py checks them inside accepted drafts); n works."""
     import shutil
 
     from lamina import LLM
@@ -203,10 +204,12 @@ def test_options_refused_with_speculative_decoding(qwen3_next_dir, tmp_path):
 
     path = tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "ckpt"))
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, show_progress=False,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
-        for field, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("bad_words", ["x"]),
-                             ("structured_outputs", {"regex": "a+"})]:
-            with pytest.raises(ValueError, match=rf"{field} cannot be combined with speculative decoding \(MTP\)"):
-                llm.generate(PROMPT, SamplingParams(**{field: value}))
-        [out] = llm.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=4))  # n works with MTP
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as spec_llm, \
+            LLM(str(path), device="cpu", dtype="float32", max_model_len=64, show_progress=False) as plain_llm:
+        params = [SamplingParams(temperature=0, max_tokens=6, **{field: value}) for field, value in [
+            ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("bad_words", ["x"]),
+            ("structured_outputs", {"regex": "a+"})]]
+        outs = [o.outputs[0].token_ids for o in spec_llm.generate([PROMPT] * 4, params)]
+        assert outs == [o.outputs[0].token_ids for o in plain_llm.generate([PROMPT] * 4, params)]
+        [out] = spec_llm.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=4))  # n works with MTP
         assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids

@@ -187,6 +187,37 @@ def test_serve_other_constraints(served, qwen3_next_dir):
         validate(json.loads(c["text"]))
 
 
+def test_bitmasks_along_drafts_equal_the_masks_of_accepted_tokens(llm):
+    """Speculative decoding's masks: position j's is the mask after really accepting drafts[:j];
+    the matcher ends where it started; past a draft the grammar rejects the last mask repeats; a
+    grammar waiting for its start token starts at that draft."""
+    manager = llm.engine.structured
+    tok = llm.get_tokenizer()
+    spec = StructuredOutputsParams(regex=r"ab{2,5}c")
+    ids = [tok.convert_tokens_to_ids(t) for t in ("a", "b", "b", "c")]
+    manager.add("r", spec)
+    masks = manager.bitmasks_along("r", ids)
+    assert len(masks) == 5
+    assert np.array_equal(manager.bitmask("r"), masks[0])  # rolled back: the start again
+    manager.add("s", spec)
+    for j, token in enumerate(ids):
+        assert np.array_equal(manager.bitmask("s"), masks[j]), j
+        assert manager.accept("s", token)
+    final = manager.bitmask("s")
+    assert (final is None and masks[4] is None) or np.array_equal(final, masks[4])
+    bad = manager.bitmasks_along("r", [ids[0], ids[3], ids[1]])  # "ac": c is not allowed after a
+    assert np.array_equal(bad[1], masks[1]) and np.array_equal(bad[2], bad[1]) and np.array_equal(bad[3], bad[1])
+    assert np.array_equal(manager.bitmask("r"), masks[0])
+    waiting = StructuredOutputsParams(regex=r"ab{2,5}c", enforce_after_token_id=ids[3])
+    manager.add("w", waiting)
+    started = manager.bitmasks_along("w", [ids[1], ids[3], ids[0], ids[1]])
+    assert started[0] is None and started[1] is None  # not started before its token, nor at it
+    assert np.array_equal(started[2], masks[0]) and np.array_equal(started[3], masks[1])
+    assert manager.bitmask("w") is None and manager._matchers["w"][2] == ids[3]  # still waiting
+    for request_id in "rsw":
+        manager.remove(request_id)
+
+
 def test_grammar_masks_reach_the_sampling_rank_under_tp2(qwen3_next_dir):
     """The bitmask travels in the plan to rank processes (gloo); the reporting rank applies it."""
     with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=128, show_progress=False,

@@ -29,6 +29,7 @@ from lamina.engine.warm_up import WarmUp
 from lamina.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from lamina.parallel.context import ParallelContext
 from lamina.sampling_params import RequestOutputKind, SamplingParams
+from lamina.step_plan import PENDING_TOKEN_ID
 from lamina.models.hybrid_config import num_mtp_layers
 from lamina.worker.model_loader import build_model
 from lamina.worker.model_runner import ModelRunner
@@ -546,11 +547,22 @@ class LLMEngine(RequestValidation, WarmUp):
                     state.metrics.first_scheduled_time = now
 
     def _fill_token_bitmasks(self, plans) -> None:
-        """Structured output: the grammar's allowed next tokens for every sampling chunk that has one."""
+        """Structured output: the grammar's allowed next tokens for every sampling chunk that has one
+        (with drafts to verify, at every verified position: the grammar advanced through the drafts
+        before it; such steps are never planned ahead, so the drafts are known here)."""
         for plan in plans:
             for chunk in plan.chunks:
-                if chunk.sample and self.structured.has(chunk.request_id):
+                if not (chunk.sample and self.structured.has(chunk.request_id)):
+                    continue
+                k = chunk.num_draft_tokens
+                if not k:
                     chunk.token_bitmask = self.structured.bitmask(chunk.request_id)
+                    continue
+                drafts = chunk.token_ids[-k:]
+                if PENDING_TOKEN_ID in drafts:
+                    raise RuntimeError(f"request {chunk.request_id}: drafts still pending, its grammar cannot mask them")
+                masks = self.structured.bitmasks_along(chunk.request_id, drafts)
+                chunk.token_bitmask, chunk.draft_token_bitmasks = masks[0], masks[1:]
 
     def _decide_num_draft_tokens(self) -> int:
         """Drafts to propose this step (0 without speculative decoding)."""

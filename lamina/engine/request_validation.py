@@ -10,8 +10,8 @@ __all__ = ["RequestValidation"]
 
 
 class RequestValidation:
-    """Mixin of `LLMEngine`: reads its `tokenizer`, `args`, `model_config`, `max_model_len`,
-    `spec_config` and `structured` (the structured-output manager)."""
+    """Mixin of `LLMEngine`: reads its `tokenizer`, `args`, `model_config`, `max_model_len` and
+    `structured` (the structured-output manager)."""
 
     @property
     def no_tokenizer_reason(self) -> str:
@@ -99,14 +99,9 @@ class RequestValidation:
             if error is not None:
                 raise ValueError(error)
 
-    # Sampling options the speculative (MTP) verification path does not apply yet.
-    # (logit_bias and allowed_token_ids are the same at every position: verification applies them;
-    # prompt logprobs are scored from the target's prompt rows as in plain decoding.)
-    _NOT_WITH_MTP = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "structured_outputs")
-
     def _check_token_options(self, params: SamplingParams, vocab: int) -> None:
-        """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized;
-        options that speculative decoding cannot honour refused when it is on."""
+        """Token ids of logit_bias / allowed_token_ids inside the vocabulary; bad words tokenized; a
+        structured-output request's grammar compiled."""
         bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
@@ -119,15 +114,6 @@ class RequestValidation:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a bad schema / regex fails here
-        if self.spec_config is not None:
-            defaults = SamplingParams()
-            used = [name for name in self._NOT_WITH_MTP if getattr(params, name) != getattr(defaults, name)]
-            if used:
-                raise ValueError(
-                    f"{', '.join(used)} cannot be combined with speculative decoding (MTP) yet: the verification "
-                    "path applies temperature, top-k, top-p, min-p, min_tokens, logit_bias and allowed_token_ids "
-                    "only (prompt_logprobs work too); start the engine without speculative_config to use them"
-                )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as tokens, as written without a leading space and, when that tokenizes

@@ -7,8 +7,10 @@ positions (the request's last known token and its k_b drafts), flat `[R, V]`. Ro
 - Greedy requests: draft j+1 is accepted while it equals the target's argmax at row j (after the
   same min_tokens bans plain decoding applies); the token after the accepted prefix is the
   argmax at the first mismatching row, or at the bonus row. The output is the plain greedy one.
-  (p, and the greedy argmax, are taken after the rows' logit_bias and allowed_token_ids too: the
-  same at every position. The drafter drafts without them: only its acceptance rate changes.)
+  (p, and the greedy argmax, are taken after each row's logit adjustments too: logit_bias and
+  allowed_token_ids, and the penalties, bad words and grammar mask of the tokens before the row
+  (the request's output and the drafts before it, which it follows only when they are accepted).
+  The drafter drafts without them: only its acceptance rate changes.)
 - Random requests without a seed (speculative sampling): with p the target's and q the
   drafter's processed distribution at a row, draft d is accepted with probability
   min(1, p(d)/q(d)) (u q(d) <= p(d), u ~ U[0, 1)); at the first rejection the token is drawn
@@ -108,7 +110,7 @@ def verify_drafts(
             p_d = p.gather(1, draft[:, None])[:, 0]  # [R]
             q_d = q.gather(1, draft[:, None])[:, 0]  # [R]
             u = _uniforms(num_rows, batch, logits.device)  # [R]
-            random_accept = has_draft & (q_d > 0) & (u * q_d <= p_d)  # [R]
+            random_accept = has_draft & (q_d > 0) & (p_d > 0) & (u * q_d <= p_d)  # [R]: never a token p rules out (u = 0)
             residual = torch.where(has_draft[:, None], (p - q).clamp_min(0.0), p)  # [R, V]
             residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: never used
             sampled = _exponential_race(residual, batch, seeded=False)  # [R]

@@ -30,13 +30,15 @@ verification graphs fill the tokens in and move the positions back before the re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from lamina.host_to_device import to_device_many
 from lamina.layers.metadata import ForwardMetadata, StateCapture
-from lamina.step_plan import StepPlan
+from lamina.sampling_params import SamplingParams
+from lamina.step_plan import PENDING_TOKEN_ID, StepPlan
 from lamina.worker.pending_step import PendingVerify, PreviousVerify, ReadyStep
 from lamina.worker.proposer import MTPProposer
 from lamina.worker.rejection_sampler import verify_drafts
@@ -47,13 +49,28 @@ NO_BANS = 1 << 62  # a generated-token count past any min_tokens: drafts are dra
 
 @dataclass
 class _VerifyInputs:
-    """A verification's host side: per row (R) the sampling options, and the ints its device part
-    reads: the [B, W] grid of rows (flat), each row's request / position / draft, each request's k."""
+    """A verification's host side: per row (R) the sampling options and, for requests whose sampling
+    reads them, the tokens generated before the row (penalties, bad words: the request's output and
+    the drafts before the row), the prompt (repetition penalty) and the grammar's mask (None
+    elsewhere, or None for the whole list when no row has any); and the ints its device part reads:
+    the [B, W] grid of rows (flat), each row's request / position / draft, each request's k."""
 
     params: list
     out_lens: list[int]
     width: int
     int_lists: tuple[list[int], ...]
+    outputs: list | None = None
+    prompts: list | None = None
+    masks: list | None = None
+
+
+def _drafting_params(params: SamplingParams) -> SamplingParams:
+    """A request's options for drawing drafts: without those that read its tokens (penalties, bad
+    words), which the drafter does not apply (verification does, at every position)."""
+    if not params.needs_output_tokens:
+        return params
+    return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                               bad_words=None)
 
 
 class SpecDecodeStep:
@@ -206,7 +223,7 @@ class SpecDecodeStep:
         draft_batch = None
         if is_sampler and num and plan.num_draft_tokens:
             draft_batch = SamplingBatch.build(
-                [c.sampling_params for c in sampled], [NO_BANS] * num, self.eos_token_ids, self.device, self.vocab_size,
+                [_drafting_params(c.sampling_params) for c in sampled], [NO_BANS] * num, self.eos_token_ids, self.device, self.vocab_size,
                 sampler_kernels=self.sampler_kernels,
             )
         drafts, probs = self.proposer.propose(
@@ -231,19 +248,29 @@ class SpecDecodeStep:
         step's token ids on the device (`row_draft_at`: the token row of the draft a row checks,
         -1 at bonus rows): a step queued ahead has them only there."""
         params, out_lens, row_req, row_pos, row_draft_at = [], [], [], [], []
+        outputs, prompts, masks = [], [], []
         for b, (c, k) in enumerate(zip(sampled, drafts_k)):  # per request: its k+1 rows
+            drafts = c.token_ids[len(c.token_ids) - k:]
+            if c.output_token_ids is not None and PENDING_TOKEN_ID in drafts:
+                raise RuntimeError(f"request {c.request_id} reads its tokens, but its drafts are still pending")
+            row_masks = [c.token_bitmask, *(c.draft_token_bitmasks or [None] * k)]
             for j in range(k + 1):
                 params.append(c.sampling_params)
                 out_lens.append(c.num_output_tokens + j)
                 row_req.append(b)
                 row_pos.append(j)
                 row_draft_at.append(base_rows[b] + 1 + j if j < k else -1)
+                # the row is reached only when drafts[:j] are accepted: they are its latest outputs
+                outputs.append(None if c.output_token_ids is None else [*c.output_token_ids, *drafts[:j]])
+                prompts.append(c.prompt_token_ids)
+                masks.append(row_masks[j])
         width = max(drafts_k) + 1
         starts = [0]
         for k in drafts_k:
             starts.append(starts[-1] + k + 1)
         grid = [starts[b] + min(j, k) for b, k in enumerate(drafts_k) for j in range(width)]  # [B*W]
-        return _VerifyInputs(params, out_lens, width, (grid, row_req, row_pos, row_draft_at, drafts_k))
+        return _VerifyInputs(params, out_lens, width, (grid, row_req, row_pos, row_draft_at, drafts_k),
+                             *(None if all(v is None for v in values) else values for values in (outputs, prompts, masks)))
 
     def _verify(self, logits, sampled, drafts_k, host: "_VerifyInputs", device_ints: list[torch.Tensor],
                 token_ids: torch.Tensor, base_out: torch.Tensor):
@@ -252,7 +279,8 @@ class SpecDecodeStep:
         grid, row_req, row_pos, row_draft_at, num_drafts = device_ints
         row_draft = torch.where(row_draft_at >= 0, token_ids.index_select(0, row_draft_at.clamp(min=0)), -1)  # [R]
         batch = SamplingBatch.build(host.params, host.out_lens, self.eos_token_ids, self.device, self.vocab_size,
-                                    sampler_kernels=self.sampler_kernels)
+                                    output_token_ids=host.outputs, prompt_token_ids=host.prompts,
+                                    token_bitmasks=host.masks, sampler_kernels=self.sampler_kernels)
         batch = batch.with_noise_positions(base_out.index_select(0, row_req) + row_pos)
         needs_q = batch.num_greedy + len(batch.seeded_rows) < len(host.params)  # random rows without a seed
         draft_probs = self._draft_prob_rows(sampled, drafts_k, row_draft, logits.shape[1]) if needs_q else None

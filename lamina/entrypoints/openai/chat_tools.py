@@ -6,8 +6,7 @@ preparing tool-call history for the chat template, and the parser of the answer.
 `--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function need a parser
 and are enforced while decoding: structured output in the parser's format (tool_choice_grammar.py), so
 the answer is tool call(s) and nothing else (no reasoning text either); such a request cannot carry
-another output constraint (response_format, structured_outputs, guided_*), nor run under speculative
-decoding, which has no structured output yet.
+another output constraint (response_format, structured_outputs, guided_*).
 """
 
 from __future__ import annotations
@@ -131,10 +130,6 @@ def tool_choice_structured_output(options: ChatOptions, req: Any, choice: str, f
         raise APIError(400, f"{what} cannot be combined with {' and '.join(others)}: the tool call is enforced "
                        "with structured output, and a request takes one output constraint; drop one of them",
                        param=others[0])
-    if getattr(engine, "spec_config", None) is not None:
-        raise APIError(400, f"{what} is enforced with structured output, which cannot be combined with "
-                       "speculative decoding (MTP) yet; use tool_choice 'auto', or start the server without "
-                       "--speculative-config", param="tool_choice")
     try:
         spec = tool_choice_constraint(options.tool_call_parser, req.tools, choice, function,
                                       parallel_tool_calls=req.parallel_tool_calls is not False)
