@@ -772,11 +772,19 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
         tests/test_fp8_experts.py 2>&1 | tail -3
       bash $0 s33c ;;
     s36)  # session 35: part s35's tests with every result streamed to $OUT (a cut run still tells what passed),
-      # then the other GPU test files in the time left
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_tile_fit.py \
+      # the FP8 KV cache's kernels compiled (bf16 queries too) and its decode cost against the model-dtype
+      # cache in the same run, then the other GPU test files in the time left
+      timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_tile_fit.py \
         tests/test_fp8_experts.py tests/test_mtp_triton.py > $OUT/s36_new_tests.txt 2>&1
       grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/s36_new_tests.txt | tail -20
-      timeout ${REST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider -m gpu --continue-on-collection-errors tests/ \
+      timeout 90 python3 -m pytest -v -p no:cacheprovider tests/test_fp8_kv_cache_kernels.py > $OUT/s36_fp8kv_tests.txt 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/s36_fp8kv_tests.txt | tail -12
+      for kv in auto fp8 auto fp8; do
+        LAMINA_GDN_PREFILL=reference timeout 75 $L --batch-size 1 64 --input-len 2048 --output-len 64 --kv-cache-dtype $kv \
+          --output-json /tmp/s36kv_${kv}_$RANDOM.json 2>&1 | grep -E "^\| (1|64) "
+      done
+      merge_latency s36kv
+      timeout ${REST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -m gpu --continue-on-collection-errors tests/ \
         --ignore=tests/test_tile_fit.py --ignore=tests/test_fp8_experts.py --ignore=tests/test_mtp_triton.py \
         > $OUT/s36_other_tests.txt 2>&1
       grep -cE "PASSED" $OUT/s36_other_tests.txt; grep -E "FAILED|ERROR|passed|failed" $OUT/s36_other_tests.txt | tail -20 ;;

@@ -15,6 +15,13 @@ _DTYPES = {
 
 # vLLM's choices for --mamba-ssm-cache-dtype and --mamba-cache-dtype
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's choices for --kv-cache-dtype: "auto" keeps the attention layers' paged cache in the model's
+# dtype; "fp8" (= "fp8_e4m3", range +-448) and "fp8_e5m2" (+-57344) halve it from 16-bit, with a
+# scale of 1.0 (no calibrated scales): keys and values are clamped to the format's range and rounded
+# where they are stored, and every attention read, a step's own keys included, sees the stored values.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = ("bf16", "fp16", "half", "float", "fp32")  # of the dtypes above, also taken
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # vLLM's logprobs_mode: what a sampled token's logprobs (its own, its rank, the top N) report.
 # raw: the model's logits (log_softmax of them, or the logits); processed: the values the token was
 # chosen from, after bans, the per-request adjustments, and on random rows temperature, min-p and
@@ -55,6 +62,8 @@ class EngineArgs:
     # when neither mamba_ssm_cache_dtype nor the checkpoint names one; the conv state always stays in
     # the model's dtype (it holds the layer's inputs, which that dtype represents exactly).
     mamba_cache_dtype: str = "auto"
+    # vLLM's name: the attention layers' paged KV cache dtype (KV_CACHE_DTYPES; resolve_kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"  # auto | safetensors | dummy (seeded random weights, config only)
     # vLLM's name: values laid over config.json before anything reads it, nested dicts merged key
     # by key (e.g. {"text_config": {"rope_parameters": {"rope_type": "yarn", ...}}}, the Qwen cards'
@@ -123,6 +132,7 @@ class EngineArgs:
             if getattr(self, name) not in MAMBA_SSM_CACHE_DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}; "
                                  f"got {getattr(self, name)!r}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises on an unknown name
         parse_max_model_len(self.max_model_len)  # raises on a bad spelling
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json keys (nested dicts are merged), got "
@@ -208,6 +218,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype) 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The paged KV cache's dtype: the model's for "auto", else the one `option` names (KV_CACHE_DTYPES)."""
+    if option not in KV_CACHE_DTYPES + KV_CACHE_DTYPE_ALIASES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {option!r}")
+    if option == "auto":
+        return model_dtype
+    return _KV_CACHE_DTYPES.get(option) or _DTYPES[option]
 
 
 def resolve_ssm_state_dtype(option: str, hf_config, cache_option: str = "auto") -> torch.dtype:

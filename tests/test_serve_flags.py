@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import lamina
-from lamina.entrypoints.cli import build_parser
+from lamina.entrypoints.cli import build_parser, engine_kwargs
 from lamina.entrypoints.cli import main as cli_main
 from lamina.entrypoints.openai.chat_tools import load_chat_template
 from lamina.entrypoints.openai.serve_flags import check_compat_args, repair_served_model_name
@@ -41,6 +41,10 @@ def test_unknown_flag_prints_the_serve_usage(capsys):
         cli_main(["serve", "--tool-call-parser", "mistral"])
     err = capsys.readouterr().err
     assert "usage: lamina serve" in err and "invalid choice: 'mistral'" in err
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--kv-cache-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "usage: lamina serve" in err and "invalid choice: 'int8'" in err and "fp8_e5m2" in err
 
 
 def test_vllm_flags_are_accepted():
@@ -50,9 +54,11 @@ def test_vllm_flags_are_accepted():
         "--no-enable-prefix-caching", "--chat-template", "{{ x }}", "--device", "cpu"])
     assert (args.tool_call_parser, args.reasoning_parser, args.enable_prefix_caching) == ("qwen3_coder", "qwen3", False)
     check_compat_args(args, None)
-    for dtype, kv in (("auto", "float32"), ("bfloat16", "bf16"), ("float16", "float16")):  # the model's dtype
-        check_compat_args(build_parser().parse_args(["serve", "--device", "cpu", "--dtype", dtype,
-                                                     "--kv-cache-dtype", kv]), None)
+    for dtype, kv in (("auto", "float32"), ("bfloat16", "bf16"), ("float16", "float16"), ("auto", "fp8"),
+                      ("bfloat16", "fp8_e4m3"), ("bfloat16", "fp8_e5m2")):  # the model's dtype, or FP8
+        parsed = build_parser().parse_args(["serve", "--device", "cpu", "--dtype", dtype, "--kv-cache-dtype", kv])
+        check_compat_args(parsed, None)
+        assert engine_kwargs(parsed)["kv_cache_dtype"] == kv
 
 
 def test_the_qwen_model_cards_launch_lines_parse():
@@ -83,8 +89,6 @@ def test_refused_vllm_modes_exit_2(capsys, flags, named, supported):
     (["--enable-prefix-caching"], "--enable-prefix-caching", "--no-enable-prefix-caching"),
     (["--quantization", "awq"], "--quantization awq", "supported: fp8 (a block-wise FP8 checkpoint), none"),
     (["-q", "fp8"], "--quantization fp8", "this checkpoint is not quantized"),  # the demo model
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8", "Supported: auto or float32"),
-    (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype bfloat16", "Supported: auto or float32"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser", "hermes or qwen3_coder"),
 ])
 def test_unsupported_values_exit_2_naming_the_flag(capsys, flags, named, supported):
@@ -92,7 +96,7 @@ def test_unsupported_values_exit_2_naming_the_flag(capsys, flags, named, support
     err = capsys.readouterr().err
     assert named in err and supported in err and "usage:" not in err
     if flags[0] not in ("--enable-auto-tool-choice", "--quantization", "-q"):
-        assert "not supported yet; tracked in issue 13 / docs/SERVING.md" in err
+        assert "not supported yet (see docs/SERVING.md)" in err
 
 
 def test_served_model_name_followed_by_model(tmp_path):

@@ -85,8 +85,38 @@ def install() -> bool:
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch
     _skip_dead_overflow_checks(interpreter)
+    _exact_fp8_downcasts(interpreter)
     _installed = True
     return True
+
+
+def _exact_fp8_downcasts(interpreter) -> None:
+    """Triton 3.9's interpreter converts a float to FP8 by cutting the significand and adding its next
+    bit, without carrying into the exponent when that overflows (31.5 becomes 16 in e4m3, not 32) and
+    rounding halves up; a GPU converts round-to-nearest-even (cvt.rn), as torch does. Here downcasts
+    to fp8e4nv / fp8e5 (the FP8 KV cache's writers) go through torch's conversion; every other
+    conversion is the interpreter's own."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return
+    targets = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def to_fp8(input, input_dtype, output_dtype, rounding_mode):
+        target = targets.get(output_dtype)
+        if target is None or input_dtype.primitive_bitwidth <= 8:
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        if input_dtype == tl.float32:
+            values = np.frombuffer(input.tobytes(), dtype=np.float32)
+        else:  # a 16-bit float: widened exactly by the interpreter itself
+            values = convert(input, input_dtype, tl.float32, rounding_mode).view(np.float32).reshape(-1)
+        fp8 = torch.from_numpy(values.copy()).to(target)
+        return fp8.view(torch.uint8).numpy().reshape(input.shape)
+
+    interpreter._convert_float = to_fp8
 
 
 def _skip_dead_overflow_checks(interpreter) -> None:

@@ -115,7 +115,8 @@ class LLMEngine(RequestValidation, WarmUp):
             token_history_len = getattr(model, "token_history_len", 0)
             self.executor = InProcessExecutor(
                 ModelRunner(model, device=self.device, eos_token_ids=self.eos_token_ids, vocab_size=cfg.vocab_size,
-                            ssm_state_dtype=setup.ssm_state_dtype, logprobs_mode=args.logprobs_mode)
+                            ssm_state_dtype=setup.ssm_state_dtype, kv_cache_dtype=setup.kv_cache_dtype,
+                            logprobs_mode=args.logprobs_mode)
             )
         else:
             from lamina.engine.mp_executor import MultiprocExecutor, worker_spec

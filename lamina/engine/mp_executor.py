@@ -264,7 +264,7 @@ def worker_spec(setup: EngineSetup) -> WorkerSpec:
     args, pc = setup.args, setup.parallel_config
     return WorkerSpec(
         model_path=str(setup.model_path), hf_overrides=args.hf_overrides, dtype=setup.dtype,
-        ssm_state_dtype=setup.ssm_state_dtype,
+        ssm_state_dtype=setup.ssm_state_dtype, kv_cache_dtype=setup.kv_cache_dtype,
         device_type=setup.device.type, plan=setup.plan,
         master_addr=pc.master_addr, master_port=pc.master_port or find_free_port(),
         eos_token_ids=setup.eos_token_ids, vocab_size=setup.model_config.vocab_size, load_format=args.load_format,

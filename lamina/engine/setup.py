@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from lamina.config import AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, ssm_state_dtype_choice
+from lamina.config import (AUTO, EngineArgs, parse_max_model_len, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+                           ssm_state_dtype_choice)
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.layers.moe import fp8_block_fits, fp8_experts_for
@@ -41,6 +42,7 @@ class EngineSetup:
     device: torch.device
     dtype: torch.dtype
     ssm_state_dtype: torch.dtype  # the recurrent state pool's (mamba_ssm_cache_dtype, resolved)
+    kv_cache_dtype: torch.dtype  # the attention layers' paged cache's (kv_cache_dtype, resolved)
     quantization: BlockFp8 | None  # the weights' block FP8 format (the checkpoint's, or dummy FP8)
     fp8_experts: bool  # every expert tensor of the checkpoint is FP8 (else all are dequantized)
     parallel_config: ParallelConfig
@@ -117,9 +119,18 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
                        str(ssm_state_dtype).removeprefix("torch."), source)
     else:
         logger.info("recurrent state pool in %s (%s)", str(ssm_state_dtype).removeprefix("torch."), source)
+    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    if kv_cache_dtype.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype = {args.kv_cache_dtype}: an FP8 KV cache needs a GPU of compute capability "
+                         f"8.9 or later (Ada, Hopper, Blackwell), this one is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use kv_cache_dtype auto")
+    if kv_cache_dtype != dtype:
+        logger.info("paged KV cache in %s (kv_cache_dtype = %s; the model computes in %s)",
+                    str(kv_cache_dtype).removeprefix("torch."), args.kv_cache_dtype, str(dtype).removeprefix("torch."))
     return EngineSetup(
         args=args, model_path=model_path, hf_config=hf_config, model_cls=model_cls, model_config=cfg,
-        device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype, quantization=quantization,
+        device=device, dtype=dtype, ssm_state_dtype=ssm_state_dtype, kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
         fp8_experts=fp8_experts,
         parallel_config=parallel_config, plan=plan, max_model_len=max_model_len,
         tokenizer=tokenizer, eos_token_ids=eos_token_ids, spec_config=spec_config, mtp_prefix=mtp_prefix,

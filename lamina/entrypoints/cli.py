@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from lamina.config import LOGPROBS_MODES
+from lamina.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, LOGPROBS_MODES
 from lamina.entrypoints.openai.cli_serve import add_serve_parser
 from lamina.sampling_params import SamplingParams
 
@@ -53,6 +53,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="vLLM's flag: the recurrent state pool's dtype when --mamba-ssm-cache-dtype is auto and the "
                         "checkpoint names none (the conv state stays in the model's dtype, which holds it exactly)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES + KV_CACHE_DTYPE_ALIASES,
+                   help="vLLM's flag: the attention layers' paged KV cache dtype (auto: the model's; fp8 = fp8_e4m3 "
+                        "and fp8_e5m2 halve a 16-bit cache, scale 1.0: keys and values are clamped to the format's "
+                        "range and rounded as they are stored, and every attention read sees the stored values; "
+                        "needs a GPU of compute capability 8.9 or later, or the CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -131,6 +136,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, ple_table_device=args.ple_table_device,
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"), load_format=args.load_format,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager,
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),

@@ -27,7 +27,8 @@ class LLM:
     tokenizer: token-id prompts only, outputs with token ids and empty text), `load_format`,
     `ple_table_device`, `mamba_ssm_cache_dtype` (the recurrent state pool's dtype: "auto", "float32",
     "bfloat16", "float16"), `mamba_cache_dtype` (vLLM's; the pool's dtype when neither that option
-    nor the checkpoint names one), `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
+    nor the checkpoint names one), `kv_cache_dtype` (the attention layers' paged cache: "auto", the
+    model's dtype, or "fp8" / "fp8_e4m3" / "fp8_e5m2", half of a 16-bit cache), `tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`,
     `enable_expert_parallel`, `sequence_parallel_moe`, `pp_layer_partition`, `nnodes`,
     `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:
     `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`),

@@ -16,7 +16,7 @@ import torch
 
 from pathlib import Path
 
-from lamina.config import EngineArgs, resolve_dtype, resolve_ssm_state_dtype
+from lamina.config import EngineArgs, resolve_dtype, resolve_kv_cache_dtype, resolve_ssm_state_dtype
 from lamina.engine.memory_plan import (
     GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, state_dtype_hint, usable_gpu_bytes,
 )
@@ -46,13 +46,14 @@ def _is_ple_table(name: str) -> bool:
 
 def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype, block_size: int,
                   ssm_state_dtype: torch.dtype = torch.float32, quantization=None, kernels: str = "reference",
-                  fp8_experts: bool = True, drafter: dict | None = None) -> dict:
+                  fp8_experts: bool = True, drafter: dict | None = None, kv_cache_dtype: torch.dtype | None = None) -> dict:
     """Weight bytes (PLE tables apart), KV bytes per token and recurrent-state bytes per request
     (the recurrent pools in `ssm_state_dtype`). `quantization`: the checkpoint's block FP8 format,
     whose experts stay FP8 on the `kernels` set "triton" (a CUDA engine) when `fp8_experts` (every
     expert tensor of the checkpoint is FP8: `lamina.quantization.unquantized_expert_tensors`). `drafter`
     (`hf_config`, `mtp_prefix`, shard `headers`) under MTP: the last stage's drafter is built too, and
-    its weights (its own embedding table on a pipeline's last stage) and KV cache are counted."""
+    its weights (its own embedding table on a pipeline's last stage) and KV cache are counted. The paged
+    KV cache is counted in `kv_cache_dtype` (None: `dtype`)."""
     me = plan.ranks[rank]
     ctx = ParallelContext(
         tp=GroupCollectives(plan.tp, me.tp), device=torch.device("meta"),
@@ -78,10 +79,11 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
         else:
             weights += nbytes
     caches = model.paged_cache_modules() + (mtp.paged_cache_modules() if mtp is not None else [])
-    kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, dtype) for m in caches)
+    kv_per_block = sum(m.paged_cache_bytes_per_block(block_size, kv_cache_dtype or dtype) for m in caches)
     state = sum(m.bind_state(1, dtype, "meta", ssm_dtype=ssm_state_dtype) for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
-            "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch.")}
+            "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch.")}
 
 
 # Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):
@@ -170,7 +172,7 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
         est = r["estimate"]
         lines.append(
             f"  weights {_gib(est['weight_bytes'])}" + (f", PLE table {_gib(est['ple_table_bytes'])}" if est["ple_table_bytes"] else "")
-            + f"; KV {est['kv_bytes_per_token']} B/token; state {_gib(est['state_bytes_per_request'])}/request"
+            + f"; KV {est['kv_bytes_per_token']} B/token ({est['kv_cache_dtype']}); state {_gib(est['state_bytes_per_request'])}/request"
             + (f" (recurrent pool in {est['ssm_state_dtype']})" if est["state_bytes_per_request"] else "")
         )
         memory = r.get("gpu_memory")
@@ -205,6 +207,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             dtype = resolve_dtype("auto", torch.device("cuda"), getattr(hf_config, "dtype", None))
         ssm_state_dtype = resolve_ssm_state_dtype(engine_args.mamba_ssm_cache_dtype, hf_config,
                                                   engine_args.mamba_cache_dtype)
+        kv_cache_dtype = resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype)
         quantization = resolve_quantization(engine_args.quantization, read_quantization(hf_config),
                                             engine_args.load_format)
         # every expert tensor is FP8 (dummy weights, or no shards to read: as the config says)
@@ -220,7 +223,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             if key not in cache:
                 est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype,
                                     quantization, "triton" if device_type == "cuda" else "reference", fp8_experts,
-                                    drafter)
+                                    drafter, kv_cache_dtype)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
                     ssm_state_dtype)

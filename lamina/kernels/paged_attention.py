@@ -15,7 +15,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
 
-__all__ = ["write_kv_cache", "write_paged_rows", "gather_paged_context", "paged_attention"]
+__all__ = ["write_kv_cache", "write_paged_rows", "gather_paged_context", "paged_attention", "to_cache_dtype"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` as a cache of `dtype` stores them: an FP8 cache (kv_cache_dtype fp8, scale 1.0) clamps
+    to the format's finite range, then rounds to nearest even (as the Triton writers convert)."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        return rows.clamp(-limit, limit).to(dtype)
+    return rows.to(dtype)
 
 # SDPA backends in order of preference for the causal rule (fresh prompts) on CUDA. SDPA's own
 # choice there is cuDNN, which builds an execution plan for every new shape: on an H200, 66-103 ms
@@ -36,12 +47,14 @@ def _write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, va
     (unspecified) order of duplicate writes in index_copy_ does not matter.
     """
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
-    rows = rows.to(cache.dtype)
+    rows = to_cache_dtype(rows, cache.dtype)
     hits0 = valid & (slots == 0)  # [T]
     first0 = hits0.to(torch.int32).argmax().reshape(1)  # [1]: first valid writer of slot 0 (0 if none)
     fill = torch.where(hits0.any(), rows.index_select(0, first0)[0], flat[0])  # [Hkv, D]
     src = torch.where(valid[:, None, None], rows, fill)  # [T, Hkv, D]
     dst = torch.where(valid, slots, torch.zeros_like(slots))  # [T]
+    if cache.dtype in FP8_DTYPES:  # index_copy_ has no FP8 kernel on the CPU: the same bytes as uint8
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
     flat.index_copy_(0, dst, src)
 
 

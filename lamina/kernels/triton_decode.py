@@ -101,7 +101,7 @@ def _paged_decode_attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + pos // PAGE_SIZE, mask=n_ok, other=0)
         row = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -109,7 +109,7 @@ def _paged_decode_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS > 1:

@@ -97,7 +97,7 @@ def _paged_prefill_attention_kernel(
             in_page = offs_n % PAGE_SIZE
             kv_ok = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[:, None]
-                        + offs_d[None, :], mask=kv_ok, other=0.0)  # [BN, BD]
+                        + offs_d[None, :], mask=kv_ok, other=0.0).to(q.dtype)  # [BN, BD] (an FP8 cache: converted)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BM, BN]
             s = tl.where((offs_n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row reads key 0 in the first tile
@@ -105,7 +105,7 @@ def _paged_prefill_attention_kernel(
             p = tl.exp(s - m_new[:, None])  # [BM, BN]
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
-                        + offs_d[None, :], mask=kv_ok, other=0.0)  # [BN, BD]
+                        + offs_d[None, :], mask=kv_ok, other=0.0).to(q.dtype)  # [BN, BD] (an FP8 cache: converted)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         dtype = out_ptr.dtype.element_ty

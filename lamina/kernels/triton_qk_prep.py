@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.paged_attention import FP8_DTYPES
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["qk_norm_rope_cache"]
@@ -28,7 +29,7 @@ def _qk_prep_kernel(
     eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_cs, stride_ch, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr,
-    ZERO_CENTRED: tl.constexpr, PDL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr, CACHE_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     token = tl.program_id(0).to(tl.int64)  # int64 offsets: prefill steps of many tokens
@@ -64,8 +65,11 @@ def _qk_prep_kernel(
         slot = tl.load(slots_ptr + token)
         if slot >= 0:
             dst = slot.to(tl.int64) * stride_cs + kv_head * stride_ch + d
-            tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
             v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+            if CACHE_MAX > 0:  # an FP8 cache (scale 1.0): clamped to its finite range, then rounded
+                out = tl.minimum(tl.maximum(out.to(tl.float32), -CACHE_MAX), CACHE_MAX)
+                v = tl.minimum(tl.maximum(v.to(tl.float32), -CACHE_MAX), CACHE_MAX)
+            tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -92,6 +96,7 @@ def qk_norm_rope_cache(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        ZERO_CENTRED=zero_centred, **pdl_kwargs(query.device), num_warps=num_warps or QK_PREP_WARPS,
+        ZERO_CENTRED=zero_centred, CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_DTYPES else 0.0,
+        **pdl_kwargs(query.device), num_warps=num_warps or QK_PREP_WARPS,
     )
     return out

@@ -55,6 +55,9 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.k_layernorm = RMSNorm(head_dim, rms_norm_eps, dtype=dtype, device=device)
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, D], bound by the runner
+        # the raw keys stay in the layer's dtype whatever the KV cache's (kv_cache_dtype): they choose
+        # the blocks attention reads, so they are kept as computed
+        self.key_dtype = dtype
         self.kernels = kernel_set(device)  # 'triton': one-token decode scores blocks in lamina.kernels.triton_qsa
 
     # ---- paged raw-key cache --------------------------------------------------------------
@@ -148,13 +151,14 @@ class IndexedGatedAttention(GatedAttention):
 
     def paged_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return super().paged_cache_bytes_per_block(block_size, dtype) + self.indexer.paged_cache_bytes_per_block(
-            block_size, dtype
+            block_size, self.indexer.key_dtype
         )
 
     def bind_paged_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> int:
-        """K/V and the indexer's raw keys, all under the same block ids."""
+        """K/V (in `dtype`, the KV cache's) and the indexer's raw keys (in the layer's), all under the
+        same block ids."""
         kv_bytes = super().bind_paged_cache(num_blocks, block_size, dtype, device)
-        return kv_bytes + self.indexer.bind_paged_cache(num_blocks, block_size, dtype, device)
+        return kv_bytes + self.indexer.bind_paged_cache(num_blocks, block_size, self.indexer.key_dtype, device)
 
     def paged_cache_tensors(self) -> list[torch.Tensor]:
         """K/V and the indexer's raw keys (same block ids)."""

@@ -41,9 +41,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, *, device: torch.device, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 ssm_state_dtype: torch.dtype = torch.float32, logprobs_mode: str = "raw_logprobs"):
+                 ssm_state_dtype: torch.dtype = torch.float32, kv_cache_dtype: torch.dtype | None = None,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.ssm_state_dtype = ssm_state_dtype  # the delta-net recurrent state pools' (mamba_ssm_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype or model.dtype  # the attention layers' paged caches' (kv_cache_dtype)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -73,7 +75,7 @@ class ModelRunner:
         return self.model.paged_cache_modules() + (mtp.paged_cache_modules() if mtp is not None else [])
 
     def paged_cache_bytes_per_block(self, block_size: int) -> int:
-        return sum(m.paged_cache_bytes_per_block(block_size, self.model.dtype) for m in self.paged_cache_modules())
+        return sum(m.paged_cache_bytes_per_block(block_size, self.kv_cache_dtype) for m in self.paged_cache_modules())
 
     def state_bytes_per_slot(self) -> int:
         """Recurrent-state bytes of one request slot on this rank (call before `allocate_caches`:
@@ -84,7 +86,7 @@ class ModelRunner:
     def allocate_caches(self, num_kv_blocks: int, block_size: int, num_state_slots: int) -> None:
         self.block_size = block_size
         for module in self.paged_cache_modules():
-            self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.model.dtype, self.device)
+            self.kv_cache_bytes += module.bind_paged_cache(num_kv_blocks, block_size, self.kv_cache_dtype, self.device)
         # One spare slot past the requests' (padding rows of captured decode graphs write there);
         # `state_bytes` counts the requests' slots, `spare_state_bytes` the spare.
         self.spare_state_slot = num_state_slots
@@ -121,6 +123,8 @@ class ModelRunner:
             src = to_device([s for s, _ in pairs], self.device)  # [N]
             dst = to_device([d for _, d in pairs], self.device)  # [N]
             for cache in tensors:  # [num_blocks or num_slots, ...]
+                if cache.dtype.itemsize == 1:  # an FP8 KV cache: no index_copy_ for it on the CPU; the bytes
+                    cache = cache.view(torch.uint8)
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def capture_decode_graphs(

@@ -28,6 +28,7 @@ class WorkerSpec:
     hf_overrides: dict | None  # laid over config.json (EngineArgs.hf_overrides)
     dtype: torch.dtype
     ssm_state_dtype: torch.dtype  # the recurrent state pool's (EngineSetup.ssm_state_dtype)
+    kv_cache_dtype: torch.dtype  # the paged KV cache's (EngineSetup.kv_cache_dtype)
     device_type: str  # cpu | cuda
     plan: ParallelPlan
     master_addr: str
@@ -139,7 +140,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         replica = groups.ctx.dp.rank
         torch.manual_seed(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF)
         runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size,
-                             ssm_state_dtype=spec.ssm_state_dtype, logprobs_mode=spec.logprobs_mode)
+                             ssm_state_dtype=spec.ssm_state_dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                             logprobs_mode=spec.logprobs_mode)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         info = pdist.gather_objects({"rank": rank, "free_bytes": free}, groups)
         if rank == 0:

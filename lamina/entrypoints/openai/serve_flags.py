@@ -13,9 +13,7 @@ from pathlib import Path
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
-TRACKED = "not supported yet; tracked in issue 13 / docs/SERVING.md"
-_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-                "half": "float16", "float32": "float32", "float": "float32", "fp32": "float32"}
+TRACKED = "not supported yet (see docs/SERVING.md)"
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +34,6 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching is not implemented: --no-enable-prefix-caching is accepted, "
                         "--enable-prefix-caching refused")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="only 'auto' or the model's dtype: the KV cache is kept in the model dtype")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted, no effect: lamina runs its own model code and reads configs with transformers")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -73,23 +69,6 @@ def _config_namespace(config: dict):
                            text_config=SimpleNamespace(quantization_config=text.get("quantization_config")))
 
 
-def _config_dtype(config: dict) -> str | None:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if isinstance(cfg.get(key), str):
-                return cfg[key]
-    return None
-
-
-def model_dtype_name(args: argparse.Namespace, model: str | None) -> str:
-    """The dtype the engine will run `model` in (as lamina.config.resolve_dtype decides)."""
-    from lamina.config import resolve_device, resolve_dtype
-
-    config = _config_json(model, getattr(args, "hf_overrides", None))
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device), _config_dtype(config))
-    return str(dtype).removeprefix("torch.")
-
-
 def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
     """Refuse (ValueError, exit 2) what lamina cannot do, naming the flag and what is supported."""
     if args.enable_prefix_caching:
@@ -104,13 +83,6 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
                                  getattr(args, "load_format", "auto"))
         except ValueError as e:
             raise ValueError(f"--quantization {args.quantization}: {e}") from None
-    kv = args.kv_cache_dtype
-    if kv != "auto":
-        want = _DTYPE_NAMES.get(kv.lower())
-        have = model_dtype_name(args, model)
-        if want != have:
-            raise ValueError(f"--kv-cache-dtype {kv}: a KV-cache dtype other than the model's is {TRACKED}. "
-                             f"Supported: auto or {have} (this model's dtype here)")
     if args.enable_chunked_prefill is False:
         raise ValueError("--no-enable-chunked-prefill: lamina always splits a prompt longer than "
                          "--max-num-batched-tokens into chunks; to prefill every prompt whole, leave the flag out and "
