@@ -126,7 +126,7 @@ class _FakeExecutor:
         return STATE
 
 
-def _fake_engine(max_num_seqs=None, spec_config=None, **over):
+def _fake_engine(max_num_seqs=None, spec_config=None, kv_cache_dtype=None, fp8_kv_cache_possible=False, **over):
     args = dict(block_size=16, num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
                 max_num_seqs=max_num_seqs, enforce_eager=True, max_model_len=None)
     args.update(over)
@@ -134,6 +134,7 @@ def _fake_engine(max_num_seqs=None, spec_config=None, **over):
         args=types.SimpleNamespace(**args),
         max_model_len=2048, device=torch.device("cuda"), spec_config=spec_config, executor=_FakeExecutor(),
         model_config=_preset_config(), dtype=torch.bfloat16, ssm_state_dtype=torch.float32,
+        kv_cache_dtype=kv_cache_dtype or torch.bfloat16, fp8_kv_cache_possible=fp8_kv_cache_possible,
     )
     engine._speculation_reserve = types.MethodType(LLMEngine._speculation_reserve, engine)
     engine._fit_max_model_len = types.MethodType(LLMEngine._fit_max_model_len, engine)
@@ -168,6 +169,15 @@ def test_engine_refuses_an_explicit_max_num_seqs_the_gpu_cannot_hold(h100):
         LLMEngine._num_kv_blocks(bf16, 256, 8192)
     num_blocks, seqs = LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=32), 32, 8192)
     assert seqs == 32 and num_blocks == 32 * 128  # 32 fit with their whole lengths
+    # on a GPU with FP8 and a 16-bit KV cache, the FP8 cache is named too; not once the cache is FP8
+    fp8_gpu = _fake_engine(max_num_seqs=256, kv_cache_dtype=torch.bfloat16, fp8_kv_cache_possible=True)
+    fp8_gpu.ssm_state_dtype = torch.bfloat16
+    with pytest.raises(ValueError, match=r"raise gpu_memory_utilization, or keep the KV cache in FP8 "
+                                         r"\(kv_cache_dtype='fp8': half its bytes or less\)$"):
+        LLMEngine._num_kv_blocks(fp8_gpu, 256, 8192)
+    fp8_gpu.kv_cache_dtype = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"raise gpu_memory_utilization$"):
+        LLMEngine._num_kv_blocks(fp8_gpu, 256, 8192)
 
 
 def test_a_given_kv_size_skips_the_plan(h100):

@@ -72,6 +72,9 @@ class LLMEngine(RequestValidation, WarmUp):
         self.model_config, self.parallel_config, self.plan = setup.model_config, setup.parallel_config, setup.plan
         self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
         self.ssm_state_dtype = setup.ssm_state_dtype  # the recurrent state pool's (mamba_ssm_cache_dtype)
+        self.kv_cache_dtype = setup.kv_cache_dtype  # the paged KV cache's (kv_cache_dtype)
+        # a GPU with FP8 (compute capability 8.9+): memory refusals may suggest kv_cache_dtype fp8
+        self.fp8_kv_cache_possible = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.default_sampling = dict(setup.default_sampling)  # from the generation config (generation_defaults)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
         self.tokenizer, self.eos_token_ids = setup.tokenizer, setup.eos_token_ids
@@ -228,7 +231,8 @@ class LLMEngine(RequestValidation, WarmUp):
             total = torch.cuda.get_device_properties(self.device).total_memory
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
-            hint = state_dtype_hint(self.ssm_state_dtype)
+            hint = state_dtype_hint(self.ssm_state_dtype,
+                                    self.kv_cache_dtype if getattr(self, "fp8_kv_cache_possible", False) else None)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),
                 bytes_per_block=bytes_per_block, block_size=args.block_size, max_model_len=self.max_model_len,

@@ -54,12 +54,16 @@ GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools
 FIXED_HEADROOM_BYTES = 512 * MIB
 
 
-def state_dtype_hint(ssm_state_dtype) -> str:
+def state_dtype_hint(ssm_state_dtype, kv_cache_dtype=None) -> str:
     """What else would make room, said with a lowered or refused max_num_seqs: a float32 recurrent
-    pool can be kept in bfloat16 (`mamba_ssm_cache_dtype`); '' when it already is 16-bit."""
-    if getattr(ssm_state_dtype, "itemsize", 2) < 4:
-        return ""
-    return "keep the recurrent states in bfloat16 (mamba_ssm_cache_dtype='bfloat16': about half their bytes)"
+    pool can be kept in bfloat16 (`mamba_ssm_cache_dtype`), and a 16-bit KV cache in FP8
+    (`kv_cache_dtype`, where given: a device that has FP8); '' when neither applies."""
+    hints = []
+    if getattr(ssm_state_dtype, "itemsize", 2) >= 4:
+        hints.append("keep the recurrent states in bfloat16 (mamba_ssm_cache_dtype='bfloat16': about half their bytes)")
+    if kv_cache_dtype is not None and kv_cache_dtype.itemsize >= 2:
+        hints.append("keep the KV cache in FP8 (kv_cache_dtype='fp8': half its bytes or less)")
+    return ", or ".join(hints)
 
 
 def usable_gpu_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> int:

@@ -93,7 +93,7 @@ CUDA_CONTEXT_BYTES = 1 << 30
 
 def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_gib: float, max_model_len: int,
                        dtype: torch.dtype, num_speculative_tokens: int,
-                       ssm_state_dtype: torch.dtype = torch.float32) -> dict:
+                       ssm_state_dtype: torch.dtype = torch.float32, kv_cache_dtype: torch.dtype | None = None) -> dict:
     """What the engine's memory plan (lamina.engine.memory_plan) would make of one rank on a GPU of
     `gpu_memory_gib` GiB: its max_num_seqs and KV cache, or the error it would raise. Approximate: the
     engine plans from the free memory it finds after loading; here that is the GPU's memory less the
@@ -109,7 +109,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     batched = engine_args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     per_slot, k = estimate["state_bytes_per_request"], num_speculative_tokens
     graphs = not engine_args.enforce_eager
-    hint = state_dtype_hint(ssm_state_dtype)
+    hint = state_dtype_hint(ssm_state_dtype, kv_cache_dtype)  # (a GPU of FP8's generation assumed)
     try:
         plan = plan_gpu_memory(
             usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),
@@ -226,7 +226,7 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                                     drafter, kv_cache_dtype)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
-                    ssm_state_dtype)
+                    ssm_state_dtype, kv_cache_dtype)
                 cache[key] = (est, memory)
             est, memory = cache[key]
             ranks.append({"coords": me.__dict__ | {}, "estimate": est}
