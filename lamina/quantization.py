@@ -16,6 +16,12 @@ what transformers computes from the same files (it dequantizes the same way off 
 where a layer keeps its weights in FP8 (`Fp8Weight`): on lamina's Triton kernels the MoE experts
 (lamina.layers.moe, lamina.kernels.expert_scales) stay float8 with their scales, half the memory
 and the bytes a decode step reads, and the kernels multiply by the scales as they go.
+
+`quantization="fp8"` on an unquantized checkpoint quantizes at load (`ONLINE_FP8`): the routed and
+shared experts' weights become block FP8 (128 x 128 blocks, absmax / 448 scales, `quantize_block_fp8`)
+as they stream in, exactly as an FP8 checkpoint of those tensors would hold them, and follow that
+path (kept FP8 on the Triton kernels, dequantized elsewhere); every other weight keeps its dtype.
+Activations stay in the model's dtype (weight-only FP8, unlike vLLM's dynamic per-tensor W8A8).
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ class BlockFp8:
 
     block_rows: int
     block_cols: int
+    # quantized at load from an unquantized checkpoint (its expert weights; ONLINE_FP8)
+    online: bool = False
 
     def describe(self) -> str:
-        return f"block FP8 (e4m3, {self.block_rows}x{self.block_cols} blocks)"
+        return f"block FP8 (e4m3, {self.block_rows}x{self.block_cols} blocks{', quantized at load' if self.online else ''})"
 
     def scale_grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The scale tensor's shape for a quantized weight of `shape` (leading dims kept)."""
@@ -100,6 +108,9 @@ def read_quantization(hf_config) -> BlockFp8 | None:
 
 # The block FP8 format of dummy weights under quantization="fp8" (the Qwen "-FP8" releases' blocks)
 DUMMY_FP8 = BlockFp8(128, 128)
+# ... and of an unquantized checkpoint's experts under quantization="fp8" (quantized at load)
+ONLINE_FP8 = BlockFp8(128, 128, online=True)
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 
 def resolve_quantization(option: str | None, quant: BlockFp8 | None, load_format: str = "auto") -> BlockFp8 | None:
@@ -109,28 +120,41 @@ def resolve_quantization(option: str | None, quant: BlockFp8 | None, load_format
     if load_format == "dummy" and option is not None and option.lower() == "fp8":
         return quant or DUMMY_FP8
     check_quantization_option(option, quant)
+    if quant is None and option is not None and option.lower() == "fp8":
+        return ONLINE_FP8  # an unquantized checkpoint: its experts quantized at load
     return quant
+
+
+def online_blocks(quant: BlockFp8 | None, intermediate_per_rank: int) -> BlockFp8 | None:
+    """An at-load quantization's blocks for this layout: 128 x 128 (the Qwen "-FP8" releases') where
+    they tile a rank's expert intermediate slice, else the largest power of two down to 16 that does
+    (so the Triton MoE kernels keep the experts FP8: lamina.layers.moe.fp8_block_fits); 128 when none
+    does. Any other quantization is returned as it is."""
+    if quant is None or not quant.online:
+        return quant
+    for block in (128, 64, 32, 16):
+        if intermediate_per_rank and intermediate_per_rank % block == 0:
+            return BlockFp8(block, block, online=True)
+    return ONLINE_FP8
 
 
 def check_quantization_option(option: str | None, quant: BlockFp8 | None) -> None:
     """vLLM's `quantization` argument against the checkpoint: None follows the checkpoint; 'fp8'
-    asks for the checkpoint's FP8 weights; quantizing an unquantized checkpoint at load is refused."""
+    asks for the checkpoint's FP8 weights, or an unquantized checkpoint's experts quantized at load
+    (`resolve_quantization`)."""
     if option is None:
         return
     name = option.lower()
     if name == "fp8":
-        if quant is None:
-            raise ValueError("quantization = 'fp8': this checkpoint is not quantized (no quantization_config in "
-                             "config.json), and quantizing weights at load is not supported; leave quantization "
-                             "unset, or use an FP8 checkpoint (block-wise, e.g. the Qwen '-FP8' releases)")
         return
     if name == "none":
         if quant is not None:
             raise ValueError(f"quantization = 'none': this checkpoint is {quant.describe()}; leave quantization "
                              "unset (or pass 'fp8') to load it")
         return
-    raise ValueError(f"quantization = {option!r} is not supported; supported: fp8 (a block-wise FP8 checkpoint), "
-                     "none, or unset (follow the checkpoint's config.json)")
+    raise ValueError(f"quantization = {option!r} is not supported; supported: fp8 (a block-wise FP8 checkpoint, or "
+                     "an unquantized one's experts quantized at load), none, or unset (follow the checkpoint's "
+                     "config.json)")
 
 
 def quantized_tensors(headers, quant: BlockFp8 | None, model_dir) -> dict[str, str]:
@@ -199,6 +223,28 @@ def unquantized_experts(model_dir, load_format: str = "auto") -> list[str]:
     from lamina.models.loader import read_header, resolve_shards
 
     return unquantized_expert_tensors([read_header(p) for p in resolve_shards(model_dir)])
+
+
+def quantize_block_fp8(weight: torch.Tensor, quant: BlockFp8) -> Fp8Weight:
+    """`weight` [..., rows, cols] as block FP8: per block of the last two dims (a partial last block
+    its own), scale_inv = the block's absolute maximum / 448 in float32, values = weight / scale_inv
+    rounded to float8 e4m3 (nearest even); `dequantize` gives the weight back within e4m3's rounding."""
+    bn, bk = quant.block_rows, quant.block_cols
+    *lead, rows, cols = weight.shape
+    grid_r, grid_c = -(-rows // bn), -(-cols // bk)
+    padded = weight.new_zeros(*lead, grid_r * bn, grid_c * bk, dtype=torch.float32)
+    padded[..., :rows, :cols] = weight.float()
+    blocks = padded.reshape(*lead, grid_r, bn, grid_c, bk)  # [..., R, bn, C, bk]
+    scale_inv = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX  # [..., R, C]
+    values = (blocks / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    values = values.reshape(*lead, grid_r * bn, grid_c * bk)[..., :rows, :cols].contiguous()  # [..., rows, cols]
+    return Fp8Weight(values, scale_inv)
+
+
+def is_quantized_at_load(name: str) -> bool:
+    """Under `ONLINE_FP8`: a routed or shared expert weight (the target's or the MTP drafter's),
+    which is quantized as it loads."""
+    return not name.endswith(SCALE_SUFFIX) and (".mlp.experts." in name or ".mlp.shared_expert." in name)
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, quant: BlockFp8) -> torch.Tensor:

@@ -37,11 +37,13 @@ def _quantized_name(name: str, tensor: torch.Tensor) -> bool:
     return name.endswith(".weight") or name.endswith(("experts.gate_up_proj", "experts.down_proj"))
 
 
-def fp8_copy(src: Path, dst: Path, *, block=(16, 16), scales_apart: bool = False, twin: Path | None = None) -> Path:
+def fp8_copy(src: Path, dst: Path, *, block=(16, 16), scales_apart: bool = False, twin: Path | None = None,
+             only=None) -> Path:
     """A block FP8 copy of checkpoint `src` (all its shards). `scales_apart`: the scales in a
     shard of their own (with an index json), so a weight's scale is read from another file.
     `twin`: also write there the float32 checkpoint of the dequantized values (what the FP8 copy
-    means), computed here independently of lamina."""
+    means), computed here independently of lamina. `only(name)`: quantize just the tensors it picks
+    (of those a release quantizes)."""
     shutil.copytree(src, dst)
     index = dst / "model.safetensors.index.json"
     files = (sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists()
@@ -53,7 +55,7 @@ def fp8_copy(src: Path, dst: Path, *, block=(16, 16), scales_apart: bool = False
     index.unlink(missing_ok=True)
     out, dequantized = {}, {}
     for name, t in tensors.items():
-        if _quantized_name(name, t):
+        if _quantized_name(name, t) and (only is None or only(name)):
             q, s = quantize_block_fp8(t, block)
             out[name], out[name + "_scale_inv"] = q, s
             grid = s.repeat_interleave(block[0], -2)[..., : t.shape[-2], :].repeat_interleave(block[1], -1)

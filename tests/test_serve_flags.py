@@ -54,6 +54,7 @@ def test_vllm_flags_are_accepted():
         "--no-enable-prefix-caching", "--chat-template", "{{ x }}", "--device", "cpu"])
     assert (args.tool_call_parser, args.reasoning_parser, args.enable_prefix_caching) == ("qwen3_coder", "qwen3", False)
     check_compat_args(args, None)
+    check_compat_args(build_parser().parse_args(["serve", "--device", "cpu", "-q", "fp8"]), None)  # quantized at load
     for dtype, kv in (("auto", "float32"), ("bfloat16", "bf16"), ("float16", "float16"), ("auto", "fp8"),
                       ("bfloat16", "fp8_e4m3"), ("bfloat16", "fp8_e5m2")):  # the model's dtype, or FP8
         parsed = build_parser().parse_args(["serve", "--device", "cpu", "--dtype", dtype, "--kv-cache-dtype", kv])
@@ -87,8 +88,8 @@ def test_refused_vllm_modes_exit_2(capsys, flags, named, supported):
 
 @pytest.mark.parametrize("flags, named, supported", [
     (["--enable-prefix-caching"], "--enable-prefix-caching", "--no-enable-prefix-caching"),
-    (["--quantization", "awq"], "--quantization awq", "supported: fp8 (a block-wise FP8 checkpoint), none"),
-    (["-q", "fp8"], "--quantization fp8", "this checkpoint is not quantized"),  # the demo model
+    (["--quantization", "awq"], "--quantization awq", "supported: fp8 (a block-wise FP8 checkpoint, or an "
+                                                        "unquantized one's experts quantized at load), none"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser", "hermes or qwen3_coder"),
 ])
 def test_unsupported_values_exit_2_naming_the_flag(capsys, flags, named, supported):

@@ -21,7 +21,7 @@ from lamina.config import (AUTO, EngineArgs, parse_max_model_len, resolve_device
 from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.layers.moe import fp8_block_fits, fp8_experts_for
-from lamina.quantization import BlockFp8, unquantized_experts, read_quantization, resolve_quantization
+from lamina.quantization import BlockFp8, online_blocks, read_quantization, resolve_quantization, unquantized_experts
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
 from lamina.parallel.plan import ParallelPlan, build_plan
@@ -89,9 +89,10 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     parallel_config = args.parallel_config()
     num_devices = torch.cuda.device_count() if device.type == "cuda" else None
     plan = build_plan(cfg, parallel_config, num_devices=num_devices, device_type=device.type)
-    fp8_experts = True  # every expert tensor of the checkpoint is FP8 (dummy weights: by construction)
+    quantization = online_blocks(quantization, expert_intermediate_per_rank(cfg, plan))  # quantized at load: blocks
+    fp8_experts = True  # every expert tensor of the checkpoint is FP8 (dummy weights, or quantized at load: all)
     if quantization is not None:
-        unquantized = unquantized_experts(model_path, args.load_format)
+        unquantized = [] if quantization.online else unquantized_experts(model_path, args.load_format)
         fp8_experts = not unquantized
         _log_fp8_experts(quantization, cfg, plan, device, dtype, unquantized)
     max_model_len = resolve_max_model_len(args, cfg)
@@ -138,21 +139,29 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     )
 
 
+def expert_intermediate_per_rank(cfg, plan: ParallelPlan) -> int:
+    """A rank's slice of each routed expert's intermediate rows (whole under expert parallelism)."""
+    inter = getattr(cfg, "moe_intermediate_size", 0) or 0
+    return inter if plan.ep_enabled else inter // max(plan.tp, 1)
+
+
 def _log_fp8_experts(quantization: BlockFp8, cfg, plan: ParallelPlan, device: torch.device, dtype: torch.dtype,
                      unquantized: list[str]) -> None:
     """Say where block FP8 weights stay FP8, and why not when a GPU engine's experts cannot."""
     dtype_name = str(dtype).removeprefix("torch.")
     inter = getattr(cfg, "moe_intermediate_size", 0)
-    inter_per_rank = inter if plan.ep_enabled else inter // max(plan.tp, 1)
+    inter_per_rank = expert_intermediate_per_rank(cfg, plan)
+    rest = ("every other weight keeps the checkpoint's dtype" if quantization.online
+            else f"everything else is dequantized into {dtype_name} as it loads")
     if not fp8_experts_for({"quantization": quantization}, device) or not inter:
-        logger.info("weights are %s: each is dequantized into %s as it loads", quantization.describe(), dtype_name)
+        what = "the experts are quantized, then dequantized into" if quantization.online else "each is dequantized into"
+        logger.info("weights are %s: %s %s as it loads", quantization.describe(), what, dtype_name)
     elif unquantized:
         logger.warning("weights are %s, but %d expert tensors are not FP8 (e.g. %s): every expert is dequantized into "
                        "%s as it loads, twice the memory of FP8 experts", quantization.describe(), len(unquantized),
                        unquantized[0], dtype_name)
     elif fp8_block_fits(quantization, inter_per_rank):
-        logger.info("weights are %s: the MoE experts stay FP8, everything else is dequantized into %s as it loads",
-                    quantization.describe(), dtype_name)
+        logger.info("weights are %s: the MoE experts stay FP8, %s", quantization.describe(), rest)
     else:  # the remedy only where a whole expert's rows would fit the blocks
         remedy = ("; fewer tensor-parallel ranks or --enable-expert-parallel keep them FP8"
                   if fp8_block_fits(quantization, inter) else "")

@@ -22,9 +22,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--quantization", "-q", default=None,
-                   help="vLLM's flag. Unset: follow the checkpoint's config.json. fp8: the checkpoint is block-wise "
-                        "FP8 (on a GPU its MoE experts stay FP8, the rest is dequantized into --dtype as it loads; "
-                        "with --load-format dummy: FP8 dummy weights); none: it is unquantized")
+                   help="vLLM's flag. Unset: follow the checkpoint's config.json. fp8: a block-wise FP8 checkpoint "
+                        "(on a GPU its MoE experts stay FP8, the rest is dequantized into --dtype as it loads), or "
+                        "an unquantized one whose experts are quantized to block FP8 as they load (weight-only); "
+                        "with --load-format dummy: FP8 dummy weights. none: the checkpoint is unquantized")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="vLLM's flag: a YAML file of long option names and values (e.g. 'max-model-len: 32k'); "
                         "options on the command line win. JSON options also take vLLM's key-by-key form: "

@@ -20,13 +20,13 @@ from lamina.config import EngineArgs, resolve_dtype, resolve_kv_cache_dtype, res
 from lamina.engine.memory_plan import (
     GIB, activation_headroom_bytes, plan_gpu_memory, speculation_bytes, state_dtype_hint, usable_gpu_bytes,
 )
-from lamina.engine.setup import max_model_len_is_auto, resolve_max_model_len
+from lamina.engine.setup import expert_intermediate_per_rank, max_model_len_is_auto, resolve_max_model_len
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
 from lamina.models.loader import CheckpointError, read_header, resolve_shards
-from lamina.quantization import read_quantization, resolve_quantization, unquantized_expert_tensors
+from lamina.quantization import online_blocks, read_quantization, resolve_quantization, unquantized_expert_tensors
 from lamina.worker.model_loader import attach_drafter, read_model_config
 
 
@@ -210,8 +210,9 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         kv_cache_dtype = resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype)
         quantization = resolve_quantization(engine_args.quantization, read_quantization(hf_config),
                                             engine_args.load_format)
-        # every expert tensor is FP8 (dummy weights, or no shards to read: as the config says)
-        fp8_experts = quantization is None or not unquantized_expert_tensors(headers)
+        quantization = online_blocks(quantization, expert_intermediate_per_rank(cfg, plan))  # quantized at load
+        # every expert tensor is FP8 (dummy weights, quantized at load, or no shards to read: as the config says)
+        fp8_experts = quantization is None or quantization.online or not unquantized_expert_tensors(headers)
         cache: dict = {}
         ranks = []
         gib = getattr(args, "gpu_memory_gib", None)

@@ -315,12 +315,14 @@ def _sum_slots_kernel(parts_ptr, weights_ptr, shared_logit_ptr, ids_ptr, out_ptr
     for slot in range(0, TOP_K):  # in slot order: deterministic
         weight = tl.load(weights_ptr + token * stride_wt + slot).to(tl.float32)
         read = ok
-        if LOCAL_ONLY:  # another rank's expert: its part was never written (not read, not added)
+        if LOCAL_ONLY:  # another rank's expert: its part was never written (not read; a zero weight and part)
             local = tl.load(ids_ptr + token * stride_it + slot + tl.zeros([BLOCK], tl.int32)).to(tl.int64)  # [BLOCK]
             local -= expert_start
-            read = ok & (local >= 0) & (local < num_local_experts)
+            in_range = (local >= 0) & (local < num_local_experts)
+            read = ok & in_range
+            weight = tl.where(in_range, weight, 0.0)  # [BLOCK]
         part = tl.load(parts_ptr + (token * slots + slot) * hidden + offs, mask=read, other=0.0).to(tl.float32)
-        total += tl.where(read, weight * part, 0.0)
+        total += weight * part  # the same product and add as without ids: the same bits where every slot is local
     if SHARED:  # the shared expert's part, gated by the sigmoid of its logit in float32
         logit = tl.load(shared_logit_ptr + token * stride_sl).to(tl.float32)
         part = tl.load(parts_ptr + (token * slots + TOP_K) * hidden + offs, mask=ok, other=0.0).to(tl.float32)

@@ -67,10 +67,13 @@ def _qk_prep_kernel(
             dst = slot.to(tl.int64) * stride_cs + kv_head * stride_ch + d
             v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + d, mask=d_ok, other=0.0)
             if CACHE_MAX > 0:  # an FP8 cache (scale 1.0): clamped to its finite range, then rounded
-                out = tl.minimum(tl.maximum(out.to(tl.float32), -CACHE_MAX), CACHE_MAX)
-                v = tl.minimum(tl.maximum(v.to(tl.float32), -CACHE_MAX), CACHE_MAX)
-            tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
-            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+                k_fp8 = tl.minimum(tl.maximum(out.to(tl.float32), -CACHE_MAX), CACHE_MAX)
+                v_fp8 = tl.minimum(tl.maximum(v.to(tl.float32), -CACHE_MAX), CACHE_MAX)
+                tl.store(k_cache_ptr + dst, k_fp8.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+                tl.store(v_cache_ptr + dst, v_fp8.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+            else:
+                tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
 
 def qk_norm_rope_cache(

@@ -22,7 +22,7 @@ from pathlib import Path
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from lamina.quantization import BlockFp8, Fp8Weight, dequantize, quantized_tensors
+from lamina.quantization import BlockFp8, Fp8Weight, dequantize, is_quantized_at_load, quantize_block_fp8, quantized_tensors
 from lamina.models.weight_map import WeightMap
 
 logger = logging.getLogger(__name__)
@@ -108,9 +108,13 @@ def load_checkpoint(
 
     `skip_prefixes` / `skip_name(name)` mark tensors that belong to other parts (a vision tower,
     layers of other pipeline stages) and are skipped without reading them. `quantization`: the
-    checkpoint's block FP8 format (its config.json's), which its float8 tensors must follow.
+    checkpoint's block FP8 format (its config.json's), which its float8 tensors must follow; or
+    `ONLINE_FP8` (an unquantized checkpoint): its expert weights are quantized as they are read, kept
+    FP8 where `weight_map.keeps_fp8` says so and dequantized again elsewhere, as an FP8 checkpoint of
+    them would load.
     """
     shards = [read_header(p) for p in resolve_shards(Path(model_dir))]
+    online = quantization is not None and quantization.online
     report = LoadReport()
     try:
         scale_of = quantized_tensors(shards, quantization, model_dir)  # {fp8 weight: its scale tensor}
@@ -140,6 +144,11 @@ def load_checkpoint(
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
 
                 def read(name: str):
+                    if online and is_quantized_at_load(name):
+                        quantized = quantize_block_fp8(f.get_tensor(name), quantization)
+                        if name in weight_map.keeps_fp8:
+                            return quantized
+                        return dequantize(quantized.values, quantized.scale_inv, quantization)
                     if name not in scale_of:
                         return f.get_tensor(name)
                     scale_name = scale_of[name]

@@ -80,8 +80,11 @@ def build_model(
     # ... except the experts kept FP8 on the Triton kernels (lamina.layers.moe.fp8_experts_for); the
     # engine's options may also ask for dummy FP8 weights (lamina.quantization.resolve_quantization)
     model_options = {"quantization": quantization} | dict(model_options or {})
-    if model_options["quantization"] is not None and "fp8_experts" not in model_options:
-        model_options["fp8_experts"] = not unquantized_experts(model_dir, load_format)
+    engine_quantization = model_options["quantization"]
+    if engine_quantization is not None and engine_quantization.online:  # an unquantized checkpoint's experts
+        quantization = engine_quantization  # quantized as they load (lamina.quantization.ONLINE_FP8)
+    if engine_quantization is not None and "fp8_experts" not in model_options:
+        model_options["fp8_experts"] = engine_quantization.online or not unquantized_experts(model_dir, load_format)
     if load_format != "dummy":
         resolve_shards(Path(model_dir))  # fail on a weightless directory before allocating anything
     model = model_cls(cfg, ctx, dtype=dtype, device=device, layer_range=layer_range, options=model_options or {})
@@ -133,8 +136,9 @@ def attach_drafter(model, hf_config, model_options: dict, device, headers: list)
 
     prefix = model_options.get("mtp_prefix") or "mtp."
     drafter_fp8 = None
-    if model_options.get("quantization") is not None and not unquantized_expert_tensors(
-            headers, drafter=True, mtp_prefix=prefix):
+    quantization = model_options.get("quantization")
+    if quantization is not None and (quantization.online or not unquantized_expert_tensors(
+            headers, drafter=True, mtp_prefix=prefix)):
         drafter_fp8 = fp8_experts_for(dict(model_options, fp8_experts=True), device)
     attach_mtp(
         model, num_layers=num_mtp_layers(hf_config), prefix=prefix, device=device,
