@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -771,13 +771,20 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tile_fit.py tests/test_triton_kernels.py \
         tests/test_fp8_experts.py 2>&1 | tail -3
       bash $0 s33c ;;
+    s36d)  # part s36c cut to what a short call allows: its tests, and the FP8 KV engine once (bf16, graphs)
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
+        -k "sum_slots or unweighted or fp8_caches or writers" > $OUT/s36d_tests.txt 2>&1
+      tail -3 $OUT/s36d_tests.txt
+      LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 32 --input-len 4096 --output-len 32 --kv-cache-dtype fp8 \
+        --gpu-memory-utilization 0.95 --output-json $OUT/s36d_fp8kv.json > /tmp/s36d_fp8.txt 2>&1
+      grep -E "^\| 32 " /tmp/s36d_fp8.txt || tail -4 /tmp/s36d_fp8.txt ;;
     s36c)  # session 35: part s36b's two fixes on the GPU: the slot sum's FMA kept (bits equal to the id-free
       # sum) and the q/k prep kernel's FP8 store on a bf16 model; the FP8 KV cache's decode cost against auto
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
-        -k "sum_slots or unweighted or gemv_moe_matches or fused_moe or fp8 or qk_norm" > $OUT/s36c_tests.txt 2>&1
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
+        -k "sum_slots or unweighted or fp8_caches or writers" > $OUT/s36c_tests.txt 2>&1
       tail -3 $OUT/s36c_tests.txt
       for kv in auto fp8; do
-        LAMINA_GDN_PREFILL=reference timeout 80 $L --batch-size 1 32 --input-len 4096 --output-len 32 --kv-cache-dtype $kv \
+        LAMINA_GDN_PREFILL=reference timeout 60 $L --batch-size 32 --input-len 4096 --output-len 32 --kv-cache-dtype $kv \
           --gpu-memory-utilization 0.95 --output-json /tmp/s36ckv_${kv}.json > /tmp/s36c_$kv.txt 2>&1
         grep -E "^\| (1|32) " /tmp/s36c_$kv.txt || tail -4 /tmp/s36c_$kv.txt
       done
