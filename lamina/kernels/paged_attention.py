@@ -15,7 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lamina.kernels.varlen import flat_positions, from_padded, padded_index, query_lens, to_padded
 
-__all__ = ["write_kv_cache", "write_paged_rows", "gather_paged_context", "paged_attention", "to_cache_dtype"]
+__all__ = ["write_kv_cache", "write_paged_rows", "gather_paged_context", "gather_slots", "paged_attention",
+           "to_cache_dtype"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -48,13 +49,13 @@ def _write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, va
     """
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
     rows = to_cache_dtype(rows, cache.dtype)
+    if cache.dtype in FP8_DTYPES:  # few torch ops take FP8 (index_copy_ none on the CPU): the same bytes as uint8
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
     hits0 = valid & (slots == 0)  # [T]
     first0 = hits0.to(torch.int32).argmax().reshape(1)  # [1]: first valid writer of slot 0 (0 if none)
     fill = torch.where(hits0.any(), rows.index_select(0, first0)[0], flat[0])  # [Hkv, D]
     src = torch.where(valid[:, None, None], rows, fill)  # [T, Hkv, D]
     dst = torch.where(valid, slots, torch.zeros_like(slots))  # [T]
-    if cache.dtype in FP8_DTYPES:  # index_copy_ has no FP8 kernel on the CPU: the same bytes as uint8
-        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
     flat.index_copy_(0, dst, src)
 
 
@@ -95,13 +96,16 @@ def gather_paged_context(cache: torch.Tensor, block_tables: torch.Tensor, num_bl
     blocks = block_tables[:, :num_blocks_used].long()  # [B, nb]
     in_block = torch.arange(block_size, device=cache.device)  # [bs]
     slots = (blocks[:, :, None] * block_size + in_block).reshape(blocks.shape[0], -1)  # [B, nb*bs]
-    return _gather_context(cache, slots)
+    return gather_slots(cache, slots)
 
 
-def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_blocks, block_size, Hkv, D]` x slots `[B, S]` -> `[B, S, Hkv, D]`."""
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
-    rows = flat.index_select(0, slots.reshape(-1))  # [B*S, Hkv, D]
+    if cache.dtype in FP8_DTYPES:  # gathered as bytes (FP8 has few torch kernels), read back as FP8
+        rows = flat.view(torch.uint8).index_select(0, slots.reshape(-1)).view(cache.dtype)  # [B*S, Hkv, D]
+    else:
+        rows = flat.index_select(0, slots.reshape(-1))  # [B*S, Hkv, D]
     return rows.reshape(*slots.shape, *cache.shape[2:])  # [B, S, Hkv, D]
 
 
@@ -202,8 +206,8 @@ def paged_attention(
     slots = (blocks[:, :, None] * block_size + in_block).reshape(bsz, ctx_len)  # [B, S]
     if causal_from_start:  # no valid query reads past key max_len - 1: square scores, as SDPA's causal kernels want
         slots = slots[:, :max_len]  # [B, S = Lq]
-    keys = _gather_context(k_cache, slots)  # [B, S, Hkv, D]
-    values = _gather_context(v_cache, slots)  # [B, S, Hkv, D]
+    keys = gather_slots(k_cache, slots)  # [B, S, Hkv, D]
+    values = gather_slots(v_cache, slots)  # [B, S, Hkv, D]
 
     index, valid = padded_index(query_start_loc, max_len)  # [B, Lq]
     queries = to_padded(q, index, valid)  # [B, Lq, Hq, D]

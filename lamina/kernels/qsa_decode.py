@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.indexed_attention import block_scores, select_top_blocks
+from lamina.kernels.paged_attention import gather_slots
 
 __all__ = ["decode_block_selection", "qsa_decode_attention", "select_decode_blocks"]
 
@@ -123,10 +124,8 @@ def qsa_decode_attention(
     positions, valid = _key_positions(chosen, seq_lens, ratio, top_blocks)  # [B, K]
     pages = block_tables.long().gather(1, torch.div(positions, page, rounding_mode="floor"))  # [B, K]
     slots = pages * page + positions % page  # [B, K]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    keys = flat_k.index_select(0, slots.reshape(-1)).view(*slots.shape, *k_cache.shape[2:])  # [B, K, Hkv, D]
-    values = flat_v.index_select(0, slots.reshape(-1)).view(*slots.shape, *v_cache.shape[2:])  # [B, K, Hkv, D]
+    keys = gather_slots(k_cache, slots)  # [B, K, Hkv, D] (an FP8 cache: gathered as its bytes)
+    values = gather_slots(v_cache, slots)  # [B, K, Hkv, D]
     out = F.scaled_dot_product_attention(
         query[:, :, None],  # [B, Hq, 1, D]
         keys.transpose(1, 2).to(query.dtype),  # [B, Hkv, K, D]
