@@ -231,8 +231,7 @@ class LLMEngine(RequestValidation, WarmUp):
             total = torch.cuda.get_device_properties(self.device).total_memory
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
-            hint = state_dtype_hint(self.ssm_state_dtype,
-                                    self.kv_cache_dtype if getattr(self, "fp8_kv_cache_possible", False) else None)
+            hint = state_dtype_hint(self.ssm_state_dtype, self.kv_cache_dtype if self.fp8_kv_cache_possible else None)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),
                 bytes_per_block=bytes_per_block, block_size=args.block_size, max_model_len=self.max_model_len,
