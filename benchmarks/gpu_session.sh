@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37 ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -771,6 +771,20 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tile_fit.py tests/test_triton_kernels.py \
         tests/test_fp8_experts.py 2>&1 | tail -3
       bash $0 s33c ;;
+    s37)  # session 36: session 35's GPU fixes (slot-sum FMA bits, q/k prep FP8 store on bf16, byte-wise FP8
+      # gathers) and the FP8 KV engine test, then FP8 against model-dtype KV decode at 4k context, alternating twice
+      timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
+        -k "sum_slots or unweighted or fp8_caches or writers or moe" > $OUT/s37_kernels.txt 2>&1
+      tail -3 $OUT/s37_kernels.txt
+      timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k "fp8 or graph_decode" \
+        > $OUT/s37_engine.txt 2>&1
+      tail -3 $OUT/s37_engine.txt
+      for i in 1 2; do for kv in auto fp8; do
+        LAMINA_GDN_PREFILL=reference timeout 70 $L --batch-size 1 32 --input-len 4096 --output-len 32 --kv-cache-dtype $kv \
+          --gpu-memory-utilization 0.95 --output-json /tmp/s37kv_${i}_${kv}.json > /tmp/s37_$kv.txt 2>&1
+        grep -E "^\| (1|32) " /tmp/s37_$kv.txt || tail -4 /tmp/s37_$kv.txt
+      done; done
+      merge_latency s37kv ;;
     s36d)  # part s36c cut to what a short call allows: its tests, and the FP8 KV engine once (bf16, graphs)
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
         -k "sum_slots or unweighted or fp8_caches or writers" > $OUT/s36d_tests.txt 2>&1

@@ -32,6 +32,22 @@ def fp8_short(tmp_path_factory, qwen3_5_moe_short_dir):
     return fp8_copy(qwen3_5_moe_short_dir, root / "fp8", twin=root / "twin")
 
 
+@pytest.fixture(scope="module")
+def fp8_short_results(fp8_short):
+    """The FP8 short checkpoint's prefill logits, one-token-step logits, greedy tokens and prompt
+    logprobs on one rank (the tests below compare other runs with them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAMINA_KERNELS", "triton")
+        with LLM(str(fp8_short), **ENGINE) as llm:
+            moes = _moes(llm)
+            assert moes and all(m.fp8 is not None and m.shared_fp8 for m in moes)
+            for m in moes:
+                assert m.w13.dtype == m.w2.dtype == m.shared_w13.dtype == torch.float8_e4m3fn
+                assert not hasattr(m, "shared_expert")  # no dequantized copy of the shared expert
+            return dict(logits=lamina_logits(llm, IDS), chunked=lamina_logits(llm, IDS, [5, 1, 1, 17]),  # the decode GEMVs
+                        tokens=_tokens(llm), prompt_logprobs=_prompt_logprobs(llm))
+
+
 def _moes(llm) -> list[SparseMoE]:
     return [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, SparseMoE)]
 
@@ -40,30 +56,25 @@ def _tokens(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_experts_stay_fp8_and_compute_the_dequantized_model(fp8_short):
-    with LLM(str(fp8_short), **ENGINE) as llm:
-        moes = _moes(llm)
-        assert moes and all(m.fp8 is not None and m.shared_fp8 for m in moes)
-        for m in moes:
-            assert m.w13.dtype == m.w2.dtype == m.shared_w13.dtype == torch.float8_e4m3fn
-            assert not hasattr(m, "shared_expert")  # no dequantized copy of the shared expert
-        ours = lamina_logits(llm, IDS)  # a prefill: the grouped kernels
-        chunked = lamina_logits(llm, IDS, [5, 1, 1, 17])  # one-token steps: the decode GEMVs
-        tokens = _tokens(llm)
+def test_experts_stay_fp8_and_compute_the_dequantized_model(fp8_short, fp8_short_results):
+    """(The fixture checks that the experts are FP8.) A prefill (the grouped kernels), one-token
+    steps (the decode GEMVs) and greedy tokens: the dequantized twin's."""
     with LLM(str(fp8_short.parent / "twin"), **ENGINE) as llm:
         assert all(m.w13.dtype == torch.float32 for m in _moes(llm))
         expected = lamina_logits(llm, IDS)
         expected_tokens = _tokens(llm)
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=0)
-    assert tokens == expected_tokens
+    torch.testing.assert_close(fp8_short_results["logits"], expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fp8_short_results["chunked"], expected, atol=1e-4, rtol=0)
+    assert fp8_short_results["tokens"] == expected_tokens
 
 
-def test_qwen4_exp_experts_stay_fp8(tmp_path):
-    """Qwen4-Exp (hyper-connections, PLE, QSA) keeps its experts FP8 the same way."""
+def test_qwen4_exp_experts_and_drafter_stay_fp8(tmp_path):
+    """Qwen4-Exp (hyper-connections, PLE, QSA) keeps its experts FP8 the same way: the twin's logits
+    and tokens; and MTP on it (K = 2, the drafter's own decoder layer class, its experts FP8 too)
+    gives those tokens."""
     from tests import tiny_checkpoints as tc
 
-    src = tc.make_qwen4_exp(tmp_path / "src")
+    src = tc.add_mtp_weights(tc.make_qwen4_exp(tmp_path / "src"), shared_head=True)
     path = fp8_copy(src, tmp_path / "fp8", twin=tmp_path / "twin")
     with LLM(str(path), **ENGINE) as llm:
         assert all(m.w13.dtype == torch.float8_e4m3fn and m.shared_fp8 for m in _moes(llm))
@@ -71,6 +82,7 @@ def test_qwen4_exp_experts_stay_fp8(tmp_path):
     with LLM(str(tmp_path / "twin"), **ENGINE) as llm:
         torch.testing.assert_close(ours, lamina_logits(llm, IDS), atol=1e-4, rtol=0)
         assert tokens == _tokens(llm)
+    _check_mtp_on_fp8_experts(path, ENGINE, plain=tokens)
 
 
 def _prompt_logprobs(llm) -> torch.Tensor:
@@ -79,11 +91,10 @@ def _prompt_logprobs(llm) -> torch.Tensor:
     return torch.tensor([float(getattr(e[t], "logprob", e[t])) for e, t in zip(out.prompt_logprobs[1:], IDS[1:])])
 
 
-def test_tensor_and_expert_parallel_equal_one_rank(fp8_short):
+def test_tensor_and_expert_parallel_equal_one_rank(fp8_short, fp8_short_results):
     """TP2 (16 intermediate rows a rank: one block of values and scales each) and TP2 + EP: the
     single rank's tokens and prompt logprobs (a wrong block's scale would move them)."""
-    with LLM(str(fp8_short), **ENGINE) as llm:
-        single, single_lp = _tokens(llm), _prompt_logprobs(llm)
+    single, single_lp = fp8_short_results["tokens"], fp8_short_results["prompt_logprobs"]
     for layout in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
         with LLM(str(fp8_short), **layout, **ENGINE) as llm:
             assert _tokens(llm) == single, layout
@@ -228,10 +239,12 @@ def test_fp8_experts_on_the_gpu(fp8_short):
         assert_greedy_agrees(reference, prompt["prompt_token_ids"], tokens, margin=0.05)
 
 
-def _check_mtp_on_fp8_experts(path, engine: dict):
+def _check_mtp_on_fp8_experts(path, engine: dict, plain: list[list[int]] | None = None):
+    """MTP (K = 2) greedy tokens equal `plain` (plain decoding's on `path`, run here when not given)."""
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
-    with LLM(str(path), **engine) as llm:
-        plain = _tokens(llm)
+    if plain is None:
+        with LLM(str(path), **engine) as llm:
+            plain = _tokens(llm)
     with LLM(str(path), **engine, **spec) as llm:
         model = llm.engine.executor.runner.model
         target = [m for m in model.layers.modules() if isinstance(m, SparseMoE)]
@@ -244,24 +257,28 @@ def _check_mtp_on_fp8_experts(path, engine: dict):
     return outs
 
 
-def test_mtp_verification_on_fp8_experts(tmp_path, mtp_short_dir):
+@pytest.fixture(scope="module")
+def fp8_mtp(tmp_path_factory, mtp_short_dir):
+    """An FP8 copy of the MTP checkpoint (drafter experts FP8 too), its dequantized twin, and the
+    FP8 copy's plain greedy tokens."""
+    root = tmp_path_factory.mktemp("fp8_mtp")
+    path = fp8_copy(mtp_short_dir, root / "fp8", twin=root / "twin")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAMINA_KERNELS", "triton")
+        with LLM(str(path), **ENGINE) as llm:
+            return path, _tokens(llm)
+
+
+def test_mtp_verification_on_fp8_experts(fp8_mtp):
     """MTP (K = 2) on FP8 experts: verification steps put K + 1 tokens a request through the FP8
     MoE kernels, and the drafter's own experts stay FP8 too; greedy output equals plain decoding's
     on the same model, and the drafts are those of the dequantized twin's drafter."""
-    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
-    outs = _check_mtp_on_fp8_experts(path, ENGINE)
+    path, plain = fp8_mtp
+    outs = _check_mtp_on_fp8_experts(path, ENGINE, plain=plain)
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
-    with LLM(str(tmp_path / "twin"), **ENGINE, **spec) as llm:  # float32, dequantized values throughout
+    with LLM(str(path.parent / "twin"), **ENGINE, **spec) as llm:  # float32, dequantized values throughout
         twin = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.spec_decode.num_accepted_tokens for o in outs] == [o.spec_decode.num_accepted_tokens for o in twin]
-
-
-def test_mtp_on_fp8_experts_qwen4_exp(tmp_path):
-    """The same for Qwen4-Exp's drafter (its own decoder layer class)."""
-    from tests import tiny_checkpoints as tc
-
-    src = tc.add_mtp_weights(tc.make_qwen4_exp(tmp_path / "q4"), shared_head=True)
-    _check_mtp_on_fp8_experts(fp8_copy(src, tmp_path / "fp8"), ENGINE)
 
 
 @pytest.mark.gpu
@@ -273,23 +290,24 @@ def test_mtp_on_fp8_experts_on_the_gpu(tmp_path, mtp_short_dir):
                               dict(ENGINE, device="cuda", enforce_eager=False))
 
 
-def test_a_drafter_with_unquantized_expert_tensors_keeps_its_experts_dequantized(tmp_path, mtp_short_dir):
+def test_a_drafter_with_unquantized_expert_tensors_keeps_its_experts_dequantized(tmp_path, fp8_mtp):
     """One drafter expert tensor left in bf16: the drafter's experts are dequantized, the target's
     stay FP8 (the target's check does not look at the drafter's tensors), and MTP still gives plain
-    decoding's tokens."""
+    decoding's tokens (the target's tensors are the unchanged copy's)."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    path = fp8_copy(mtp_short_dir, tmp_path / "fp8", twin=tmp_path / "twin")
+    source, plain = fp8_mtp
+    path = shutil.copytree(source, tmp_path / "fp8")
     shard = next(path.glob("*.safetensors"))
     tensors = load_file(str(shard))
     name = next(n for n in sorted(tensors) if n.startswith("mtp.") and ".mlp.experts." in n
                 and not n.endswith("_scale_inv"))
-    tensors[name] = load_file(str(next((tmp_path / "twin").glob("*.safetensors"))))[name].to(torch.bfloat16)
+    tensors[name] = load_file(str(next((source.parent / "twin").glob("*.safetensors"))))[name].to(torch.bfloat16)
     del tensors[name + "_scale_inv"]
     save_file(tensors, str(shard), metadata={"format": "pt"})
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
-    with LLM(str(path), **ENGINE) as llm:
-        plain = _tokens(llm)
     with LLM(str(path), **ENGINE, **spec) as llm:
         model = llm.engine.executor.runner.model
         assert all(m.w13.dtype == torch.float8_e4m3fn for m in model.layers.modules() if isinstance(m, SparseMoE))

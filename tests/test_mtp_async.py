@@ -119,18 +119,16 @@ def plain_greedy(mtp_short_dir):
 
 
 @pytest.mark.parametrize("k, fill", [(3, "triton"), (2, "torch")])
-def test_planned_ahead_greedy_equals_synchronous_and_plain(mtp_short_dir, monkeypatch, plain_greedy, k, fill):
+def test_planned_ahead_greedy_equals_plain(mtp_short_dir, monkeypatch, plain_greedy, k, fill):
     """`fill`: the planned-ahead step filled in by the Triton kernel (the default) or its torch form
-    (LAMINA_PENDING_FILL=torch)."""
+    (LAMINA_PENDING_FILL=torch). (The synchronous engine's tokens are plain decoding's too: the
+    tests below compare it with the overlapped one.)"""
     monkeypatch.setenv("LAMINA_PENDING_FILL", fill)
-    requests = [(p, GREEDY) for p in PROMPTS]
-    sync, ahead_sync = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=k, references=plain_greedy)
     SHIFTS.clear()
-    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=k, references=plain_greedy,
-                             fill_kernels=fill)
-    assert ahead_sync == 0 and ahead > 0
+    overlapped, ahead = _run(mtp_short_dir, monkeypatch, [(p, GREEDY) for p in PROMPTS], overlap=True, k=k,
+                             references=plain_greedy, fill_kernels=fill)
+    assert ahead > 0
     assert any(SHIFTS) and 0 in SHIFTS  # planned ahead of partly and of wholly accepted verifications
-    assert overlapped == sync
     assert [tokens for tokens, _ in overlapped] == [ref[:9] for ref in plain_greedy]
 
 
@@ -148,10 +146,11 @@ def test_planned_ahead_stops_limits_and_seeded_sampling(mtp_short_dir, monkeypat
     ]
     references = plain_greedy + [plain_greedy[0]]
     sync_lps, overlapped_lps = [], []
-    sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=references, logprobs=sync_lps)
+    sync, ahead_sync = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=references,
+                            logprobs=sync_lps)
     overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=2, references=references,
                              logprobs=overlapped_lps)
-    assert ahead > 0
+    assert ahead_sync == 0 and ahead > 0
     assert overlapped == sync
     # logprobs of verified rows come back through the pinned copies (PendingVerify); batch sizes
     # differ (a stopped request rides a step planned ahead): float32 GEMM rounding
@@ -162,28 +161,15 @@ def test_planned_ahead_stops_limits_and_seeded_sampling(mtp_short_dir, monkeypat
     assert overlapped[1] == (plain_greedy[1][:5], "length")
 
 
-def test_planned_ahead_with_preemptions(mtp_short_dir, monkeypatch, plain_greedy):
-    """Few KV blocks: requests are preempted while their verification is in flight (and recompute
-    from scratch once its tokens are known); the tokens equal the synchronous run's and plain
-    decoding's."""
-    requests = [(p, GREEDY) for p in PROMPTS]
-    options = dict(num_gpu_blocks_override=10, block_size=4, max_model_len=32)
-    sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=plain_greedy, **options)
-    counts = []
-    overlapped, ahead = _run(mtp_short_dir, monkeypatch, requests, overlap=True, k=2, references=plain_greedy,
-                             preemptions=counts, **options)
-    assert ahead > 0 and counts[0] > 0
-    assert overlapped == sync
-    assert [tokens for tokens, _ in overlapped] == [ref[:9] for ref in plain_greedy]
-
-
-def test_planned_ahead_seeded_sampling_under_preemptions(mtp_short_dir, monkeypatch, plain_greedy):
-    """Seeded random requests and a cache too small for all of them: planning ahead reserves KV
-    blocks as if every draft were accepted, so requests are preempted at other steps than in the
-    synchronous run. A preempted request keeps its drafts and its recomputation verifies them,
-    so its random draws, and its tokens, do not depend on when it was preempted."""
-    requests = [(p, SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=9, ignore_eos=True))
-                for i, p in enumerate(PROMPTS)]
+def test_planned_ahead_under_preemptions(mtp_short_dir, monkeypatch, plain_greedy):
+    """Greedy and seeded random requests and a cache too small for all of them: requests are
+    preempted while their verification is in flight (and recompute from scratch once its tokens
+    are known), and, since planning ahead reserves KV blocks as if every draft were accepted, at
+    other steps than in the synchronous run. A preempted request keeps its drafts and its
+    recomputation verifies them, so its random draws, and its tokens, do not depend on when it was
+    preempted: the tokens equal the synchronous run's, and the greedy ones plain decoding's."""
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=9, ignore_eos=True) for i in range(2)]
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[1], seeded[0]), (PROMPTS[2], GREEDY), (PROMPTS[3], seeded[1])]
     options = dict(num_gpu_blocks_override=12, block_size=4, max_model_len=32)
     sync_counts, counts = [], []
     sync, _ = _run(mtp_short_dir, monkeypatch, requests, overlap=False, k=2, references=plain_greedy,
@@ -192,6 +178,7 @@ def test_planned_ahead_seeded_sampling_under_preemptions(mtp_short_dir, monkeypa
                              preemptions=counts, **options)
     assert ahead > 0 and sync_counts[0] > 0 and counts[0] > 0
     assert overlapped == sync
+    assert [overlapped[0][0], overlapped[2][0]] == [plain_greedy[0][:9], plain_greedy[2][:9]]
 
 
 def test_fill_is_warmed_at_capture_and_writes_nothing(mtp_short_dir, monkeypatch):
