@@ -776,9 +776,10 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
         -k "sum_slots or unweighted or fp8_caches or writers or moe" > $OUT/s37_kernels.txt 2>&1
       tail -3 $OUT/s37_kernels.txt
-      timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k "fp8 or graph_decode" \
-        > $OUT/s37_engine.txt 2>&1
+      timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_fp8_online.py \
+        -k "fp8 or graph_decode or gpu" > $OUT/s37_engine.txt 2>&1
       tail -3 $OUT/s37_engine.txt
+      python3 benchmarks/time_online_fp8.py | tee $OUT/s37_quantize.txt
       for i in 1 2; do for kv in auto fp8; do
         LAMINA_GDN_PREFILL=reference timeout 70 $L --batch-size 1 32 --input-len 4096 --output-len 32 --kv-cache-dtype $kv \
           --gpu-memory-utilization 0.95 --output-json /tmp/s37kv_${i}_${kv}.json > /tmp/s37_$kv.txt 2>&1

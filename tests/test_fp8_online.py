@@ -108,3 +108,23 @@ def test_the_log_says_so(qwen3_5_moe_short_dir, caplog, monkeypatch):
     with caplog.at_level("INFO"), LLM(str(qwen3_5_moe_short_dir), **ENGINE, quantization="fp8"):
         pass
     assert "block FP8 (e4m3, 32x32 blocks, quantized at load): the MoE experts stay FP8" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantized_on_the_gpu_as_on_the_cpu(tmp_path, qwen3_5_moe_short_dir):
+    """A CUDA engine quantizes the experts on its GPU as they load: the quantizer's bytes there are
+    the CPU's (one rounding of each division, round-to-nearest-even to e4m3), and the engine's
+    logits and tokens (float32, graphs) are those of the offline FP8 checkpoint on the same GPU."""
+    w = torch.randn(3, 70, 45) * 3
+    cpu, gpu = quantize_block_fp8(w, BlockFp8(32, 16)), quantize_block_fp8(w.cuda(), BlockFp8(32, 16))
+    assert gpu.values.is_cuda and torch.equal(gpu.values.cpu().view(torch.uint8), cpu.values.view(torch.uint8))
+    assert torch.equal(gpu.scale_inv.cpu(), cpu.scale_inv)
+    offline = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8", block=(BLOCK, BLOCK), only=_experts_only)
+    runs = []
+    for path, kw in ((qwen3_5_moe_short_dir, dict(quantization="fp8")), (offline, {})):
+        with LLM(str(path), **dict(ENGINE, device="cuda", enforce_eager=False), **kw) as llm:
+            assert {m.w13.dtype for m in _moes(llm)} == {torch.float8_e4m3fn}
+            runs.append((lamina_logits(llm, IDS), [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY,
+                                                                                              use_tqdm=False)]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]

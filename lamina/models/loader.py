@@ -103,6 +103,7 @@ def load_checkpoint(
     skip_name: "callable | None" = None,
     progress: bool = True,
     quantization: BlockFp8 | None = None,
+    quantize_on: torch.device | None = None,
 ) -> LoadReport:
     """Load every tensor `weight_map` needs from the checkpoint in `model_dir`.
 
@@ -111,7 +112,8 @@ def load_checkpoint(
     checkpoint's block FP8 format (its config.json's), which its float8 tensors must follow; or
     `ONLINE_FP8` (an unquantized checkpoint): its expert weights are quantized as they are read, kept
     FP8 where `weight_map.keeps_fp8` says so and dequantized again elsewhere, as an FP8 checkpoint of
-    them would load.
+    them would load. `quantize_on`: the device that quantizes them (the model's GPU: the CPU takes
+    minutes over a 35B checkpoint's experts); None: the CPU, where shards are read.
     """
     shards = [read_header(p) for p in resolve_shards(Path(model_dir))]
     online = quantization is not None and quantization.online
@@ -145,7 +147,9 @@ def load_checkpoint(
 
                 def read(name: str):
                     if online and is_quantized_at_load(name):
-                        quantized = quantize_block_fp8(f.get_tensor(name), quantization)
+                        tensor = f.get_tensor(name)
+                        quantized = quantize_block_fp8(tensor if quantize_on is None else tensor.to(quantize_on),
+                                                       quantization)
                         if name in weight_map.keeps_fp8:
                             return quantized
                         return dequantize(quantized.values, quantized.scale_inv, quantization)

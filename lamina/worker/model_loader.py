@@ -107,10 +107,13 @@ def build_model(
     weight_map = model.build_weight_map()
     if getattr(model, "mtp", None) is not None:
         model.mtp.add_weights(weight_map)
+    quantize_on = device if quantization is not None and quantization.online and device.type == "cuda" else None
     report = load_checkpoint(
         weight_map, model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress,
-        quantization=quantization,
+        quantization=quantization, quantize_on=quantize_on,
     )
+    if quantize_on is not None:  # the quantizer's float32 temporaries: free for the memory plan's reading
+        torch.cuda.empty_cache()
     model.eval()
     return model, cfg, report
 
