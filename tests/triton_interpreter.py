@@ -30,6 +30,8 @@ import threading
 import warnings
 
 _installed = False
+# Called as observe(kernel function, args, kwargs) at each launch (tests/triton_compile_check.py)
+launch_observers: list = []
 _launch = threading.local()  # .patched: ids of the language modules patched by this thread's launch
 
 
@@ -75,6 +77,8 @@ def install() -> bool:
         return scope
 
     def launch(self, *args, **kwargs):
+        for observe in launch_observers:
+            observe(self.fn, args, kwargs)
         outer = getattr(_launch, "patched", None)
         _launch.patched = set()  # the launch's own patch (the kernel's modules) is the first
         try:

@@ -1,0 +1,64 @@
+"""lamina's Triton kernels compile for an H100 / H200 (sm90) as a bf16 engine launches them, checked
+on the CPU: CI runs them under Triton's interpreter, which does not type-check (tests/
+triton_compile_check.py records the interpreted launches and builds their Triton IR in a process
+without the interpreter). The launches of bf16 engines with an FP8 KV cache and MTP, with FP8
+experts and seeded top-k / top-p sampling, and of Qwen4-Exp; each also with programmatic dependent
+launch on. A control kernel that only the compiler refuses must be reported."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.kernels.triton_align import align_pairs_blocked
+from tests import tiny_checkpoints as tc
+from tests.fp8_checkpoint import fp8_copy
+
+from tests.triton_compile_check import CONTROL_RECORD, compile_recorded, distinct, record_launches
+
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile for real"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records the interpreter's launches"),
+]
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 300, 9, 9]}, {"prompt_token_ids": [1, 2, 3]}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=4, ignore_eos=True)
+ENGINE = dict(device="cpu", dtype="bfloat16", show_progress=False)
+
+
+def _generate(path, params, graphs_k: int | None = None, **kw):
+    """`graphs_k`: first capture the decode and verification graphs' static buffers (as on a GPU;
+    replayed eagerly here) for K = graphs_k, which also launches the pending-token fill."""
+    with LLM(str(path), **ENGINE, **kw) as llm:
+        if graphs_k is not None:
+            engine = llm.engine
+            assert engine.executor.runner.capture_decode_graphs(engine.max_num_seqs, engine.max_model_len,
+                                                                num_speculative_tokens=graphs_k, static_off_cuda=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_moe_short_dir, monkeypatch):
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    fp8_experts = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8")
+    qwen4 = tc.make_qwen4_exp(tmp_path / "q4", hc_count=2, ple_layer_ids=(1,))
+    with record_launches() as records:
+        _generate(mtp_short_dir, GREEDY, kv_cache_dtype="fp8", graphs_k=2, max_num_seqs=2,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        # the MoE's pair sort for prefill chunks beyond one program's 4,096 pairs, on a few pairs
+        align_pairs_blocked(torch.tensor([[3, 1], [0, 3]], dtype=torch.int32), 8, 0, 16, 64)
+        _generate(fp8_experts, SEEDED)
+        _generate(qwen4, GREEDY)
+    kernels = {(r["module"], r["name"]) for r in records}
+    assert len(kernels) >= 15, sorted(kernels)  # the engines really ran on the Triton kernels
+    result = compile_recorded(records + [CONTROL_RECORD], tmp_path)
+    control = [e for e in result["errors"] if "_retyped_in_a_branch" in e]
+    errors = [e for e in result["errors"] if "_retyped_in_a_branch" not in e]
+    assert control, "the control kernel compiled: the check would not see a compile error"
+    assert not errors, "\n\n".join(errors)
+    assert result["compiled"] >= len(distinct(records))
