@@ -107,7 +107,8 @@ def build_model(
     weight_map = model.build_weight_map()
     if getattr(model, "mtp", None) is not None:
         model.mtp.add_weights(weight_map)
-    quantize_on = device if quantization is not None and quantization.online and device.type == "cuda" else None
+    online_on_gpu = quantization is not None and quantization.online and torch.device(device).type == "cuda"
+    quantize_on = torch.device(device) if online_on_gpu else None
     report = load_checkpoint(
         weight_map, model_dir, skip_prefixes=model.ignored_prefixes, skip_name=other_stage, progress=progress,
         quantization=quantization, quantize_on=quantize_on,
