@@ -235,7 +235,10 @@ def quantize_block_fp8(weight: torch.Tensor, quant: BlockFp8) -> Fp8Weight:
     padded = weight.new_zeros(*lead, grid_r * bn, grid_c * bk, dtype=torch.float32)
     padded[..., :rows, :cols] = weight.float()
     blocks = padded.reshape(*lead, grid_r, bn, grid_c, bk)  # [..., R, bn, C, bk]
-    scale_inv = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX  # [..., R, C]
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., R, C]
+    # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (not
+    # correctly rounded), so the scales would differ from the CPU's in the last bit
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)  # [..., R, C]
     values = (blocks / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     values = values.reshape(*lead, grid_r * bn, grid_c * bk)[..., :rows, :cols].contiguous()  # [..., rows, cols]
     return Fp8Weight(values, scale_inv)
