@@ -57,6 +57,8 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
     kernels = {(r["module"], r["name"]) for r in records}
     assert len(kernels) >= 15, sorted(kernels)  # the engines really ran on the Triton kernels
     result = compile_recorded(records + [CONTROL_RECORD], tmp_path)
+    if "unsupported" in result:
+        pytest.skip(f"this Triton's compiler internals differ: {result['unsupported']}")
     control = [e for e in result["errors"] if "_retyped_in_a_branch" in e]
     errors = [e for e in result["errors"] if "_retyped_in_a_branch" not in e]
     assert control, "the control kernel compiled: the check would not see a compile error"

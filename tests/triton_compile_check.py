@@ -88,7 +88,8 @@ def distinct(records: list[dict]) -> list[dict]:
 
 def compile_recorded(records: list[dict], tmp_dir: Path, timeout: float = 300) -> dict:
     """Build the IR of every distinct record (and its PDL twin) in a fresh process without Triton's
-    interpreter. Returns {"compiled": n, "errors": [text, ...]}."""
+    interpreter. Returns {"compiled": n, "errors": [text, ...]}, or {"unsupported": why} from a
+    Triton whose compiler internals differ."""
     path = Path(tmp_dir) / "launches.json"
     path.write_text(json.dumps(distinct(records)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -129,11 +130,22 @@ def _signature(kernel, record: dict):
 
 
 def _build_ir(records: list[dict]) -> dict:
-    """In a process without the interpreter: the front end of Triton's compile for sm90."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
+    """In a process without the interpreter: the front end of Triton's compile for sm90. A Triton
+    without the functions this drives (their names and arguments are Triton's internals, checked
+    with 3.9) gives {"unsupported": why}."""
+    import inspect
+
+    try:
+        from triton._C.libtriton import ir
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+    except ImportError as e:
+        return {"unsupported": f"triton {triton.__version__}: {e}"}
+    wanted = ["self", "target", "options", "codegen_fns", "module_map", "context"]
+    if list(inspect.signature(ASTSource.make_ir).parameters) != wanted:
+        return {"unsupported": f"triton {triton.__version__}: ASTSource.make_ir takes "
+                               f"{list(inspect.signature(ASTSource.make_ir).parameters)}, not {wanted}"}
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
