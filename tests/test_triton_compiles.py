@@ -16,9 +16,7 @@ from lamina import LLM, SamplingParams
 from lamina.kernels.triton_align import align_pairs_blocked
 from tests import tiny_checkpoints as tc
 from tests.fp8_checkpoint import fp8_copy
-
 from tests.triton_compile_check import CONTROL_RECORD, compile_recorded, distinct, record_launches
-
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile for real"),
