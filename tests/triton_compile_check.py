@@ -103,8 +103,6 @@ def compile_recorded(records: list[dict], tmp_dir: Path, timeout: float = 300) -
 
 def _signature(kernel, record: dict):
     """(signature, constexprs) of a record for `kernel` (a triton.runtime.jit.JITFunction)."""
-    import triton.language as tl
-
     signature, constexprs = {}, {}
     for param in kernel.params:
         arg = record["args"].get(param.name)
@@ -181,8 +179,8 @@ def _retyped_in_a_branch(x_ptr, flag):
 
 
 # A launch of the control kernel, as record_launches would note it: its compile must fail.
-CONTROL_RECORD = {"module": __name__ if __name__ != "__main__" else "tests.triton_compile_check",
-                  "name": "_retyped_in_a_branch", "args": {"x_ptr": {"tensor": "bf16"}, "flag": {"value": 3}},
+CONTROL_RECORD = {"module": "tests.triton_compile_check", "name": "_retyped_in_a_branch",
+                  "args": {"x_ptr": {"tensor": "bf16"}, "flag": {"value": 3}},
                   "options": {}}
 
 
