@@ -2,17 +2,20 @@
 on the CPU: CI runs them under Triton's interpreter, which does not type-check (tests/
 triton_compile_check.py records the interpreted launches and builds their Triton IR in a process
 without the interpreter). The launches of bf16 engines with an FP8 KV cache and MTP, with FP8
-experts and seeded top-k / top-p sampling, and of Qwen4-Exp; each also with programmatic dependent
-launch on. A control kernel that only the compiler refuses must be reported."""
+experts and seeded top-k / top-p sampling, of Qwen4-Exp, and of the opt-in kernels (lamina.kernels.
+selection's switches); each also with programmatic dependent launch on. Every launch asks for FP
+contraction (lamina.kernels.launch_options). A control kernel that only the compiler refuses must be reported."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 
 from lamina import LLM, SamplingParams
+from lamina.kernels import selection
 from lamina.kernels.triton_align import align_pairs_blocked
 from tests import tiny_checkpoints as tc
 from tests.fp8_checkpoint import fp8_copy
@@ -41,6 +44,24 @@ def _generate(path, params, graphs_k: int | None = None, **kw):
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
+def _clear_switch_caches() -> None:
+    selection.gemv_fma.cache_clear()
+    selection.moe_gemv_fma_max_tokens.cache_clear()
+
+
+@contextlib.contextmanager
+def _switched(monkeypatch, switches: dict):
+    """Environment switches set for the block (those read once per process re-read in and after it)."""
+    try:
+        with monkeypatch.context() as patch:
+            for name, value in switches.items():
+                patch.setenv(name, value)
+            _clear_switch_caches()
+            yield
+    finally:
+        _clear_switch_caches()
+
+
 def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_moe_short_dir, monkeypatch):
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     fp8_experts = fp8_copy(qwen3_5_moe_short_dir, tmp_path / "fp8")
@@ -52,8 +73,21 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
         align_pairs_blocked(torch.tensor([[3, 1], [0, 3]], dtype=torch.int32), 8, 0, 16, 64)
         _generate(fp8_experts, SEEDED)
         _generate(qwen4, GREEDY)
+        # the opt-in kernels (lamina.kernels.selection): one-launch delta-net decode and routing, the
+        # split-K GEMV, the MoE GEMVs on tl.dot; then routing in the router GEMV's last program
+        for switches in (dict(LAMINA_FUSED_GDN_DECODE="1", LAMINA_FUSED_ROUTER="1", LAMINA_GEMV_FMA="0",
+                              LAMINA_MOE_GEMV_FMA="0"), dict(LAMINA_GEMV_ROUTE="1")):
+            with _switched(monkeypatch, switches):
+                _generate(qwen3_5_moe_short_dir, GREEDY)
     kernels = {(r["module"], r["name"]) for r in records}
     assert len(kernels) >= 15, sorted(kernels)  # the engines really ran on the Triton kernels
+    opt_in = {"_fused_gdn_decode_kernel", "_router_kernel", "_gemv_splitk_kernel", "_gemv_gate_up_kernel",
+              "_gemv_down_pipelined_kernel"}
+    assert opt_in <= {name for _, name in kernels}, sorted(opt_in - {name for _, name in kernels})
+    assert any(r["name"] == "_gemv_splitk_kernel" and r["args"]["ROUTE"]["value"] for r in records)  # gemv_route
+    # every launch asked for FP contraction (lamina.kernels.launch_options), and compiles with it
+    unfused = sorted({f"{r['module']}.{r['name']}" for r in records if r["options"].get("enable_fp_fusion") is not True})
+    assert not unfused, unfused
     result = compile_recorded(records + [CONTROL_RECORD], tmp_path)
     if "unsupported" in result:
         pytest.skip(f"this Triton's compiler internals differ: {result['unsupported']}")

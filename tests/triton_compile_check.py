@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The compile options of a launch that the record keeps and the compile uses.
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
 TORCH_TO_TRITON = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
     torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int8: "i8", torch.uint8: "u8",
@@ -54,7 +57,7 @@ def describe_argument(value):
 def record_launches():
     """Yields a list that fills with one record per launch made in the block (Triton's interpreter,
     patched by tests/triton_interpreter.py): {"module", "name", "args": {name: described},
-    "options": {"num_warps", "num_stages"}}."""
+    "options": the LAUNCH_OPTIONS it passed}."""
     import inspect
 
     from tests import triton_interpreter
@@ -65,7 +68,7 @@ def record_launches():
         names = list(inspect.signature(fn).parameters)
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in names})
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if kwargs.get(k) is not None}
+        options = {k: kwargs[k] for k in LAUNCH_OPTIONS if kwargs.get(k) is not None}
         records.append({"module": fn.__module__, "name": fn.__name__,
                         "args": {k: describe_argument(v) for k, v in bound.items()}, "options": options})
 
@@ -181,7 +184,7 @@ def _retyped_in_a_branch(x_ptr, flag):
 # A launch of the control kernel, as record_launches would note it: its compile must fail.
 CONTROL_RECORD = {"module": "tests.triton_compile_check", "name": "_retyped_in_a_branch",
                   "args": {"x_ptr": {"tensor": "bf16"}, "flag": {"value": 3}},
-                  "options": {}}
+                  "options": {"enable_fp_fusion": True}}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.moe import grouped_mm_usable, sort_pairs_by_expert
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
@@ -55,7 +56,7 @@ def combine_pairs(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.
         block = min(1024, triton.next_power_of_2(hidden))
         _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
             rows, row_of_pair, weights.contiguous(), out, hidden, rows.stride(0),
-            TOP_K=top_k, BLOCK=block, **pdl_kwargs(rows.device),
+            TOP_K=top_k, BLOCK=block, **pdl_kwargs(rows.device), **FP_FUSION,
         )
     return out
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import moe_align_blocked
 
@@ -149,15 +150,15 @@ def align_pairs_blocked(topk_ids: torch.Tensor, num_local_experts: int, expert_s
     pdl = pdl_kwargs(device)
     _align_count_kernel[(num_blocks,)](
         ids, counts, sorted_pairs, num_pairs, max_rows, triton.cdiv(max_rows, num_blocks),
-        expert_start, num_local_experts, BLOCK_P=block_p, E_PAD=e_pad, FILL=_FILL, **pdl, num_warps=4,
+        expert_start, num_local_experts, BLOCK_P=block_p, E_PAD=e_pad, FILL=_FILL, **pdl, num_warps=4, **FP_FUSION,
     )
     _align_offsets_kernel[(1,)](counts, base, padded_end, num_blocks, BLOCK_M=block_m, E_PAD=e_pad,
-                                NB_TILE=max(1, min(16, _SCAN_TILE // e_pad)), **pdl, num_warps=4)
+                                NB_TILE=max(1, min(16, _SCAN_TILE // e_pad)), **pdl, num_warps=4, **FP_FUSION)
     _align_scatter_kernel[(num_blocks,)](
         ids, base, padded_end, sorted_pairs, block_expert, num_pairs,
         triton.cdiv(num_row_blocks, num_blocks), num_row_blocks, expert_start, num_local_experts,
         BLOCK_P=block_p, BLOCK_M=block_m, E_PAD=e_pad, SUB=_SUB, JB_TILE=max(1, min(32, _SEARCH_TILE // e_pad)),
-        **pdl, num_warps=4,
+        **pdl, num_warps=4, **FP_FUSION,
     )
     return sorted_pairs, block_expert
 
@@ -322,7 +323,7 @@ def _align_one_program(topk_ids: torch.Tensor, num_local_experts: int, expert_st
         E_PAD=max(32, triton.next_power_of_2(num_local_experts)),
         # from P_PAD, not from this P: every constexpr follows the pair count's power-of-two bucket
         FILL=min(2048, max(128, triton.next_power_of_2(_max_rows(p_pad, num_local_experts, block_m)))),
-        **pdl_kwargs(topk_ids.device), num_warps=num_warps,
+        **pdl_kwargs(topk_ids.device), num_warps=num_warps, **FP_FUSION,
     )
     return sorted_pairs, block_expert
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
+
 __all__ = ["causal_conv1d_prefill"]
 
 # (tokens, channels) and warps per program of the body kernel (benchmarks/bench_prefill_kernels.py sweeps them;
@@ -172,7 +174,7 @@ def causal_conv1d_prefill(
             x, weight, query_start_loc, token_request_index, out, num_tokens, channels,
             x.stride(0), weight.stride(0), out.stride(0), *splits,
             KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation is not None,
-            SPLIT=split is not None, num_warps=warps,
+            SPLIT=split is not None, num_warps=warps, **FP_FUSION,
         )
     if num_reqs > 0 and kernel > 1:  # the first S outputs of every request, then its new state
         block_c = 256
@@ -180,7 +182,7 @@ def causal_conv1d_prefill(
             x, weight, state_pool, query_start_loc, slots, keep, out, num_tokens, channels,
             x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0), *splits,
             KERNEL=kernel, BLOCK_S=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=block_c,
-            SILU=activation is not None, SPLIT=split is not None,
+            SILU=activation is not None, SPLIT=split is not None, **FP_FUSION,
         )
     if split is None:
         return out

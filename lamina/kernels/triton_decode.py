@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import triton_interpreted
 
@@ -155,17 +156,23 @@ def _paged_decode_attention_kernel(
     tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=gd_ok)
 
 
+def _block_n(head_dim: int) -> int:
+    """Keys a program's loop iteration takes."""
+    return 32 if head_dim > 128 else 64
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, block_n: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
     caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
     `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
     attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head), by default
-    ATTENTION_SPLITS (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`
-    overrides ATTENTION_WARPS (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
+    ATTENTION_SPLITS (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`,
+    `block_n` (keys a loop iteration) and `num_stages` override ATTENTION_WARPS, `_block_n` and
+    Triton's default (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
     bsz, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -194,9 +201,10 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or _block_n(head_dim),
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
-        **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS,
+        **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS, **FP_FUSION,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
 
@@ -279,7 +287,7 @@ def gated_delta_rule_decode(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
-        **pdl_kwargs(v.device), num_warps=num_warps or GDR_WARPS,
+        **pdl_kwargs(v.device), num_warps=num_warps or GDR_WARPS, **FP_FUSION,
     )
     return out
 
@@ -343,6 +351,6 @@ def causal_conv1d_decode(
         x, weight, state_pool, slots, keep, out, channels,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
         KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c, SILU=activation in ("silu", "swish"),
-        **pdl_kwargs(x.device), num_warps=num_warps or CONV_WARPS,
+        **pdl_kwargs(x.device), num_warps=num_warps or CONV_WARPS, **FP_FUSION,
     )
     return out

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.triton_moe_gemv import _tickets
 
 __all__ = ["fused_gdn_decode"]
@@ -196,6 +197,6 @@ def fused_gdn_decode(
         conv_state.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), out.stride(0),
         GROUP=group, DK=head_k_dim, DV=head_v_dim, BLOCK_K=block_k, BLOCK_V=block_v, KERNEL=kernel,
         BLOCK_J=triton.next_power_of_2(kernel), SILU_GATE=activation == "silu",
-        num_warps=num_warps or _num_warps(block_k, block_v),
+        num_warps=num_warps or _num_warps(block_k, block_v), **FP_FUSION,
     )
     return out

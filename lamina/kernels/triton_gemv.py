@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import gemv_fma, triton_interpreted
 from lamina.kernels.triton_moe import softmax_topk
@@ -300,7 +301,7 @@ def _gemv(x, weight, config, route):
                 x, weight, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
                 ROWS=rows, BLOCK_N=cfg["block_n"], BLOCK_K=block_k, K_STEPS=triton.cdiv(in_features, block_k),
                 PRELOAD=bool(preload),
-                **pdl_kwargs(x.device), num_warps=cfg["warps"])
+                **pdl_kwargs(x.device), num_warps=cfg["warps"], **FP_FUSION)
         return y, y, y
     cfg.pop("fma", None)
     block_k = cfg["block_k"]
@@ -328,7 +329,7 @@ def _gemv(x, weight, config, route):
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["warps"], num_stages=cfg["stages"], **FP_FUSION,
     )
     return y, weights, ids
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.expert_scales import ExpertScales
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.grouped_mm_moe import grouped_mm_moe, grouped_mm_usable
 from lamina.kernels.selection import moe_prefill_grouped_mm
@@ -273,7 +274,7 @@ def fused_moe(
                 s.stride(0), s.stride(-2), shared_s.stride(-2),
                 TOP_K=top_k, SLOTS=slots, BLOCK_M=block_m, BLOCK_N=t[n_key], BLOCK_K=t[k_key], PRECISION=precision,
                 N_FASTEST=n_fastest, FP8=scales is not None, BN=bn, BK=bk, SCALE_B=scale_b,
-                **pdl_kwargs(x.device), num_warps=t[warps_key], num_stages=t[stages_key],
+                **pdl_kwargs(x.device), num_warps=t[warps_key], num_stages=t[stages_key], **FP_FUSION,
             )
 
         if config is None:
@@ -357,7 +358,7 @@ def sum_slots(parts: torch.Tensor, weights: torch.Tensor, shared_logit: torch.Te
         _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
             parts, weights, logit, ids, out, hidden, weights.stride(0), logit.stride(0), ids.stride(0),
             expert_start, num_local, TOP_K=top_k, SHARED=shared_logit is not None,
-            LOCAL_ONLY=local_ids is not None, BLOCK=block, **pdl_kwargs(parts.device)
+            LOCAL_ONLY=local_ids is not None, BLOCK=block, **pdl_kwargs(parts.device), **FP_FUSION
         )
     return out
 
@@ -467,6 +468,6 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, **pdl_kwargs(logits.device), num_warps=num_warps or ROUTE_WARPS,
+            RENORMALIZE=renormalize, **pdl_kwargs(logits.device), num_warps=num_warps or ROUTE_WARPS, **FP_FUSION,
         )
     return weights, ids

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.expert_scales import ExpertScales
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import moe_gemv_fma_max_tokens, triton_interpreted
 from lamina.kernels.tile_fit import SM90_SHARED_MEMORY, shared_memory_limit
@@ -482,7 +483,7 @@ def fused_moe_gemv(
         k_per_split, x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=cfg["up_k"], SPLIT=up_split,
         SPLIT_P2=max(2, triton.next_power_of_2(up_split)), PRECISION=precision,
-        **pdl_kwargs(x.device), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **FP_FUSION,
     )
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
@@ -498,7 +499,7 @@ def fused_moe_gemv(
         TOP_K=top_k, SLOTS=slots, GROUP=group, GROUP_P2=max(2, triton.next_power_of_2(group)), GROUPS=groups,
         GROUPS_P2=max(2, triton.next_power_of_2(groups)), BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"],
         K_STEPS=triton.cdiv(inter, cfg["down_k"]), PRECISION=precision,
-        **pdl_kwargs(x.device), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
+        **pdl_kwargs(x.device), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **FP_FUSION,
     )
     return out
 
@@ -518,7 +519,7 @@ def _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13,
         x.stride(0), w13.stride(0), w13.stride(1), shared_w13.stride(-2),
         s13.stride(0), s13.stride(-2), shared_s13.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["up_n"], BLOCK_K=up_k, K_STEPS=triton.cdiv(hidden, up_k),
-        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["up_warps"],
+        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["up_warps"], **FP_FUSION,
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
     _gemv_down_fma_kernel[(num_tokens, triton.cdiv(hidden, cfg["down_n"]))](
@@ -527,6 +528,6 @@ def _fused_moe_fma(x, w13, w2, topk_weights, topk_ids, expert_start, shared_w13,
         w2.stride(0), w2.stride(1), shared_w2.stride(-2), shared_logit.stride(0), out.stride(0),
         s2.stride(0), s2.stride(-2), shared_s2.stride(-2),
         TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg["down_n"], BLOCK_K=down_k, K_STEPS=triton.cdiv(inter, down_k),
-        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["down_warps"],
+        FP8=scales is not None, BN=bn, BK=bk, **pdl_kwargs(x.device), num_warps=cfg["down_warps"], **FP_FUSION,
     )
     return out

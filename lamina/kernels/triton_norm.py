@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
@@ -50,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, dim, eps, rows.stride(0), out.stride(0),
             ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(dim), **pdl_kwargs(x.device),
-            num_warps=NORM_WARPS,
+            num_warps=NORM_WARPS, **FP_FUSION,
         )
     return out.view(x.shape)
 
@@ -88,7 +89,7 @@ def add_rms_norm(
         _add_rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, total, out, x.shape[-1], eps, x.stride(0), residual.stride(0), total.stride(0),
             out.stride(0), ZERO_CENTRED=zero_centred, BLOCK_D=triton.next_power_of_2(x.shape[-1]),
-            **pdl_kwargs(x.device), num_warps=num_warps or NORM_WARPS,
+            **pdl_kwargs(x.device), num_warps=num_warps or NORM_WARPS, **FP_FUSION,
         )
     return total, out
 
@@ -152,6 +153,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, GATED_NORM_ROWS),)](
             xs, gs, weight, out, num_rows, heads, dim, eps, stride_xt, stride_xh, stride_gt, stride_gh, out.stride(0),
             SILU=activation == "silu", BLOCK_R=GATED_NORM_ROWS, BLOCK_D=triton.next_power_of_2(dim),
-            **pdl_kwargs(x.device), num_warps=num_warps or GATED_NORM_WARPS,
+            **pdl_kwargs(x.device), num_warps=num_warps or GATED_NORM_WARPS, **FP_FUSION,
         )
     return out.view(x.shape)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
+
 
 @triton.jit
 def _fill_pending_kernel(
@@ -53,5 +55,6 @@ def fill_pending_triton(
         _fill_pending_kernel[(num_reqs,)](
             token_ids, positions, seq_lens, slot_mapping, block_tables, source_rows, bonus, drafts, rejected, shift,
             queries, block_tables.stride(0), drafts.stride(0), block_size, BLOCK_Q=triton.next_power_of_2(queries),
+            **FP_FUSION,
         )
     return shift

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.triton_decode import _dot_precision
 
 __all__ = ["paged_prefill_attention", "prefill_tiles", "PREFILL_BLOCK_M"]
@@ -156,7 +157,7 @@ def paged_prefill_attention(
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
             GATED=gated, NUM_HEADS=num_q_heads, LONGEST_FIRST=longest_first, num_warps=warps,
-            **({} if stages is None else {"num_stages": stages}),
+            **({} if stages is None else {"num_stages": stages}), **FP_FUSION,
         )
 
     key = (q.device, head_dim, q.dtype)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.paged_attention import FP8_DTYPES
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 
@@ -100,6 +101,6 @@ def qk_norm_rope_cache(
         cos.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         ZERO_CENTRED=zero_centred, CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_DTYPES else 0.0,
-        **pdl_kwargs(query.device), num_warps=num_warps or QK_PREP_WARPS,
+        **pdl_kwargs(query.device), num_warps=num_warps or QK_PREP_WARPS, **FP_FUSION,
     )
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
+
 __all__ = ["qsa_block_scores"]
 
 
@@ -149,6 +151,6 @@ def qsa_block_scores(
         query.stride(0), query.stride(1), key_cache.stride(1), block_tables.stride(0), cos.stride(0), out.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=dim, HALF=half, REST=rest, BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
-        BLOCK_N=block_n, RATIO=ratio, PAGE=key_cache.shape[1], ZERO_CENTRED=zero_centred,
+        BLOCK_N=block_n, RATIO=ratio, PAGE=key_cache.shape[1], ZERO_CENTRED=zero_centred, **FP_FUSION,
     )
     return out

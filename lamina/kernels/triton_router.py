@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
+
 __all__ = ["ROUTER_CONFIG", "ROUTER_MAX_TOKENS", "fused_router"]
 
 # Up to this many tokens the router runs in one launch; beyond, the GEMV and the routing kernel.
@@ -159,6 +161,6 @@ def fused_router(
         HIDDEN=hidden, MAX_TOKENS=ROUTER_MAX_TOKENS, BLOCK_E=cfg["block_e"],
         BLOCK_K=min(cfg["block_k"], triton.next_power_of_2(hidden)),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        RENORMALIZE=renormalize, num_warps=cfg["warps"], num_stages=cfg["stages"], **FP_FUSION,
     )
     return weights, ids, logits

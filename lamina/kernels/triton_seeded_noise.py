@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.seeded_noise import INDEX_SALT, M1, M2, ROUND_SALTS
 
 BLOCK_V = 1024
@@ -92,6 +93,7 @@ def fill_seeded_exponential_triton(noise: torch.Tensor, rows: torch.Tensor, keys
         _seeded_noise_kernel[(num, triton.cdiv(vocab, BLOCK_V))](
             noise, rows.contiguous(), keys.contiguous(), positions.contiguous(), vocab, noise.stride(0),
             M1=M1, M2=M2, INDEX_SALT=INDEX_SALT, SALT0=ROUND_SALTS[0], SALT1=ROUND_SALTS[1],
-            SALT2=ROUND_SALTS[2], BLOCK=BLOCK_V, sanitize_overflow=False,  # the hash wraps mod 2**32 on purpose
+            SALT2=ROUND_SALTS[2], BLOCK=BLOCK_V, **FP_FUSION,
+            sanitize_overflow=False,  # the hash wraps mod 2**32 on purpose
         )
     return noise

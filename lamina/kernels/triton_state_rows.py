@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.state_rows import copy_state_rows_reference
 
 BLOCK = 4096  # elements a program copies (16 KB of fp32): a 2 MB delta-rule state is 128 programs
@@ -115,7 +116,7 @@ class StateRowCopier:
             grid = (len(dsts), count, triton.cdiv(row_numel, BLOCK))
             _copy_rows_kernel[grid](
                 self._table(dsts, device), self._table(srcs, device), dst_rows, src_rows, row_numel,
-                WORD=_WORD[size], BLOCK=BLOCK,
+                WORD=_WORD[size], BLOCK=BLOCK, **FP_FUSION,
             )
         if plan.others:
             copy_state_rows_reference([pairs[i] for i in plan.others], dst_rows, src_rows, skip_negative=skip_negative)

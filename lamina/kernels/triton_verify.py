@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.triton_decode import (
     _dot_precision,
     causal_conv1d_decode,
@@ -131,7 +132,7 @@ def paged_verify_attention(
         out.stride(0), out.stride(1),
         QUERIES=queries, GROUP=group, ROWS_PAD=max(16, triton.next_power_of_2(queries * group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
-        PRECISION=_dot_precision(q.dtype), GATED=gated,
+        PRECISION=_dot_precision(q.dtype), GATED=gated, **FP_FUSION,
     )
     return out
 
@@ -226,7 +227,7 @@ def gated_delta_rule_verify(
         cap.stride(0), cap.stride(1), cap.stride(2),
         QUERIES=queries, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, L2NORM=use_qk_l2norm, RAW_GATES=raw,
-        CAPTURE=capture is not None,
+        CAPTURE=capture is not None, **FP_FUSION,
     )
     return out
 
@@ -312,6 +313,6 @@ def causal_conv1d_verify(
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1), out.stride(0),
         cap.stride(0), cap.stride(1),
         QUERIES=queries, KERNEL=kernel, BLOCK_J=triton.next_power_of_2(kernel), BLOCK_C=block_c,
-        SILU=activation in ("silu", "swish"), CAPTURE=capture is not None,
+        SILU=activation in ("silu", "swish"), CAPTURE=capture is not None, **FP_FUSION,
     )
     return out

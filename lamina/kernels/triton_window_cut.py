@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.launch_options import FP_FUSION
+
 BLOCK_V = 2048
 
 
@@ -62,5 +64,5 @@ def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
     if num_rows:
         _window_cut_kernel[(num_rows,)](values, logits, top_k.contiguous(), top_p.contiguous(), cut, vocab,
-                                        values.stride(0), logits.stride(0), W=width, BLOCK=BLOCK_V)
+                                        values.stride(0), logits.stride(0), W=width, BLOCK=BLOCK_V, **FP_FUSION)
     return cut
