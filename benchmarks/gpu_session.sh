@@ -782,8 +782,10 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 300 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:-} --out $OUT/bench_decode_attention_kv.json \
         > $OUT/s38_attention.txt 2>&1
       grep "^best" $OUT/s38_attention.txt || tail -5 $OUT/s38_attention.txt
+      timeout 60 python3 benchmarks/bench_nucleus_cut.py --out $OUT/bench_nucleus_cut.json > $OUT/s38_nucleus.txt 2>&1
+      cat $OUT/s38_nucleus.txt | tail -9
       timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py tests/test_triton_kernels.py \
-        -k "seeded or sum_slots or gemv or decode_attention" > $OUT/s38_kernels.txt 2>&1
+        -k "seeded or sum_slots or gemv or decode_attention or cut or sampler" > $OUT/s38_kernels.txt 2>&1
       tail -3 $OUT/s38_kernels.txt ;;
     s37)  # session 36: session 35's GPU fixes (slot-sum FMA bits, q/k prep FP8 store on bf16, byte-wise FP8
       # gathers) and the FP8 KV engine test, then FP8 against model-dtype KV decode at 4k context (S37_ROUNDS="1 2": twice)

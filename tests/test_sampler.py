@@ -176,7 +176,7 @@ def test_window_path_keeps_the_reference_set_per_row_whatever_the_batch():
                (0, 0.9), (0, 1.0), (20, 1.0), (7, 1e-9), (300, 1.0), (40, 0.3)]
     params = [SamplingParams(temperature=0.7, top_k=k, top_p=p) for k, p in options]
     batch = SamplingBatch.build(params, [0] * 12, [0], "cpu", vocab)
-    assert batch.window_rows == [0, 1, 2, 3, 4, 8, 9, 11] and batch.sorted_rows == [5, 6, 10]
+    assert batch.window_rows == [0, 1, 2, 3, 4, 8, 9, 11] and batch.nucleus_rows == [6] and batch.sorted_rows == [5, 10]
     got = torch.isfinite(filter_top_k_top_p(logits, batch))  # [B, V]
     want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
     assert torch.equal(got, want)

@@ -2,7 +2,7 @@
 on the CPU: CI runs them under Triton's interpreter, which does not type-check (tests/
 triton_compile_check.py records the interpreted launches and builds their Triton IR in a process
 without the interpreter). The launches of bf16 engines with an FP8 KV cache and MTP, with FP8
-experts and seeded top-k / top-p sampling, of Qwen4-Exp, and of the opt-in kernels (lamina.kernels.
+experts and seeded top-k / top-p and top-p-only sampling, of Qwen4-Exp, and of the opt-in kernels (lamina.kernels.
 selection's switches); each also with programmatic dependent launch on. Every launch asks for FP
 contraction (lamina.kernels.launch_options). A control kernel that only the compiler refuses must be reported."""
 
@@ -29,6 +29,7 @@ pytestmark = [
 PROMPTS = [{"prompt_token_ids": [5, 17, 300, 9, 9]}, {"prompt_token_ids": [1, 2, 3]}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=4, ignore_eos=True)
+NUCLEUS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True)  # top-p alone
 ENGINE = dict(device="cpu", dtype="bfloat16", show_progress=False)
 
 
@@ -71,7 +72,7 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         # the MoE's pair sort for prefill chunks beyond one program's 4,096 pairs, on a few pairs
         align_pairs_blocked(torch.tensor([[3, 1], [0, 3]], dtype=torch.int32), 8, 0, 16, 64)
-        _generate(fp8_experts, SEEDED)
+        _generate(fp8_experts, [SEEDED, NUCLEUS])
         _generate(qwen4, GREEDY)
         # the opt-in kernels (lamina.kernels.selection): one-launch delta-net decode and routing, the
         # split-K GEMV, the MoE GEMVs on tl.dot; then routing in the router GEMV's last program
@@ -81,7 +82,7 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
                 _generate(qwen3_5_moe_short_dir, GREEDY)
     kernels = {(r["module"], r["name"]) for r in records}
     assert len(kernels) >= 15, sorted(kernels)  # the engines really ran on the Triton kernels
-    opt_in = {"_fused_gdn_decode_kernel", "_router_kernel", "_gemv_splitk_kernel", "_gemv_gate_up_kernel",
+    opt_in = {"_nucleus_cut_kernel", "_window_cut_kernel", "_fused_gdn_decode_kernel", "_router_kernel", "_gemv_splitk_kernel", "_gemv_gate_up_kernel",
               "_gemv_down_pipelined_kernel"}
     assert opt_in <= {name for _, name in kernels}, sorted(opt_in - {name for _, name in kernels})
     assert any(r["name"] == "_gemv_splitk_kernel" and r["args"]["ROUTE"]["value"] for r in records)  # gemv_route

@@ -6,7 +6,7 @@ there is no GPU (tests/conftest.py turns it on):
   lose the noise's precision), written into the given rows only, and the sampler drawing the same
   tokens with either;
 - the top-k window's cut in one launch (lamina.kernels.triton_window_cut) against the torch
-  window_cut and the sort (lamina.worker.top_k_top_p)."""
+  window_cut and the sort (lamina.worker.top_k_top_p), and its top-p-only nucleus cut against the sort."""
 
 from __future__ import annotations
 
@@ -154,9 +154,48 @@ def test_window_cut_kernel_keeps_the_reference_set():
     assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, batch)), got)
 
 
+def test_nucleus_cut_kernel_keeps_the_sorted_set():
+    """Top-p without top-k in one launch after the window's `topk` (lamina.kernels.triton_window_cut.
+    nucleus_cut_triton) keeps the sort's set (sorted_cut): rows whose window holds top-p of the mass
+    and rows that bisect (flat logits, top-p near 1), bfloat16 and integer ties (also at the cut),
+    -inf logits, a tiny top-p; through the sampler's groups, alone and in a batch with other rows."""
+    from lamina.kernels.triton_window_cut import nucleus_cut_triton
+    from lamina.worker.top_k_top_p import TOP_K_WINDOW, filter_top_k_top_p, sorted_cut
+
+    vocab = 3000
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, vocab, generator=gen)  # [B, V]
+    logits[0] *= 4  # peaked: the window holds the nucleus
+    logits[1] *= 0.1  # flat: bisection over the row
+    logits[2] = (logits[2] * 2).to(torch.bfloat16).float()  # ties
+    logits[3, 100:] = float("-inf")  # fewer finite logits than the window
+    logits[4] = logits[4].round()  # seven values: every cut falls on a tie that runs past the window
+    logits[6] = -logits[6].abs()  # negative logits only (the float keys' negative half)
+    logits = logits.to(DEVICE)
+    top_p = torch.tensor([0.95, 0.9, 0.5, 0.99, 0.7, 0.3, 0.8, 1e-6, 0.999], device=DEVICE)
+    window_mass = logits.softmax(-1).topk(TOP_K_WINDOW, dim=-1).values.sum(-1)  # [B]
+    bisected = (window_mass < top_p).tolist()
+    assert bisected[1] and bisected[8] and not bisected[0]  # both branches run
+    got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)  # [B, V]
+    want = logits >= sorted_cut(logits, None, top_p)
+    assert torch.equal(got, want), (got != want).sum(1)
+    assert got[7].sum() == 1 and 1 < got[4].sum() < vocab
+    options = [dict(top_p=p) for p in top_p.tolist()] + [dict(top_k=20, top_p=0.9), dict(top_k=500), dict()]
+    params = [SamplingParams(temperature=0.8, **o) for o in options]
+    mixed = torch.cat([logits, logits[:3]])  # [12, V]
+    batch = SamplingBatch.build(params, [0] * 12, [0], DEVICE, vocab, sampler_kernels="triton")
+    assert batch.nucleus_rows == list(range(9)) and batch.window_rows == [9] and batch.sorted_rows == [10]
+    filtered = torch.isfinite(filter_top_k_top_p(mixed, batch))  # [12, V]
+    assert torch.equal(filtered[:9], got) and filtered[11].all()
+    for row in (1, 4):  # alone: the whole batch is the nucleus group
+        alone = SamplingBatch.build(params[row:row + 1], [0], [0], DEVICE, vocab, sampler_kernels="triton")
+        assert alone.nucleus_index is None
+        assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row])
+
+
 def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, monkeypatch):
     """On the Triton kernel set the runner compiles the sampler's kernels when its caches are
-    allocated (on CUDA; called again directly here), launching both at the model's vocabulary."""
+    allocated (on CUDA; called again directly here), launching all three at the model's vocabulary."""
     import lamina.kernels.triton_seeded_noise as noise_module
     import lamina.kernels.triton_window_cut as window_module
     from lamina import LLM
@@ -166,8 +205,9 @@ def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, monkeypatch):
         runner = llm.engine.executor.runner
         assert runner.sampler_kernels == "triton"
         launched = []
-        for module, name in ((noise_module, "fill_seeded_exponential_triton"), (window_module, "window_cut_triton")):
+        for module, name in ((noise_module, "fill_seeded_exponential_triton"), (window_module, "window_cut_triton"),
+                             (window_module, "nucleus_cut_triton")):
             real = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
         runner.warm_sampler_kernels()
-    assert sorted(launched) == ["fill_seeded_exponential_triton", "window_cut_triton"]
+    assert sorted(launched) == ["fill_seeded_exponential_triton", "nucleus_cut_triton", "window_cut_triton"]

@@ -66,3 +66,84 @@ def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         _window_cut_kernel[(num_rows,)](values, logits, top_k.contiguous(), top_p.contiguous(), cut, vocab,
                                         values.stride(0), logits.stride(0), W=width, BLOCK=BLOCK_V, **FP_FUSION)
     return cut
+
+
+# ---- top-p alone: the nucleus cut ----------------------------------------------------------------
+
+
+_BELOW_EVERY_KEY = tl.constexpr(-2139095042)  # one below `_float_key` of -inf
+
+
+@triton.jit
+def _float_key(x):
+    """An int64 that orders as the float32 `x` does (-inf lowest)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _mass_above(logits_row, vocab_size, top, key_floor, BLOCK: tl.constexpr):
+    """The unnormalised probability mass of the row's logits above `key_floor` (a `_float_key`),
+    block by block in a fixed order: for a floor below every logit, the row's normaliser."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_row + cols, mask=cols < vocab_size, other=float("-inf"))
+        acc += tl.where(_float_key(x) > key_floor, tl.exp(x - top), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _nucleus_cut_kernel(values, logits, top_p, cut_out, vocab_size, values_stride, logits_stride,
+                        W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, W)
+    logits_row = logits + row * logits_stride
+    v = tl.load(values + row * values_stride + offs)  # [W] the row's W largest logits, best first
+    top = tl.load(values + row * values_stride)
+    p = tl.load(top_p + row)
+    below_all = tl.full([], _BELOW_EVERY_KEY, tl.int64)
+    total = _mass_above(logits_row, vocab_size, top, below_all, BLOCK)  # the whole row's normaliser
+    weights = tl.exp(v - top)  # [W]
+    running = tl.cumsum(weights, 0)  # [W]
+    window_mass = tl.sum(tl.where(offs == W - 1, running, 0.0), 0) / total
+    if window_mass >= p:  # the first position past the window is cut: the last kept one is in it
+        keep = ((running - weights) / total < p) | (offs == 0)  # [W]
+        cut = tl.load(values + row * values_stride + tl.sum(keep.to(tl.int32), 0) - 1)
+    else:
+        # The cut is the lowest logit with less than p of the mass strictly above it: bisect on the
+        # float keys, the mass above the upper end always below p (it starts at the window's last
+        # logit, with less than the window's mass above it), at the lower end never.
+        lo = below_all
+        hi = _float_key(tl.load(values + row * values_stride + W - 1))
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if _mass_above(logits_row, vocab_size, top, mid, BLOCK) / total < p:
+                hi = mid
+            else:
+                lo = mid
+        bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.int32)
+        cut = bits.to(tl.float32, bitcast=True)
+    tl.store(cut_out + row, cut)
+
+
+def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
+    """`lamina.worker.top_k_top_p.sorted_cut` for rows with a top-p and no top-k, without sorting
+    the vocabulary: logits `[B, V]` float32 (unit column stride), top_p `[B]` float32 in (0, 1);
+    returns the cut `[B, 1]`. A row reads its `width` largest logits (`topk`) and, once, its whole
+    row for the normaliser; when those `width` hold less than top_p of the mass it finds the cut by
+    bisection over the row's logits (about 32 more reads of the row, in that row's program only).
+    Which way a row goes follows its own logits, never its batch."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    num_rows, vocab = logits.shape
+    width = min(width, vocab)
+    if width & (width - 1):
+        raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} (vocab {vocab})")
+    values = logits.topk(width, dim=-1).values  # [B, W], best first
+    cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
+    if num_rows:
+        _nucleus_cut_kernel[(num_rows,)](values, logits, top_p.contiguous(), cut, vocab, values.stride(0),
+                                         logits.stride(0), W=width, BLOCK=BLOCK_V, **FP_FUSION)
+    return cut

@@ -101,12 +101,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_sampler_kernels(self) -> None:
-        """Compile the sampler's Triton kernels (seeded noise, the top-k window's cut) now, at the
-        vocabulary they will see, rather than under the first request that needs them."""
-        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
-        batch = SamplingBatch.build([params], [0], list(self.eos_token_ids), self.device, self.vocab_size,
+        """Compile the sampler's Triton kernels (seeded noise, the top-k window's cut, the top-p-only
+        nucleus cut) now, at the vocabulary they will see, rather than under the first request that
+        needs them."""
+        params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0), SamplingParams(temperature=0.7, top_p=0.9)]
+        batch = SamplingBatch.build(params, [0, 0], list(self.eos_token_ids), self.device, self.vocab_size,
                                     sampler_kernels=self.sampler_kernels)
-        self.sampler(torch.zeros(1, self.vocab_size, device=self.device), batch)
+        self.sampler(torch.zeros(2, self.vocab_size, device=self.device), batch)
 
     @torch.inference_mode()
     def apply_cache_copies(self, plan: StepPlan) -> None:

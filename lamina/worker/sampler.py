@@ -86,12 +86,15 @@ class SamplingBatch:
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
     # top-k / top-p, by each sampling row's own options (never by the batch): rows with top_k <=
-    # TOP_K_WINDOW take `window_cut` (a top-k of that fixed width), other rows with a top-k or a
-    # top-p `sorted_cut` (the whole vocabulary sorted); host lists, and their device indices when
-    # a group is not the whole batch (None otherwise)
+    # TOP_K_WINDOW take `window_cut` (a top-k of that fixed width), rows with a top-p and no top-k
+    # the nucleus cut (lamina.worker.top_k_top_p.filter_top_k_top_p), other rows with a top-k
+    # `sorted_cut` (the whole vocabulary sorted); host lists, and their device indices when a group
+    # is not the whole batch (None otherwise)
     window_rows: list[int] = field(default_factory=list)
+    nucleus_rows: list[int] = field(default_factory=list)
     sorted_rows: list[int] = field(default_factory=list)
     window_index: torch.Tensor | None = None  # [len(window_rows)] int64
+    nucleus_index: torch.Tensor | None = None  # [len(nucleus_rows)] int64
     sorted_index: torch.Tensor | None = None  # [len(sorted_rows)] int64
 
     @property
@@ -209,9 +212,11 @@ class SamplingBatch:
             bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
         filtered = [i for i in sampling_rows if top_ks[i] < vocab_size or top_ps[i] < 1.0]
         window_rows = [i for i in filtered if top_ks[i] <= TOP_K_WINDOW]
-        sorted_rows = [i for i in filtered if top_ks[i] > TOP_K_WINDOW]
-        window_index = to_device(window_rows, device, torch.int64) if 0 < len(window_rows) < bsz else None
-        sorted_index = to_device(sorted_rows, device, torch.int64) if 0 < len(sorted_rows) < bsz else None
+        nucleus_rows = [i for i in filtered if TOP_K_WINDOW < top_ks[i] == vocab_size]  # top-p only
+        sorted_rows = [i for i in filtered if TOP_K_WINDOW < top_ks[i] < vocab_size]
+        window_index, nucleus_index, sorted_index = (
+            to_device(rows, device, torch.int64) if 0 < len(rows) < bsz else None
+            for rows in (window_rows, nucleus_rows, sorted_rows))
         seeded = None
         if seeded_rows:
             seeded = to_device([seeded_rows, [seed_key(params_list[r].seed) for r in seeded_rows],
@@ -238,8 +243,10 @@ class SamplingBatch:
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
             window_rows=window_rows,
+            nucleus_rows=nucleus_rows,
             sorted_rows=sorted_rows,
             window_index=window_index,
+            nucleus_index=nucleus_index,
             sorted_index=sorted_index,
         )
 
@@ -400,7 +407,7 @@ class Sampler:
         if batch.need_min_p:
             below = apply_min_p(work.softmax(dim=-1), batch.min_p) == 0  # [B, V]
             work = work.masked_fill_(below, float("-inf"))
-        if batch.window_rows or batch.sorted_rows:
+        if batch.window_rows or batch.nucleus_rows or batch.sorted_rows:
             work = filter_top_k_top_p(work, batch)
         return work  # [B, V]
 
