@@ -6,7 +6,8 @@ the window holds less than top-p of the mass), at the 248k vocabulary of Qwen3.5
 Logits are Gaussian with a scale per case: "peaked" (scale 8: the 128 largest hold ~all the mass,
 as a trained model's next-token distribution mostly does) and "flat" (scale 2: they hold ~10%, every
 row bisects: the worst case). Milliseconds a call (CUDA events, median of 20 after 3), and whether
-the kept sets equal the sort's.
+the kept sets equal the sort's; also each (window width, logits a loop step, warps) variant and
+`topk`'s time at each width.
 
     python benchmarks/bench_nucleus_cut.py --out bench_nucleus_cut.json
 """
@@ -14,6 +15,7 @@ the kept sets equal the sort's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -45,6 +47,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--vocab", type=int, default=248320)
     parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--widths", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--out", default="bench_nucleus_cut.json")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -61,6 +66,15 @@ def main() -> None:
                        sort_ms=round(time_ms(lambda: sorted_cut(logits, None, top_p)), 4),  # noqa: B023
                        nucleus_ms=round(time_ms(lambda: nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)), 4),  # noqa: B023
                        same_sets=bool(torch.equal(got, want)), rows_bisected=int((window_mass < args.top_p).sum()))
+            for width in args.widths:
+                row[f"topk{width}_ms"] = round(time_ms(lambda: logits.topk(width, dim=-1)), 4)  # noqa: B023
+            variants = {}
+            for width, block, warps in itertools.product(args.widths, args.blocks, args.warps):
+                def call():
+                    return nucleus_cut_triton(logits, top_p, width, block=block, num_warps=warps)  # noqa: B023
+                same = bool(torch.equal(logits >= call(), want))
+                variants[f"w{width}_b{block}_nw{warps}"] = (round(time_ms(call), 4), same)
+            row["variants"] = variants
             rows.append(row)
             print(row, flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),

@@ -127,13 +127,15 @@ def _nucleus_cut_kernel(values, logits, top_p, cut_out, vocab_size, values_strid
     tl.store(cut_out + row, cut)
 
 
-def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
+def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, block: int = BLOCK_V,
+                       num_warps: int | None = None) -> torch.Tensor:
     """`lamina.worker.top_k_top_p.sorted_cut` for rows with a top-p and no top-k, without sorting
     the vocabulary: logits `[B, V]` float32 (unit column stride), top_p `[B]` float32 in (0, 1);
     returns the cut `[B, 1]`. A row reads its `width` largest logits (`topk`) and, once, its whole
     row for the normaliser; when those `width` hold less than top_p of the mass it finds the cut by
     bisection over the row's logits (about 32 more reads of the row, in that row's program only).
-    Which way a row goes follows its own logits, never its batch."""
+    Which way a row goes follows its own logits, never its batch. `block` (logits a loop step reads)
+    and `num_warps`: for benchmarks."""
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
@@ -145,5 +147,6 @@ def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int) ->
     cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
     if num_rows:
         _nucleus_cut_kernel[(num_rows,)](values, logits, top_p.contiguous(), cut, vocab, values.stride(0),
-                                         logits.stride(0), W=width, BLOCK=BLOCK_V, **FP_FUSION)
+                                         logits.stride(0), W=width, BLOCK=block, **FP_FUSION,
+                                         **({} if num_warps is None else {"num_warps": num_warps}))
     return cut
