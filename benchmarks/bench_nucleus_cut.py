@@ -6,7 +6,8 @@ the window holds less than top-p of the mass), at the 248k vocabulary of Qwen3.5
 Logits are Gaussian with a scale per case: "peaked" (scale 8: the 128 largest hold ~all the mass,
 as a trained model's next-token distribution mostly does) and "flat" (scale 2: they hold ~10%, every
 row bisects: the worst case). Milliseconds a call (CUDA events, median of 20 after 3), and whether
-the kept sets equal the sort's; also each (window width, logits a loop step, warps) variant and
+the kept sets equal the sort's; also each (window width, logits a loop step, search points a step,
+warps) variant and
 `topk`'s time at each width.
 
     python benchmarks/bench_nucleus_cut.py --out bench_nucleus_cut.json
@@ -48,7 +49,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=248320)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 1024])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 8192])
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--out", default="bench_nucleus_cut.json")
     args = parser.parse_args()
@@ -69,11 +71,15 @@ def main() -> None:
             for width in args.widths:
                 row[f"topk{width}_ms"] = round(time_ms(lambda: logits.topk(width, dim=-1)), 4)  # noqa: B023
             variants = {}
-            for width, block, warps in itertools.product(args.widths, args.blocks, args.warps):
+            for width, block, sections, warps in itertools.product(args.widths, args.blocks, args.sections, args.warps):
+                if block * sections > 32768:  # [sections, block] accumulators: past the registers
+                    continue
+
                 def call():
-                    return nucleus_cut_triton(logits, top_p, width, block=block, num_warps=warps)  # noqa: B023
+                    return nucleus_cut_triton(logits, top_p, width, block=block, sections=sections,  # noqa: B023
+                                              num_warps=warps)  # noqa: B023
                 same = bool(torch.equal(logits >= call(), want))
-                variants[f"w{width}_b{block}_nw{warps}"] = (round(time_ms(call), 4), same)
+                variants[f"w{width}_b{block}_s{sections}_nw{warps}"] = (round(time_ms(call), 4), same)
             row["variants"] = variants
             rows.append(row)
             print(row, flush=True)

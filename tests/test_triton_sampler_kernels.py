@@ -176,9 +176,12 @@ def test_nucleus_cut_kernel_keeps_the_sorted_set():
     window_mass = logits.softmax(-1).topk(TOP_K_WINDOW, dim=-1).values.sum(-1)  # [B]
     bisected = (window_mass < top_p).tolist()
     assert bisected[1] and bisected[8] and not bisected[0]  # both branches run
-    got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)  # [B, V]
     want = logits >= sorted_cut(logits, None, top_p)
-    assert torch.equal(got, want), (got != want).sum(1)
+    for sections in (1, 4):  # a bisection; several points a step (the default's path, NUCLEUS_SECTIONS)
+        got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW, sections=sections)  # [B, V]
+        assert torch.equal(got, want), (sections, (got != want).sum(1))
+    got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)
+    assert torch.equal(got, want)
     assert got[7].sum() == 1 and 1 < got[4].sum() < vocab
     options = [dict(top_p=p) for p in top_p.tolist()] + [dict(top_k=20, top_p=0.9), dict(top_k=500), dict()]
     params = [SamplingParams(temperature=0.8, **o) for o in options]

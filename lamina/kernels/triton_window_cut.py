@@ -72,6 +72,7 @@ def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 _BELOW_EVERY_KEY = tl.constexpr(-2139095042)  # one below `_float_key` of -inf
+NUCLEUS_SECTIONS = 8  # points a step of the nucleus search tries (nucleus_cut_triton)
 
 
 @triton.jit
@@ -82,28 +83,39 @@ def _float_key(x):
 
 
 @triton.jit
-def _mass_above(logits_row, vocab_size, top, key_floor, BLOCK: tl.constexpr):
-    """The unnormalised probability mass of the row's logits above `key_floor` (a `_float_key`),
-    block by block in a fixed order: for a floor below every logit, the row's normaliser."""
+def _row_normaliser(logits_row, vocab_size, top, BLOCK: tl.constexpr):
+    """The sum of exp(logit - top) over the row, block by block in a fixed order."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, vocab_size, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(logits_row + cols, mask=cols < vocab_size, other=float("-inf"))
-        acc += tl.where(_float_key(x) > key_floor, tl.exp(x - top), 0.0)
+        acc += tl.exp(x - top)
     return tl.sum(acc, 0)
 
 
 @triton.jit
+def _masses_above(logits_row, vocab_size, top, floors, SECTIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """`[SECTIONS]`: the unnormalised mass of the row's logits above each of `floors` (float keys),
+    in one read of the row, block by block in a fixed order."""
+    acc = tl.zeros([SECTIONS, BLOCK], dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_row + cols, mask=cols < vocab_size, other=float("-inf"))
+        above = _float_key(x)[None, :] > floors[:, None]  # [S, BLOCK]
+        acc += tl.where(above, tl.exp(x - top)[None, :], 0.0)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _nucleus_cut_kernel(values, logits, top_p, cut_out, vocab_size, values_stride, logits_stride,
-                        W: tl.constexpr, BLOCK: tl.constexpr):
+                        W: tl.constexpr, BLOCK: tl.constexpr, SECTIONS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, W)
     logits_row = logits + row * logits_stride
     v = tl.load(values + row * values_stride + offs)  # [W] the row's W largest logits, best first
     top = tl.load(values + row * values_stride)
     p = tl.load(top_p + row)
-    below_all = tl.full([], _BELOW_EVERY_KEY, tl.int64)
-    total = _mass_above(logits_row, vocab_size, top, below_all, BLOCK)  # the whole row's normaliser
+    total = _row_normaliser(logits_row, vocab_size, top, BLOCK)
     weights = tl.exp(v - top)  # [W]
     running = tl.cumsum(weights, 0)  # [W]
     window_mass = tl.sum(tl.where(offs == W - 1, running, 0.0), 0) / total
@@ -111,30 +123,34 @@ def _nucleus_cut_kernel(values, logits, top_p, cut_out, vocab_size, values_strid
         keep = ((running - weights) / total < p) | (offs == 0)  # [W]
         cut = tl.load(values + row * values_stride + tl.sum(keep.to(tl.int32), 0) - 1)
     else:
-        # The cut is the lowest logit with less than p of the mass strictly above it: bisect on the
-        # float keys, the mass above the upper end always below p (it starts at the window's last
-        # logit, with less than the window's mass above it), at the lower end never.
-        lo = below_all
+        # The cut is the lowest logit with less than p of the mass strictly above it: a search on
+        # the float keys that keeps the mass above `hi` below p (it starts at the window's last
+        # logit, with less than the window's mass above it) and above `lo` at least p (below every
+        # logit: all of it). Each read of the row splits [lo, hi] at SECTIONS points (1: bisection).
+        lo = tl.full([], _BELOW_EVERY_KEY, tl.int64)
         hi = _float_key(tl.load(values + row * values_stride + W - 1))
+        sections = tl.arange(0, SECTIONS).to(tl.int64)
         while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            if _mass_above(logits_row, vocab_size, top, mid, BLOCK) / total < p:
-                hi = mid
-            else:
-                lo = mid
+            floors = lo + ((hi - lo) * (sections + 1)) // (SECTIONS + 1)  # [S] ascending, in [lo, hi]
+            inside = (floors > lo) & (floors < hi)  # [S] at least one while hi - lo > 1
+            reach = _masses_above(logits_row, vocab_size, top, floors, SECTIONS, BLOCK) / total >= p  # [S]
+            # the mass above a floor falls as the floor rises: the floors that still reach p come first
+            lo = tl.max(tl.where(inside & reach, floors, lo), 0)
+            hi = tl.min(tl.where(inside & ~reach, floors, hi), 0)
         bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.int32)
         cut = bits.to(tl.float32, bitcast=True)
     tl.store(cut_out + row, cut)
 
 
 def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, block: int = BLOCK_V,
-                       num_warps: int | None = None) -> torch.Tensor:
+                       sections: int = NUCLEUS_SECTIONS, num_warps: int | None = None) -> torch.Tensor:
     """`lamina.worker.top_k_top_p.sorted_cut` for rows with a top-p and no top-k, without sorting
     the vocabulary: logits `[B, V]` float32 (unit column stride), top_p `[B]` float32 in (0, 1);
     returns the cut `[B, 1]`. A row reads its `width` largest logits (`topk`) and, once, its whole
-    row for the normaliser; when those `width` hold less than top_p of the mass it finds the cut by
-    bisection over the row's logits (about 32 more reads of the row, in that row's program only).
-    Which way a row goes follows its own logits, never its batch. `block` (logits a loop step reads)
+    row for the normaliser; when those `width` hold less than top_p of the mass it searches the cut
+    among the row's logits, reading the row once per step (`sections` points a step, a power of two:
+    about 32 / log2(sections + 1) steps; 1 is a bisection), in that row's program only. Which way a
+    row goes follows its own logits, never its batch. `block` (logits a loop step reads), `sections`
     and `num_warps`: for benchmarks."""
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
@@ -143,10 +159,12 @@ def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, bl
     width = min(width, vocab)
     if width & (width - 1):
         raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} (vocab {vocab})")
+    if sections < 1 or sections & (sections - 1):
+        raise ValueError(f"nucleus_cut_triton: sections = {sections} must be a power of two")
     values = logits.topk(width, dim=-1).values  # [B, W], best first
     cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
     if num_rows:
         _nucleus_cut_kernel[(num_rows,)](values, logits, top_p.contiguous(), cut, vocab, values.stride(0),
-                                         logits.stride(0), W=width, BLOCK=block, **FP_FUSION,
+                                         logits.stride(0), W=width, BLOCK=block, SECTIONS=sections, **FP_FUSION,
                                          **({} if num_warps is None else {"num_warps": num_warps}))
     return cut
