@@ -82,7 +82,9 @@ def main() -> None:
                 variants[f"w{width}_b{block}_s{sections}_nw{warps}"] = (round(time_ms(call), 4), same)
             row["variants"] = variants
             rows.append(row)
-            print(row, flush=True)
+            fastest = min((v for v in variants.items() if v[1][1]), key=lambda v: v[1][0], default=None)
+            print({k: v for k, v in row.items() if k != "variants"}, "fastest:", fastest,
+                  "not the sort's set:", [k for k, v in variants.items() if not v[1]], flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
                                           "rows": rows}, indent=1))
 
