@@ -46,6 +46,7 @@ def _generate(path, params, graphs_k: int | None = None, **kw):
 
 
 def _clear_switch_caches() -> None:
+    selection.nucleus_cut_enabled.cache_clear()
     selection.gemv_fma.cache_clear()
     selection.moe_gemv_fma_max_tokens.cache_clear()
 
@@ -72,7 +73,8 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         # the MoE's pair sort for prefill chunks beyond one program's 4,096 pairs, on a few pairs
         align_pairs_blocked(torch.tensor([[3, 1], [0, 3]], dtype=torch.int32), 8, 0, 16, 64)
-        _generate(fp8_experts, [SEEDED, NUCLEUS])
+        with _switched(monkeypatch, dict(LAMINA_NUCLEUS_CUT="1")):
+            _generate(fp8_experts, [SEEDED, NUCLEUS])
         _generate(qwen4, GREEDY)
         # the opt-in kernels (lamina.kernels.selection): one-launch delta-net decode and routing, the
         # split-K GEMV, the MoE GEMVs on tl.dot; then routing in the router GEMV's last program

@@ -154,7 +154,19 @@ def test_window_cut_kernel_keeps_the_reference_set():
     assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, batch)), got)
 
 
-def test_nucleus_cut_kernel_keeps_the_sorted_set():
+@pytest.fixture
+def nucleus_cut_on(monkeypatch):
+    """The sampler takes the nucleus cut (lamina.kernels.selection.nucleus_cut_enabled) in the test."""
+    from lamina.kernels import selection
+
+    monkeypatch.setenv("LAMINA_NUCLEUS_CUT", "1")
+    selection.nucleus_cut_enabled.cache_clear()
+    yield
+    monkeypatch.delenv("LAMINA_NUCLEUS_CUT", raising=False)
+    selection.nucleus_cut_enabled.cache_clear()
+
+
+def test_nucleus_cut_kernel_keeps_the_sorted_set(nucleus_cut_on, monkeypatch):
     """Top-p without top-k in one launch after the window's `topk` (lamina.kernels.triton_window_cut.
     nucleus_cut_triton) keeps the sort's set (sorted_cut): rows whose window holds top-p of the mass
     and rows that bisect (flat logits, top-p near 1), bfloat16 and integer ties (also at the cut),
@@ -183,6 +195,12 @@ def test_nucleus_cut_kernel_keeps_the_sorted_set():
     got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)
     assert torch.equal(got, want)
     assert got[7].sum() == 1 and 1 < got[4].sum() < vocab
+    import lamina.kernels.triton_window_cut as window_module
+    from lamina.kernels import selection
+
+    calls = []
+    real = window_module.nucleus_cut_triton
+    monkeypatch.setattr(window_module, "nucleus_cut_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     options = [dict(top_p=p) for p in top_p.tolist()] + [dict(top_k=20, top_p=0.9), dict(top_k=500), dict()]
     params = [SamplingParams(temperature=0.8, **o) for o in options]
     mixed = torch.cat([logits, logits[:3]])  # [12, V]
@@ -194,9 +212,17 @@ def test_nucleus_cut_kernel_keeps_the_sorted_set():
         alone = SamplingBatch.build(params[row:row + 1], [0], [0], DEVICE, vocab, sampler_kernels="triton")
         assert alone.nucleus_index is None
         assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row])
+    assert len(calls) == 3  # the sampler's filter took the kernel
+    monkeypatch.setenv("LAMINA_NUCLEUS_CUT", "0")  # switched off: the sort, the same sets
+    selection.nucleus_cut_enabled.cache_clear()
+    assert torch.equal(torch.isfinite(filter_top_k_top_p(mixed, batch)), filtered) and len(calls) == 3
+    monkeypatch.setenv("LAMINA_NUCLEUS_CUT", "yes")
+    selection.nucleus_cut_enabled.cache_clear()
+    with pytest.raises(ValueError, match="LAMINA_NUCLEUS_CUT = 'yes' must be 0 or 1"):
+        filter_top_k_top_p(mixed, batch)
 
 
-def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, monkeypatch):
+def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, nucleus_cut_on, monkeypatch):
     """On the Triton kernel set the runner compiles the sampler's kernels when its caches are
     allocated (on CUDA; called again directly here), launching all three at the model's vocabulary."""
     import lamina.kernels.triton_seeded_noise as noise_module

@@ -243,6 +243,16 @@ def sampler_kernels(kernels: str) -> str:
 
 
 @functools.cache
+def nucleus_cut_enabled() -> bool:
+    """Whether the Triton sampler cuts rows with top-p and no top-k without sorting the vocabulary
+    (`lamina.kernels.triton_window_cut.nucleus_cut_triton`: the 128-wide `topk`, one read of the row
+    for its normaliser, a search over the row's logits when the 128 hold less than top-p) rather
+    than the sort (`sorted_cut`). Off unless `LAMINA_NUCLEUS_CUT=1` until it is timed on a GPU
+    against the sort (benchmarks/bench_nucleus_cut.py); read once per process."""
+    return _switch("LAMINA_NUCLEUS_CUT", "0")
+
+
+@functools.cache
 def gemv_fma() -> bool:
     """Whether the decode GEMV (`lamina.kernels.triton_gemv`) takes its kernel without `tl.dot`
     (`_gemv_fma_kernel`) rather than the split-K one for one and two rows: `LAMINA_GEMV_FMA=1`

@@ -5,9 +5,9 @@ likeliest tokens, then the smallest prefix of them that reaches top_p of the ren
 with every token tied with the last one kept (a threshold on the logits). The sampler takes
 `filter_top_k_top_p`, which computes the same kept set per row: rows whose top-k is at most
 TOP_K_WINDOW from a `topk` of that fixed width (`window_cut`, or its one-launch Triton form); rows
-with a top-p and no top-k, on the Triton kernels, from the same window and the whole row's
-normaliser (`lamina.kernels.triton_window_cut.nucleus_cut_triton`); other rows from the sort
-(`sorted_cut`). Which way a row goes follows its own options only, never its batch.
+with a top-p and no top-k, on the Triton kernels with `LAMINA_NUCLEUS_CUT=1`, from the same window
+and the whole row's normaliser (`lamina.kernels.triton_window_cut.nucleus_cut_triton`); other rows
+from the sort (`sorted_cut`). Which way a row goes follows its own options only, never its batch.
 """
 
 from __future__ import annotations
@@ -111,17 +111,18 @@ def filter_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     """`apply_top_k_top_p` over the batch's filtered rows, each by its own group (`window_rows`:
     `window_cut`, in one Triton launch after the `topk` when the batch's `sampler_kernels` say so
     and the vocabulary is at least the window; `nucleus_rows` (top-p alone): the Triton nucleus cut
-    under the same conditions, else `sorted_cut`; `sorted_rows`: `sorted_cut`); other rows are left
-    whole. Returns a new tensor."""
+    under the same conditions with `LAMINA_NUCLEUS_CUT=1`, else `sorted_cut`; `sorted_rows`:
+    `sorted_cut`); other rows are left whole. Returns a new tensor."""
     cut = None  # [B, 1]
     window, nucleus = window_cut, sorted_cut
     if batch.sampler_kernels == "triton" and logits.shape[1] >= TOP_K_WINDOW and logits.dtype == torch.float32:
+        from lamina.kernels.selection import nucleus_cut_enabled
         from lamina.kernels.triton_window_cut import nucleus_cut_triton, window_cut_triton
 
         window = functools.partial(window_cut_triton, width=TOP_K_WINDOW)
-
-        def nucleus(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-            return nucleus_cut_triton(rows, top_p, TOP_K_WINDOW)  # the rows' top_k: the vocabulary
+        if nucleus_cut_enabled():
+            def nucleus(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+                return nucleus_cut_triton(rows, top_p, TOP_K_WINDOW)  # the rows' top_k: the vocabulary
     groups = ((batch.window_rows, batch.window_index, window), (batch.nucleus_rows, batch.nucleus_index, nucleus),
               (batch.sorted_rows, batch.sorted_index, sorted_cut))
     for rows, index, cut_of in groups:
