@@ -782,15 +782,12 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       # sort, decode attention over bf16 / FP8 caches by launch parameters; then the other kernel tests
       timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s38_sampler.txt 2>&1
       tail -3 $OUT/s38_sampler.txt
-      timeout 120 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8} \
+      timeout 110 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8} \
         --out $OUT/bench_nucleus_cut.json > $OUT/s38_nucleus.txt 2>&1
       cat $OUT/s38_nucleus.txt | tail -9
-      timeout 150 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:---block-n 32 64 --warps 8 --stages 0 2 --splits 16} \
+      timeout 100 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:---block-n 32 64 --warps 8 --stages 0 2 --splits 16} \
         --out $OUT/bench_decode_attention_kv.json > $OUT/s38_attention.txt 2>&1
-      grep "^best" $OUT/s38_attention.txt || tail -5 $OUT/s38_attention.txt
-      timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_triton_kernels.py \
-        -k "sum_slots or gemv or decode_attention" > $OUT/s38_kernels.txt 2>&1
-      tail -3 $OUT/s38_kernels.txt ;;
+      grep "^best" $OUT/s38_attention.txt || tail -5 $OUT/s38_attention.txt ;;
     s37)  # session 36: session 35's GPU fixes (slot-sum FMA bits, q/k prep FP8 store on bf16, byte-wise FP8
       # gathers) and the FP8 KV engine test, then FP8 against model-dtype KV decode at 4k context (S37_ROUNDS="1 2": twice)
       timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_triton_kernels.py tests/test_fp8_kv_cache_kernels.py \
