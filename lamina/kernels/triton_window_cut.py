@@ -50,21 +50,29 @@ def _window_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values
     tl.store(cut_out + row, tl.maximum(cut, cut_p))
 
 
-def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
-    """`lamina.worker.top_k_top_p.window_cut` in one launch after the `topk`: logits `[B, V]` float32
-    (unit column stride), top_k `[B]` int64, top_p `[B]` float32; returns the cut `[B, 1]`."""
+def _window(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked inputs of a cut kernel: each row's `width` largest logits `[B, W]` (best first;
+    W = width, at most the vocabulary) and the output `[B, 1]`."""
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
-    num_rows, vocab = logits.shape
-    width = min(width, vocab)
+    width = min(width, logits.shape[1])
     if width & (width - 1):
-        raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} (vocab {vocab})")
+        raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} "
+                         f"(vocab {logits.shape[1]})")
     values = logits.topk(width, dim=-1).values  # [B, W], best first
-    cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
+    return values, torch.empty(logits.shape[0], 1, dtype=logits.dtype, device=logits.device)
+
+
+def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor:
+    """`lamina.worker.top_k_top_p.window_cut` in one launch after the `topk`: logits `[B, V]` float32
+    (unit column stride), top_k `[B]` int64, top_p `[B]` float32; returns the cut `[B, 1]`."""
+    values, cut = _window(logits, width)  # [B, W] best first, [B, 1]
+    num_rows, vocab = logits.shape
     if num_rows:
         _window_cut_kernel[(num_rows,)](values, logits, top_k.contiguous(), top_p.contiguous(), cut, vocab,
-                                        values.stride(0), logits.stride(0), W=width, BLOCK=BLOCK_V, **FP_FUSION)
+                                        values.stride(0), logits.stride(0), W=values.shape[1], BLOCK=BLOCK_V,
+                                        **FP_FUSION)
     return cut
 
 
@@ -152,19 +160,13 @@ def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, bl
     about 32 / log2(sections + 1) steps; 1 is a bisection), in that row's program only. Which way a
     row goes follows its own logits, never its batch. `block` (logits a loop step reads), `sections`
     and `num_warps`: for benchmarks."""
-    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be float32 [B, V] with unit column stride, got {logits.dtype} "
-                         f"{tuple(logits.shape)} strides {logits.stride()}")
-    num_rows, vocab = logits.shape
-    width = min(width, vocab)
-    if width & (width - 1):
-        raise ValueError(f"the window must be a power of two no wider than the vocabulary, got {width} (vocab {vocab})")
     if sections < 1 or sections & (sections - 1):
         raise ValueError(f"nucleus_cut_triton: sections = {sections} must be a power of two")
-    values = logits.topk(width, dim=-1).values  # [B, W], best first
-    cut = torch.empty(num_rows, 1, dtype=logits.dtype, device=logits.device)  # [B, 1]
+    values, cut = _window(logits, width)  # [B, W] best first, [B, 1]
+    num_rows, vocab = logits.shape
     if num_rows:
         _nucleus_cut_kernel[(num_rows,)](values, logits, top_p.contiguous(), cut, vocab, values.stride(0),
-                                         logits.stride(0), W=width, BLOCK=block, SECTIONS=sections, **FP_FUSION,
+                                         logits.stride(0), W=values.shape[1], BLOCK=block, SECTIONS=sections,
+                                         **FP_FUSION,
                                          **({} if num_warps is None else {"num_warps": num_warps}))
     return cut
