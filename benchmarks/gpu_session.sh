@@ -780,12 +780,12 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       tail -3 $OUT/s37b_kernels.txt ;;
     s38)  # session 37: sampler kernels' tests (FP_FUSION explicit, the nucleus cut), the nucleus cut against the
       # sort, decode attention over bf16 / FP8 caches by launch parameters; then the other kernel tests
-      timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s38_sampler.txt 2>&1
+      timeout 50 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s38_sampler.txt 2>&1
       tail -3 $OUT/s38_sampler.txt
-      timeout 110 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8} \
+      timeout 100 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8} \
         --out $OUT/bench_nucleus_cut.json > $OUT/s38_nucleus.txt 2>&1
       cat $OUT/s38_nucleus.txt | tail -9
-      timeout 100 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:---block-n 32 64 --warps 8 --stages 0 2 --splits 16} \
+      timeout 90 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:---block-n 32 64 --warps 8 --stages 0 2 --splits 16} \
         --out $OUT/bench_decode_attention_kv.json > $OUT/s38_attention.txt 2>&1
       grep "^best" $OUT/s38_attention.txt || tail -5 $OUT/s38_attention.txt ;;
     s37)  # session 36: session 35's GPU fixes (slot-sum FMA bits, q/k prep FP8 store on bf16, byte-wise FP8
