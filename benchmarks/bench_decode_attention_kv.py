@@ -75,7 +75,8 @@ def main() -> None:
                     us = time_graph(lambda layer: paged_decode_attention(  # noqa: B023 (timed in this iteration)
                         q, *caches[layer], block_tables, seq_lens, scale, gate=gate, **options), LAYERS)
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile is reported)
-                    rows.append(dict(batch=batch, context=context, cache=str(cache_dtype), **options, error=str(e)[:300]))
+                    rows.append(dict(batch=batch, context=context, cache=str(cache_dtype), **options,
+                                     error=str(e)[:300]))
                     print(rows[-1], flush=True)
                     continue
                 rows.append(dict(batch=batch, context=context, cache=str(cache_dtype), **options, us=round(us, 2),

@@ -66,7 +66,8 @@ def main() -> None:
             window_mass = logits.softmax(-1).topk(TOP_K_WINDOW, dim=-1).values.sum(-1)  # [B]
             row = dict(case=case, batch=batch, vocab=args.vocab, top_p=args.top_p,
                        sort_ms=round(time_ms(lambda: sorted_cut(logits, None, top_p)), 4),  # noqa: B023
-                       nucleus_ms=round(time_ms(lambda: nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)), 4),  # noqa: B023
+                       nucleus_ms=round(time_ms(
+                           lambda: nucleus_cut_triton(logits, top_p, TOP_K_WINDOW)), 4),  # noqa: B023
                        same_sets=bool(torch.equal(got, want)), rows_bisected=int((window_mass < args.top_p).sum()))
             for width in args.widths:
                 row[f"topk{width}_ms"] = round(time_ms(lambda: logits.topk(width, dim=-1)), 4)  # noqa: B023

@@ -25,7 +25,8 @@ def launches_without_fusion(source: str) -> tuple[int, list[int]]:
     tree = ast.parse(source)
     count, missing = 0, []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
+        launch = isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+        if launch and isinstance(node.func.value, ast.Name):
             count += 1
             if not any(k.arg is None and ast.unparse(k.value) == "FP_FUSION" for k in node.keywords):
                 missing.append(node.lineno)

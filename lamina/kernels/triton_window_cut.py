@@ -5,7 +5,11 @@ ms, benchmarks/results/sampler_window_ab_h100_s26.json); here one program per ro
 sorted logits and does the rest in registers: the k-th value, top-p's renormalised running mass
 (a scan), its last kept position. Tokens tied with the k-th logit beyond the window count in the
 normaliser; only a row whose window ends on that tie reads its whole row to count them (a branch
-in the program), so the common row reads W values."""
+in the program), so the common row reads W values.
+
+`nucleus_cut_triton` cuts rows with a top-p and no top-k the same way from the same window, with
+the whole row's normaliser, and searches the row's logits when the window holds less than top-p
+of the mass (the sort's set either way: `lamina.worker.top_k_top_p.sorted_cut`)."""
 
 from __future__ import annotations
 
