@@ -781,15 +781,15 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
     s38n)  # session 37, part s38 cut to what a short call allows: the sampler tests and the nucleus cut against the sort
       timeout 45 python3 -m pytest -q -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s38n_sampler.txt 2>&1
       tail -3 $OUT/s38n_sampler.txt
-      timeout 80 python3 benchmarks/bench_nucleus_cut.py --widths 128 --blocks 2048 --sections 1 8 --warps 4 8 \
+      timeout 120 python3 benchmarks/bench_nucleus_cut.py --widths 128 --blocks 2048 --sections 1 8 --warps 4 8 --top-ks 0 1000 \
         --batch 1 64 256 --out $OUT/bench_nucleus_cut.json 2>&1 | tail -6 ;;
     s38)  # session 37: sampler kernels' tests (FP_FUSION explicit, the nucleus cut), the nucleus cut against the
       # sort, decode attention over bf16 / FP8 caches by launch parameters; then the other kernel tests
       timeout 50 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s38_sampler.txt 2>&1
       tail -3 $OUT/s38_sampler.txt
-      timeout 100 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8} \
+      timeout 150 python3 benchmarks/bench_nucleus_cut.py ${S38_NUCLEUS:---blocks 1024 4096 --sections 1 8 --warps 4 8 --top-ks 0 1000} \
         --out $OUT/bench_nucleus_cut.json > $OUT/s38_nucleus.txt 2>&1
-      cat $OUT/s38_nucleus.txt | tail -9
+      cat $OUT/s38_nucleus.txt | tail -17
       timeout 90 python3 benchmarks/bench_decode_attention_kv.py ${S38_ARGS:---block-n 32 64 --warps 8 --stages 0 2 --splits 16} \
         --out $OUT/bench_decode_attention_kv.json > $OUT/s38_attention.txt 2>&1
       grep "^best" $OUT/s38_attention.txt || tail -5 $OUT/s38_attention.txt ;;

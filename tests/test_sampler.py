@@ -176,7 +176,7 @@ def test_window_path_keeps_the_reference_set_per_row_whatever_the_batch():
                (0, 0.9), (0, 1.0), (20, 1.0), (7, 1e-9), (300, 1.0), (40, 0.3)]
     params = [SamplingParams(temperature=0.7, top_k=k, top_p=p) for k, p in options]
     batch = SamplingBatch.build(params, [0] * 12, [0], "cpu", vocab)
-    assert batch.window_rows == [0, 1, 2, 3, 4, 8, 9, 11] and batch.nucleus_rows == [6] and batch.sorted_rows == [5, 10]
+    assert batch.window_rows == [0, 1, 2, 3, 4, 8, 9, 11] and batch.wide_rows == [5, 6, 10]
     got = torch.isfinite(filter_top_k_top_p(logits, batch))  # [B, V]
     want = torch.isfinite(apply_top_k_top_p(logits, batch.top_k, batch.top_p))
     assert torch.equal(got, want)
@@ -186,7 +186,7 @@ def test_window_path_keeps_the_reference_set_per_row_whatever_the_batch():
         assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row]), row
     # a window-only batch of two rows: the window path over the whole batch
     pair = SamplingBatch.build([params[0], params[3]], [0, 0], [0], "cpu", vocab)
-    assert pair.window_index is None and pair.sorted_rows == []
+    assert pair.window_index is None and pair.wide_rows == []
     assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[[0, 3]], pair)), got[[0, 3]])
 
 
@@ -303,8 +303,8 @@ def test_build_flags():
     params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(top_p=0.9, logprobs=2)]
     b = build(params)
     assert not b.all_greedy and b.any_greedy
-    assert 0 not in b.window_rows + b.sorted_rows  # the greedy row's top-k is not applied
-    assert b.window_rows + b.sorted_rows == [1]
+    assert 0 not in b.window_rows + b.wide_rows  # the greedy row's top-k is not applied
+    assert b.window_rows + b.wide_rows == [1]
     assert not b.need_min_p
     assert b.max_num_logprobs == 2
     assert b.temperature.tolist() == [1.0, 1.0]

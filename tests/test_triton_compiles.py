@@ -84,7 +84,7 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
                 _generate(qwen3_5_moe_short_dir, GREEDY)
     kernels = {(r["module"], r["name"]) for r in records}
     assert len(kernels) >= 15, sorted(kernels)  # the engines really ran on the Triton kernels
-    opt_in = {"_nucleus_cut_kernel", "_window_cut_kernel", "_fused_gdn_decode_kernel", "_router_kernel",
+    opt_in = {"_search_cut_kernel", "_window_cut_kernel", "_fused_gdn_decode_kernel", "_router_kernel",
               "_gemv_splitk_kernel", "_gemv_gate_up_kernel", "_gemv_down_pipelined_kernel"}
     assert opt_in <= {name for _, name in kernels}, sorted(opt_in - {name for _, name in kernels})
     assert any(r["name"] == "_gemv_splitk_kernel" and r["args"]["ROUTE"]["value"] for r in records)  # gemv_route

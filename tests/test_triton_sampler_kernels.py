@@ -205,12 +205,13 @@ def test_nucleus_cut_kernel_keeps_the_sorted_set(nucleus_cut_on, monkeypatch):
     params = [SamplingParams(temperature=0.8, **o) for o in options]
     mixed = torch.cat([logits, logits[:3]])  # [12, V]
     batch = SamplingBatch.build(params, [0] * 12, [0], DEVICE, vocab, sampler_kernels="triton")
-    assert batch.nucleus_rows == list(range(9)) and batch.window_rows == [9] and batch.sorted_rows == [10]
+    assert batch.wide_rows == list(range(9)) + [10] and batch.window_rows == [9]
     filtered = torch.isfinite(filter_top_k_top_p(mixed, batch))  # [12, V]
     assert torch.equal(filtered[:9], got) and filtered[11].all()
-    for row in (1, 4):  # alone: the whole batch is the nucleus group
+    assert torch.equal(filtered[10], logits[1] >= logits[1].topk(500).values[-1])
+    for row in (1, 4):  # alone: the whole batch is the wide group
         alone = SamplingBatch.build(params[row:row + 1], [0], [0], DEVICE, vocab, sampler_kernels="triton")
-        assert alone.nucleus_index is None
+        assert alone.wide_index is None
         assert torch.equal(torch.isfinite(filter_top_k_top_p(logits[row:row + 1], alone))[0], got[row])
     assert len(calls) == 3  # the sampler's filter took the kernel
     monkeypatch.setenv("LAMINA_NUCLEUS_CUT", "0")  # switched off: the sort, the same sets
@@ -220,6 +221,44 @@ def test_nucleus_cut_kernel_keeps_the_sorted_set(nucleus_cut_on, monkeypatch):
     selection.nucleus_cut_enabled.cache_clear()
     with pytest.raises(ValueError, match="LAMINA_NUCLEUS_CUT = 'yes' must be 0 or 1"):
         filter_top_k_top_p(mixed, batch)
+
+
+def test_search_cut_keeps_the_sorted_set_of_a_top_k_past_the_window():
+    """Rows whose top-k is wider than the window (lamina.kernels.triton_window_cut.nucleus_cut_triton
+    with top_k): the k-th largest logit found by count, then top-p within the top-k from the window or
+    by a search, keep the sort's set: ties at the k-th (bfloat16, integers, +0.0 with -0.0), a k-th
+    that is -inf (fewer finite logits than k), k one below the vocabulary, top-p 1 (top-k alone), a
+    tiny top-p, flat rows; rows with k = V (top-p alone) in the same launch skip the count."""
+    from lamina.kernels.triton_window_cut import nucleus_cut_triton
+    from lamina.worker.top_k_top_p import TOP_K_WINDOW, sorted_cut
+
+    vocab = 2000
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(10, vocab, generator=gen)  # [B, V]
+    logits[0] *= 4  # peaked: the window holds top-p of the top-k's mass
+    logits[1] *= 0.1  # flat: both searches run
+    logits[2] = (logits[2] * 2).to(torch.bfloat16).float()  # ties, also at the k-th
+    logits[3] = logits[3].round()  # seven values: the k-th's ties run far past k
+    logits[4, 150:] = float("-inf")  # the k-th (k = 300) is -inf
+    logits[5, :100] = 1.0
+    logits[5, 100:600] = -0.0  # the k-th (k = 500) is zero, +0.0 and -0.0 ones tied: top-p's normaliser
+    logits[5, 600:1500] = 0.0  # counts both (with the -0.0 ones 0.16 of the mass lies above 0, else 0.23)
+    logits[5, 1500:] = -1.0
+    logits[6] *= 0.3
+    logits[8] *= 0.5
+    logits = logits.to(DEVICE)
+    options = [(300, 0.9), (1000, 0.95), (200, 0.8), (129, 0.99), (300, 1.0), (500, 0.2), (vocab - 1, 1.0),
+               (500, 1e-6), (vocab, 0.7), (700, 1.0)]
+    top_k = torch.tensor([k for k, _ in options], device=DEVICE)
+    top_p = torch.tensor([p for _, p in options], device=DEVICE)
+    want = logits >= sorted_cut(logits, top_k, top_p)  # [B, V]
+    assert want[5].sum() == 1500 and want[4].all() and want[7].sum() == 1 and want[9].sum() == 700
+    for sections in (1, 4, 8):
+        got = logits >= nucleus_cut_triton(logits, top_p, TOP_K_WINDOW, top_k=top_k, sections=sections)  # [B, V]
+        assert torch.equal(got, want), (sections, (got != want).sum(1))
+    # the searches ran: the window holds less than top-p of the top-k's mass in the flat row
+    kept = logits[1].masked_fill(~want[1], float("-inf")).softmax(-1)
+    assert kept.topk(TOP_K_WINDOW).values.sum() < 0.95 < 1
 
 
 def test_the_runner_warms_the_sampler_kernels(qwen3_next_dir, nucleus_cut_on, monkeypatch):

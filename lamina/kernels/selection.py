@@ -244,10 +244,11 @@ def sampler_kernels(kernels: str) -> str:
 
 @functools.cache
 def nucleus_cut_enabled() -> bool:
-    """Whether the Triton sampler cuts rows with top-p and no top-k without sorting the vocabulary
-    (`lamina.kernels.triton_window_cut.nucleus_cut_triton`: the 128-wide `topk`, one read of the row
-    for its normaliser, a search over the row's logits when the 128 hold less than top-p) rather
-    than the sort (`sorted_cut`). Off unless `LAMINA_NUCLEUS_CUT=1` until it is timed on a GPU
+    """Whether the Triton sampler cuts rows with a top-k wider than its window or none (top-p alone)
+    without sorting the vocabulary (`lamina.kernels.triton_window_cut.nucleus_cut_triton`: the
+    128-wide `topk`, a search for the k-th largest logit by count, one read of the row for the kept
+    set's normaliser, a search by mass when the 128 hold less than top-p) rather than the sort
+    (`sorted_cut`). Off unless `LAMINA_NUCLEUS_CUT=1` until it is timed on a GPU
     against the sort (benchmarks/bench_nucleus_cut.py); read once per process."""
     return _switch("LAMINA_NUCLEUS_CUT", "0")
 

@@ -7,9 +7,10 @@ sorted logits and does the rest in registers: the k-th value, top-p's renormalis
 normaliser; only a row whose window ends on that tie reads its whole row to count them (a branch
 in the program), so the common row reads W values.
 
-`nucleus_cut_triton` cuts rows with a top-p and no top-k the same way from the same window, with
-the whole row's normaliser, and searches the row's logits when the window holds less than top-p
-of the mass (the sort's set either way: `lamina.worker.top_k_top_p.sorted_cut`)."""
+`nucleus_cut_triton` cuts rows whose top-k is wider than the window (or absent: top-p alone) from
+the same window: it searches the row's logits for the k-th largest by count, reads the row for the
+kept set's normaliser, and searches the top-p cut by mass when the window holds less than top-p of
+it (the sort's set either way: `lamina.worker.top_k_top_p.sorted_cut`)."""
 
 from __future__ import annotations
 
@@ -80,97 +81,137 @@ def window_cut_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return cut
 
 
-# ---- top-p alone: the nucleus cut ----------------------------------------------------------------
+# ---- top-k wider than the window, top-p alone: the search cut ------------------------------------
 
 
 _BELOW_EVERY_KEY = tl.constexpr(-2139095042)  # one below `_float_key` of -inf
-NUCLEUS_SECTIONS = 8  # points a step of the nucleus search tries (nucleus_cut_triton)
+NUCLEUS_SECTIONS = 8  # points a step of the search tries (nucleus_cut_triton)
 
 
 @triton.jit
 def _float_key(x):
-    """An int64 that orders as the float32 `x` does (-inf lowest)."""
-    bits = x.to(tl.int32, bitcast=True)
+    """An int64 that orders as the float32 `x` does (-inf lowest; -0.0 is +0.0's key, as they compare
+    equal)."""
+    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
 
 
 @triton.jit
-def _row_normaliser(logits_row, vocab_size, top, BLOCK: tl.constexpr):
-    """The sum of exp(logit - top) over the row, block by block in a fixed order."""
+def _key_value(key):
+    """The float32 whose `_float_key` is `key`."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mass_above(logits_row, vocab_size, top, floor, BLOCK: tl.constexpr):
+    """The unnormalised mass (exp(logit - top)) of the row's logits whose key is above `floor`, block
+    by block in a fixed order (`_BELOW_EVERY_KEY`: the whole row's normaliser)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, vocab_size, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(logits_row + cols, mask=cols < vocab_size, other=float("-inf"))
-        acc += tl.exp(x - top)
+        acc += tl.where(_float_key(x) > floor, tl.exp(x - top), 0.0)
     return tl.sum(acc, 0)
 
 
 @triton.jit
-def _masses_above(logits_row, vocab_size, top, floors, SECTIONS: tl.constexpr, BLOCK: tl.constexpr):
-    """`[SECTIONS]`: the unnormalised mass of the row's logits above each of `floors` (float keys),
-    in one read of the row, block by block in a fixed order."""
-    acc = tl.zeros([SECTIONS, BLOCK], dtype=tl.float32)
+def _above_each(logits_row, vocab_size, top, floors, COUNT: tl.constexpr, SECTIONS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """`[SECTIONS]`: how many of the row's logits (COUNT) or how much of its unnormalised mass lies
+    above each of `floors` (float keys), in one read of the row, block by block in a fixed order."""
+    if COUNT:
+        acc = tl.zeros([SECTIONS, BLOCK], dtype=tl.int32)
+    else:
+        acc = tl.zeros([SECTIONS, BLOCK], dtype=tl.float32)
     for start in range(0, vocab_size, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(logits_row + cols, mask=cols < vocab_size, other=float("-inf"))
-        above = _float_key(x)[None, :] > floors[:, None]  # [S, BLOCK]
-        acc += tl.where(above, tl.exp(x - top)[None, :], 0.0)
+        above = (_float_key(x)[None, :] > floors[:, None]) & (cols < vocab_size)[None, :]  # [S, BLOCK]
+        if COUNT:
+            acc += above.to(tl.int32)
+        else:
+            acc += tl.where(above, tl.exp(x - top)[None, :], 0.0)
     return tl.sum(acc, 1)
 
 
 @triton.jit
-def _nucleus_cut_kernel(values, logits, top_p, cut_out, vocab_size, values_stride, logits_stride,
-                        W: tl.constexpr, BLOCK: tl.constexpr, SECTIONS: tl.constexpr):
+def _search_key(logits_row, vocab_size, top, total, target, lo, hi, COUNT: tl.constexpr,
+                SECTIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """The lowest float key `hi` above which the row holds less than `target`: fewer logits (COUNT;
+    then `hi` is the target-th largest logit's key) or less than `target` of the mass over `total`
+    (then `hi` is the lowest logit top-p keeps). Starts from `lo`, above which the row holds at least
+    the target, and `hi`, above which it holds less; each read of the row splits [lo, hi] at SECTIONS
+    points (1: a bisection)."""
+    sections = tl.arange(0, SECTIONS).to(tl.int64)
+    while hi - lo > 1:
+        floors = lo + ((hi - lo) * (sections + 1)) // (SECTIONS + 1)  # [S] ascending, in [lo, hi]
+        inside = (floors > lo) & (floors < hi)  # [S] at least one while hi - lo > 1
+        if COUNT:
+            reach = _above_each(logits_row, vocab_size, top, floors, True, SECTIONS, BLOCK) >= target  # [S]
+        else:
+            reach = _above_each(logits_row, vocab_size, top, floors, False, SECTIONS, BLOCK) / total >= target
+        # what lies above a floor falls as the floor rises: the floors that still reach it come first
+        lo = tl.max(tl.where(inside & reach, floors, lo), 0)
+        hi = tl.min(tl.where(inside & ~reach, floors, hi), 0)
+    return hi
+
+
+@triton.jit
+def _search_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values_stride, logits_stride,
+                       W: tl.constexpr, BLOCK: tl.constexpr, SECTIONS: tl.constexpr, HAS_TOP_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, W)
     logits_row = logits + row * logits_stride
     v = tl.load(values + row * values_stride + offs)  # [W] the row's W largest logits, best first
     top = tl.load(values + row * values_stride)
+    window_last = _float_key(tl.load(values + row * values_stride + W - 1))
     p = tl.load(top_p + row)
-    total = _row_normaliser(logits_row, vocab_size, top, BLOCK)
-    weights = tl.exp(v - top)  # [W]
+    # top-k: keys above `floor` (the k-th largest logit's key less one) are kept; the k-th lies past
+    # the window (k > W), so above the window's last logit fewer than k lie, above every key all V
+    floor = tl.full([], _BELOW_EVERY_KEY, tl.int64)
+    if HAS_TOP_K:
+        k = tl.load(top_k + row)
+        if k < vocab_size:
+            floor = _search_key(logits_row, vocab_size, top, 1.0, k, floor, window_last, True, SECTIONS, BLOCK) - 1
+    total = _mass_above(logits_row, vocab_size, top, floor, BLOCK)  # the kept set's normaliser
+    weights = tl.exp(v - top)  # [W] all in the top-k
     running = tl.cumsum(weights, 0)  # [W]
     window_mass = tl.sum(tl.where(offs == W - 1, running, 0.0), 0) / total
-    if window_mass >= p:  # the first position past the window is cut: the last kept one is in it
+    if p >= 1.0:  # no top-p: the top-k's cut
+        cut = _key_value(floor + 1)
+    elif window_mass >= p:  # the first position past the window is cut: the last kept one is in it
         keep = ((running - weights) / total < p) | (offs == 0)  # [W]
         cut = tl.load(values + row * values_stride + tl.sum(keep.to(tl.int32), 0) - 1)
     else:
-        # The cut is the lowest logit with less than p of the mass strictly above it: a search on
-        # the float keys that keeps the mass above `hi` below p (it starts at the window's last
-        # logit, with less than the window's mass above it) and above `lo` at least p (below every
-        # logit: all of it). Each read of the row splits [lo, hi] at SECTIONS points (1: bisection).
-        lo = tl.full([], _BELOW_EVERY_KEY, tl.int64)
-        hi = _float_key(tl.load(values + row * values_stride + W - 1))
-        sections = tl.arange(0, SECTIONS).to(tl.int64)
-        while hi - lo > 1:
-            floors = lo + ((hi - lo) * (sections + 1)) // (SECTIONS + 1)  # [S] ascending, in [lo, hi]
-            inside = (floors > lo) & (floors < hi)  # [S] at least one while hi - lo > 1
-            reach = _masses_above(logits_row, vocab_size, top, floors, SECTIONS, BLOCK) / total >= p  # [S]
-            # the mass above a floor falls as the floor rises: the floors that still reach p come first
-            lo = tl.max(tl.where(inside & reach, floors, lo), 0)
-            hi = tl.min(tl.where(inside & ~reach, floors, hi), 0)
-        bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.int32)
-        cut = bits.to(tl.float32, bitcast=True)
+        # the lowest kept logit has less than p of the mass strictly above it: above `floor` lies all
+        # of it, above the window's last logit less than the window's mass
+        cut = _key_value(_search_key(logits_row, vocab_size, top, total, p, floor, window_last, False,
+                                     SECTIONS, BLOCK))
     tl.store(cut_out + row, cut)
 
 
-def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, block: int = BLOCK_V,
-                       sections: int = NUCLEUS_SECTIONS, num_warps: int | None = None) -> torch.Tensor:
-    """`lamina.worker.top_k_top_p.sorted_cut` for rows with a top-p and no top-k, without sorting
-    the vocabulary: logits `[B, V]` float32 (unit column stride), top_p `[B]` float32 in (0, 1);
-    returns the cut `[B, 1]`. A row reads its `width` largest logits (`topk`) and, once, its whole
-    row for the normaliser; when those `width` hold less than top_p of the mass it searches the cut
-    among the row's logits, reading the row once per step (`sections` points a step, a power of two:
-    about 32 / log2(sections + 1) steps; 1 is a bisection), in that row's program only. Which way a
-    row goes follows its own logits, never its batch. `block` (logits a loop step reads), `sections`
-    and `num_warps`: for benchmarks."""
+def nucleus_cut_triton(logits: torch.Tensor, top_p: torch.Tensor, width: int, top_k: torch.Tensor | None = None,
+                       block: int = BLOCK_V, sections: int = NUCLEUS_SECTIONS,
+                       num_warps: int | None = None) -> torch.Tensor:
+    """`lamina.worker.top_k_top_p.sorted_cut` for rows whose top-k is wider than `width` (or absent:
+    top-p alone), without sorting the vocabulary: logits `[B, V]` float32 (unit column stride),
+    top_p `[B]` float32 in (0, 1] (1: none), top_k `[B]` int64 in (width, V] or None (the whole
+    vocabulary); returns the cut `[B, 1]`. A row reads its `width` largest logits (`topk`); with a
+    top-k below V it searches the k-th largest logit by count; then it reads the row once for the
+    normaliser of the kept set, and when the window holds less than top_p of that mass it searches
+    the cut among the row's logits by mass. A search reads the row once per step (`sections` points a
+    step, a power of two: about 32 / log2(sections + 1) steps; 1 is a bisection), in that row's
+    program only: which way a row goes follows its own logits and options, never its batch. `block`
+    (logits a loop step reads), `sections` and `num_warps`: for benchmarks."""
     if sections < 1 or sections & (sections - 1):
         raise ValueError(f"nucleus_cut_triton: sections = {sections} must be a power of two")
     values, cut = _window(logits, width)  # [B, W] best first, [B, 1]
     num_rows, vocab = logits.shape
     if num_rows:
-        _nucleus_cut_kernel[(num_rows,)](values, logits, top_p.contiguous(), cut, vocab, values.stride(0),
-                                         logits.stride(0), W=values.shape[1], BLOCK=block, SECTIONS=sections,
-                                         **FP_FUSION,
-                                         **({} if num_warps is None else {"num_warps": num_warps}))
+        top_p = top_p.contiguous()
+        _search_cut_kernel[(num_rows,)](values, logits, top_p if top_k is None else top_k.contiguous(), top_p, cut,
+                                        vocab, values.stride(0), logits.stride(0), W=values.shape[1], BLOCK=block,
+                                        SECTIONS=sections, HAS_TOP_K=top_k is not None, **FP_FUSION,
+                                        **({} if num_warps is None else {"num_warps": num_warps}))
     return cut

@@ -86,16 +86,14 @@ class SamplingBatch:
     bitmask_rows: torch.Tensor | None = None  # [R] int64, rows with a structured-output token mask
     bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit t of a row: token t allowed
     # top-k / top-p, by each sampling row's own options (never by the batch): rows with top_k <=
-    # TOP_K_WINDOW take `window_cut` (a top-k of that fixed width), rows with a top-p and no top-k
-    # the nucleus cut (lamina.worker.top_k_top_p.filter_top_k_top_p), other rows with a top-k
-    # `sorted_cut` (the whole vocabulary sorted); host lists, and their device indices when a group
-    # is not the whole batch (None otherwise)
+    # TOP_K_WINDOW take `window_cut` (a top-k of that fixed width), rows with a wider top-k or none
+    # (top-p alone) the sort (`sorted_cut`) or the search cut (lamina.worker.top_k_top_p.
+    # filter_top_k_top_p); host lists, and their device indices when a group is not the whole batch
+    # (None otherwise)
     window_rows: list[int] = field(default_factory=list)
-    nucleus_rows: list[int] = field(default_factory=list)
-    sorted_rows: list[int] = field(default_factory=list)
+    wide_rows: list[int] = field(default_factory=list)
     window_index: torch.Tensor | None = None  # [len(window_rows)] int64
-    nucleus_index: torch.Tensor | None = None  # [len(nucleus_rows)] int64
-    sorted_index: torch.Tensor | None = None  # [len(sorted_rows)] int64
+    wide_index: torch.Tensor | None = None  # [len(wide_rows)] int64
 
     @property
     def batch_size(self) -> int:
@@ -212,11 +210,9 @@ class SamplingBatch:
             bans = torch.empty(2, 0, dtype=torch.int64, device=device)  # [2, 0]: nothing to copy
         filtered = [i for i in sampling_rows if top_ks[i] < vocab_size or top_ps[i] < 1.0]
         window_rows = [i for i in filtered if top_ks[i] <= TOP_K_WINDOW]
-        nucleus_rows = [i for i in filtered if TOP_K_WINDOW < top_ks[i] == vocab_size]  # top-p only
-        sorted_rows = [i for i in filtered if TOP_K_WINDOW < top_ks[i] < vocab_size]
-        window_index, nucleus_index, sorted_index = (
-            to_device(rows, device, torch.int64) if 0 < len(rows) < bsz else None
-            for rows in (window_rows, nucleus_rows, sorted_rows))
+        wide_rows = [i for i in filtered if top_ks[i] > TOP_K_WINDOW]  # top-p alone: top_k is the vocabulary
+        window_index, wide_index = (to_device(rows, device, torch.int64) if 0 < len(rows) < bsz else None
+                                    for rows in (window_rows, wide_rows))
         seeded = None
         if seeded_rows:
             seeded = to_device([seeded_rows, [seed_key(params_list[r].seed) for r in seeded_rows],
@@ -243,11 +239,9 @@ class SamplingBatch:
             bitmask_rows=bitmask_rows,
             bitmask=bitmask,
             window_rows=window_rows,
-            nucleus_rows=nucleus_rows,
-            sorted_rows=sorted_rows,
+            wide_rows=wide_rows,
             window_index=window_index,
-            nucleus_index=nucleus_index,
-            sorted_index=sorted_index,
+            wide_index=wide_index,
         )
 
 
@@ -407,7 +401,7 @@ class Sampler:
         if batch.need_min_p:
             below = apply_min_p(work.softmax(dim=-1), batch.min_p) == 0  # [B, V]
             work = work.masked_fill_(below, float("-inf"))
-        if batch.window_rows or batch.nucleus_rows or batch.sorted_rows:
+        if batch.window_rows or batch.wide_rows:
             work = filter_top_k_top_p(work, batch)
         return work  # [B, V]
 

@@ -5,9 +5,10 @@ likeliest tokens, then the smallest prefix of them that reaches top_p of the ren
 with every token tied with the last one kept (a threshold on the logits). The sampler takes
 `filter_top_k_top_p`, which computes the same kept set per row: rows whose top-k is at most
 TOP_K_WINDOW from a `topk` of that fixed width (`window_cut`, or its one-launch Triton form); rows
-with a top-p and no top-k, on the Triton kernels with `LAMINA_NUCLEUS_CUT=1`, from the same window
-and the whole row's normaliser (`lamina.kernels.triton_window_cut.nucleus_cut_triton`); other rows
-from the sort (`sorted_cut`). Which way a row goes follows its own options only, never its batch.
+with a wider top-k or none (top-p alone) from the sort (`sorted_cut`), or on the Triton kernels
+with `LAMINA_NUCLEUS_CUT=1` from the same window and searches over the row's logits
+(`lamina.kernels.triton_window_cut.nucleus_cut_triton`). Which way a row goes follows its own
+options only, never its batch.
 """
 
 from __future__ import annotations
@@ -110,21 +111,20 @@ def window_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, w
 def filter_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """`apply_top_k_top_p` over the batch's filtered rows, each by its own group (`window_rows`:
     `window_cut`, in one Triton launch after the `topk` when the batch's `sampler_kernels` say so
-    and the vocabulary is at least the window; `nucleus_rows` (top-p alone): the Triton nucleus cut
-    under the same conditions with `LAMINA_NUCLEUS_CUT=1`, else `sorted_cut`; `sorted_rows`:
+    and the vocabulary is at least the window; `wide_rows` (a top-k wider than the window, or top-p
+    alone): the Triton search cut under the same conditions with `LAMINA_NUCLEUS_CUT=1`, else
     `sorted_cut`); other rows are left whole. Returns a new tensor."""
     cut = None  # [B, 1]
-    window, nucleus = window_cut, sorted_cut
+    window, wide = window_cut, sorted_cut
     if batch.sampler_kernels == "triton" and logits.shape[1] >= TOP_K_WINDOW and logits.dtype == torch.float32:
         from lamina.kernels.selection import nucleus_cut_enabled
         from lamina.kernels.triton_window_cut import nucleus_cut_triton, window_cut_triton
 
         window = functools.partial(window_cut_triton, width=TOP_K_WINDOW)
         if nucleus_cut_enabled():
-            def nucleus(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-                return nucleus_cut_triton(rows, top_p, TOP_K_WINDOW)  # the rows' top_k: the vocabulary
-    groups = ((batch.window_rows, batch.window_index, window), (batch.nucleus_rows, batch.nucleus_index, nucleus),
-              (batch.sorted_rows, batch.sorted_index, sorted_cut))
+            def wide(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+                return nucleus_cut_triton(rows, top_p, TOP_K_WINDOW, top_k=top_k)
+    groups = ((batch.window_rows, batch.window_index, window), (batch.wide_rows, batch.wide_index, wide))
     for rows, index, cut_of in groups:
         if not rows:
             continue
