@@ -174,20 +174,21 @@ def _search_cut_kernel(values, logits, top_k, top_p, cut_out, vocab_size, values
         k = tl.load(top_k + row)
         if k < vocab_size:
             floor = _search_key(logits_row, vocab_size, top, 1.0, k, floor, window_last, True, SECTIONS, BLOCK) - 1
-    total = _mass_above(logits_row, vocab_size, top, floor, BLOCK)  # the kept set's normaliser
-    weights = tl.exp(v - top)  # [W] all in the top-k
-    running = tl.cumsum(weights, 0)  # [W]
-    window_mass = tl.sum(tl.where(offs == W - 1, running, 0.0), 0) / total
     if p >= 1.0:  # no top-p: the top-k's cut
         cut = _key_value(floor + 1)
-    elif window_mass >= p:  # the first position past the window is cut: the last kept one is in it
-        keep = ((running - weights) / total < p) | (offs == 0)  # [W]
-        cut = tl.load(values + row * values_stride + tl.sum(keep.to(tl.int32), 0) - 1)
     else:
-        # the lowest kept logit has less than p of the mass strictly above it: above `floor` lies all
-        # of it, above the window's last logit less than the window's mass
-        cut = _key_value(_search_key(logits_row, vocab_size, top, total, p, floor, window_last, False,
-                                     SECTIONS, BLOCK))
+        total = _mass_above(logits_row, vocab_size, top, floor, BLOCK)  # the kept set's normaliser
+        weights = tl.exp(v - top)  # [W] all in the top-k
+        running = tl.cumsum(weights, 0)  # [W]
+        window_mass = tl.sum(tl.where(offs == W - 1, running, 0.0), 0) / total
+        if window_mass >= p:  # the first position past the window is cut: the last kept one is in it
+            keep = ((running - weights) / total < p) | (offs == 0)  # [W]
+            cut = tl.load(values + row * values_stride + tl.sum(keep.to(tl.int32), 0) - 1)
+        else:
+            # the lowest kept logit has less than p of the mass strictly above it: above `floor` lies
+            # all of it, above the window's last logit less than the window's mass
+            cut = _key_value(_search_key(logits_row, vocab_size, top, total, p, floor, window_last, False,
+                                         SECTIONS, BLOCK))
     tl.store(cut_out + row, cut)
 
 
