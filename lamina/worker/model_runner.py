@@ -101,9 +101,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_sampler_kernels(self) -> None:
-        """Compile the sampler's Triton kernels (seeded noise, the top-k window's cut, the top-p-only
-        nucleus cut where `LAMINA_NUCLEUS_CUT=1`) now, at the vocabulary they will see, rather than
-        under the first request that needs them."""
+        """Compile the sampler's Triton kernels (seeded noise, the top-k window's cut, the search cut
+        of rows with a wider top-k or top-p alone where `LAMINA_NUCLEUS_CUT=1`) now, at the vocabulary
+        they will see, rather than under the first request that needs them."""
         params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0),
                   SamplingParams(temperature=0.7, top_p=0.9)]  # the top-k window; top-p alone
         batch = SamplingBatch.build(params, [0, 0], list(self.eos_token_ids), self.device, self.vocab_size,
