@@ -23,7 +23,7 @@ fit with KV for all of them at max_model_len; if the user set max_num_seqs, or n
 fits, it raises a ValueError naming every figure.
 
 Off CUDA, or with `kv_cache_memory_bytes` / `num_gpu_blocks_override` set, the KV cache's size is
-given and this plan is not used (lamina.engine.llm_engine, `_num_kv_blocks`).
+given and this plan is not used (lamina.engine.kv_sizing, `_num_kv_blocks`).
 """
 
 from __future__ import annotations
