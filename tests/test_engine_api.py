@@ -287,6 +287,18 @@ def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
         llm.generate([PROMPT], [GREEDY, GREEDY])
 
 
+def test_outputs_taken_by_another_caller_raise(llm, monkeypatch):
+    """Another caller stepping the same engine (a server's engine thread) takes the finished outputs:
+    generate says so rather than hand back None in their place."""
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: [o for o in step() if not o.finished])
+    with pytest.raises(RuntimeError, match="2 of 2 requests finished without their output"):
+        llm.generate([PROMPT, PROMPT], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_engine_config_errors(qwen3_next_dir):
     with pytest.raises(ValueError, match="max_model_len = 100000 exceeds"):
         LLM(str(qwen3_next_dir), device="cpu", max_model_len=100000, show_progress=False)

@@ -109,7 +109,7 @@ def test_tokenizer_info_reports_the_served_chat_template(qwen3_next_dir, tok):
         assert tok.decode(ids) == "[system]Be brief.[user]Tell me about the river.[assistant]"
 
 
-def test_lm_eval_remote_tokenizer_handshake_and_generate_until(server, http, llm):
+def test_lm_eval_remote_tokenizer_handshake_and_generate_until(server, http, llm, qwen3_next_dir):
     """What lm-eval 0.4.13's local-completions does with its default tokenizer backend ("auto"): GET
     /tokenizer_info (must hold `eos_token`), POST /tokenize {"prompt": "test", "add_special_tokens": false}
     (must answer a token list); then it takes the EOS id from /tokenize of eos_token, encodes contexts
@@ -128,9 +128,11 @@ def test_lm_eval_remote_tokenizer_handshake_and_generate_until(server, http, llm
     with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as client:
         out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0, seed=1234,
                                         stop=[info["eos_token"], "\n\n"])
-    expected = llm.generate([{"prompt_token_ids": p} for p in ids],
-                            SamplingParams(temperature=0, max_tokens=8, seed=1234, stop=[info["eos_token"], "\n\n"]),
-                            use_tqdm=False)
+    # the offline reference on an engine of its own: the server's engine thread steps the shared one
+    with _llm(qwen3_next_dir) as offline:
+        expected = offline.generate([{"prompt_token_ids": p} for p in ids],
+                                    SamplingParams(temperature=0, max_tokens=8, seed=1234,
+                                                   stop=[info["eos_token"], "\n\n"]), use_tqdm=False)
     assert [c.text for c in out.choices] == [e.outputs[0].text for e in expected]
     decoded = [http.post(f"{base}/detokenize", json={"tokens": p}).json()["prompt"] for p in ids]
     assert decoded == contexts

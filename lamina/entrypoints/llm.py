@@ -190,6 +190,13 @@ class LLM:
             raise
         finally:
             bar.close()
+        if remaining:  # the engine ran out of work without these outputs: something else stepped it
+            missing = [rid for rid, out in zip(ids, results) if out is None]
+            raise RuntimeError(
+                f"{remaining} of {len(ids)} requests finished without their output reaching LLM.generate "
+                f"(e.g. {missing[:3]}): another caller stepped the same engine (a server or a thread on "
+                "LLM.llm_engine); an engine serves one caller at a time"
+            )
         return results  # type: ignore[return-value]
 
     # ---- lifetime ------------------------------------------------------------------------
