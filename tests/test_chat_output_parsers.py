@@ -90,6 +90,17 @@ def _check_streams(make, text):
     ("an answer mentioning </think> late", False, None, "an answer mentioning </think> late"),
     ("", False, None, ""),
     ("", True, "", ""),
+    # a qwen3_coder call ends an open block without </think> (Qwen3.5; vLLM's qwen3 parser)
+    ("plan\n<tool_call>\n<function=f>\n</function>\n</tool_call>", True, "plan\n",
+     "<tool_call>\n<function=f>\n</function>\n</tool_call>"),
+    ("<think>plan <tool_call> <function name=f>", False, "plan ", "<tool_call> <function name=f>"),
+    # a mention of <tool_call> in the reasoning does not end it; whichever ends it first wins
+    ("a <tool_call> b <tool_call>\n<function=f>", True, "a <tool_call> b ", "<tool_call>\n<function=f>"),
+    ("say <tool_call> then </think>answer", True, "say <tool_call> then ", "answer"),
+    ("a <tool_call>\n<functionx </think>b", True, "a <tool_call>\n<functionx ", "b"),
+    ("cut off at <tool_call>\n<func", True, "cut off at <tool_call>\n<func", ""),
+    ("plan</think>answer <tool_call>\n<function=f>", True, "plan", "answer <tool_call>\n<function=f>"),
+    ("plan <tool_call>\n<function=f>", False, None, "plan <tool_call>\n<function=f>"),  # block not open
 ])
 def test_reasoning_split(text, opened, reasoning, content):
     split = split_reasoning(text, opened_in_prompt=opened)
@@ -210,6 +221,16 @@ def test_reasoning_then_tool_call_streams_both():
     fields = _parser("hermes", "qwen3", prompt_tail="<think>\n").parse(
         'thinking</think>\n\n<tool_call>{"name": "search", "arguments": {}}</tool_call>')
     assert fields.content is None and fields.reasoning_content == "thinking" and len(fields.tool_calls) == 1
+
+
+def test_qwen3_5_tool_call_inside_the_open_think_block():
+    """Qwen3.5 may call a tool before closing its think block: the call is a tool call (finish_reason
+    tool_calls), streamed or whole, not reasoning text."""
+    text = "I should check the weather.\n" + CODER_ONE
+    whole = _check_streams(lambda: _parser("qwen3_coder", "qwen3", prompt_tail="<think>\n"), text)
+    assert whole["reasoning_content"] == "I should check the weather.\nI'll check.\n" and whole["content"] == ""
+    assert [c["name"] for c in whole["tool_calls"]] == ["get_weather"]
+    assert json.loads(whole["tool_calls"][0]["arguments"])["city"] == "San Francisco"
 
 
 def test_named_choice_keeps_only_that_function():

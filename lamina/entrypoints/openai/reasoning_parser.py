@@ -10,6 +10,11 @@ Rules (the text is what the model generated, not the prompt):
   last `</think>`), or if the output starts with `<think>` (leading whitespace allowed).
 - Open: everything up to the first `</think>` is reasoning (without the `<think>` tag), the rest is
   content. With no `</think>` yet (or ever, when generation was cut off), all of it is reasoning.
+- A tool call also ends an open block: Qwen3.5 models may write `<tool_call>` followed (after
+  whitespace) by `<function=...>` (the qwen3_coder format) before any `</think>`; the content, where
+  the tool parser finds the call, then starts at that `<tool_call>` (vLLM's qwen3 parser does the
+  same). A `<tool_call>` followed by anything else (a mention in the reasoning) does not end it.
+  Whichever comes first, `</think>` or such a call, ends the block.
 - Not open: all of it is content, tags included (enable_thinking=false closes the block in the
   prompt, so the model's output is all answer).
 """
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+FUNCTION_OPEN = "<function"  # then "=" or whitespace: <function=NAME> (qwen3_coder's call format)
 REASONING_PARSERS = ("qwen3",)
 
 
@@ -58,11 +65,31 @@ def split_reasoning(text: str, *, opened_in_prompt: bool, final: bool = True) ->
         else:
             return ReasoningSplit(None, text)
     end = text.find(THINK_END)
+    call, undecided = _tool_call_end(text, len(text) if end < 0 else end, final)
+    if call is not None:
+        return ReasoningSplit(text[:call], text[call:])
     if end >= 0:
         return ReasoningSplit(text[:end], text[end + len(THINK_END):])
     if not final:
-        text = text[:len(text) - _partial_suffix(text, THINK_END)]
+        held = max(_partial_suffix(text, THINK_END), _partial_suffix(text, TOOL_CALL_START))
+        text = text[:min(len(text) - held, len(text) if undecided is None else undecided)]
     return ReasoningSplit(text, "")
+
+
+def _tool_call_end(text: str, limit: int, final: bool) -> tuple[int | None, int | None]:
+    """(where the first `<tool_call>` before `limit` that opens a `<function` call starts, or None;
+    with `final=False`, where one starts whose next characters may still become `<function`: the
+    text from there is held back, or None)."""
+    start = text.find(TOOL_CALL_START, 0, limit)
+    while start >= 0:
+        after = text[start + len(TOOL_CALL_START):].lstrip()
+        if after.startswith(FUNCTION_OPEN) and len(after) > len(FUNCTION_OPEN):
+            if after[len(FUNCTION_OPEN)] == "=" or after[len(FUNCTION_OPEN)].isspace():
+                return start, None
+        elif not final and FUNCTION_OPEN.startswith(after):  # only whitespace or part of "<function" yet
+            return None, start
+        start = text.find(TOOL_CALL_START, start + 1, limit)
+    return None, None
 
 
 class Qwen3ReasoningParser:
