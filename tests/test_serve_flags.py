@@ -18,7 +18,7 @@ import lamina
 from lamina.entrypoints.cli import build_parser, engine_kwargs
 from lamina.entrypoints.cli import main as cli_main
 from lamina.entrypoints.openai.chat_tools import load_chat_template
-from lamina.entrypoints.openai.serve_flags import check_compat_args, repair_served_model_name
+from lamina.entrypoints.openai.serve_flags import check_compat_args, repair_trailing_model
 from tests.scripted_checkpoint import make_scripted_checkpoint
 from tests.test_server_cli import _free_port, _stop
 from tests.test_server_tools import HERMES_PIECES, OPEN_THINK_TEMPLATE, TOOLS, TOOLS_TEMPLATE
@@ -104,14 +104,27 @@ def test_served_model_name_followed_by_model(tmp_path):
     model = tmp_path / "ckpt"
     model.mkdir()
     args = build_parser().parse_args(["serve", "--served-model-name", "foo", str(model)])
-    repair_served_model_name(args)
+    repair_trailing_model(args)
     assert args.model_tag == str(model) and args.served_model_name == ["foo"]
     args = build_parser().parse_args(["serve", "--served-model-name", "foo", "bar"])  # two names, no path
-    repair_served_model_name(args)
+    repair_trailing_model(args)
     assert args.model_tag is None and args.served_model_name == ["foo", "bar"]
     args = build_parser().parse_args(["serve", "--served-model-name", "foo", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="looks like a MODEL path but does not exist"):
-        repair_served_model_name(args)
+        repair_trailing_model(args)
+
+
+def test_api_key_followed_by_model(tmp_path, capsys):
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "k2", str(model)])
+    repair_trailing_model(args)
+    assert args.model_tag == str(model) and args.api_key == ["k1", "k2"]
+    assert "k1" not in capsys.readouterr().err  # keys are never printed
+    args = build_parser().parse_args(["serve", "--api-key", "k1", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="put MODEL before --api-key") as err:
+        repair_trailing_model(args)
+    assert "k1" not in str(err.value)
 
 
 def test_chat_template_file_or_string(tmp_path):

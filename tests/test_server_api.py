@@ -420,7 +420,7 @@ def test_return_tokens_as_token_ids_server_flag(ckpt):
 
 
 def test_auth(ckpt):
-    with _llm(ckpt) as llm, RunningServer(llm.engine, api_key="s3cret") as srv:
+    with _llm(ckpt) as llm, RunningServer(llm.engine, api_key=("s3cret", "other")) as srv:  # any of them
         assert httpx.get(f"{srv.url}/health").status_code == 200  # stays open
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.get(f"{srv.base_url}/models", headers=headers)
@@ -432,3 +432,19 @@ def test_auth(ckpt):
                 bad.models.list()
         with openai.OpenAI(base_url=srv.base_url, api_key="s3cret", max_retries=0) as good:
             assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(f"{srv.base_url}/models", headers={"Authorization": "Bearer other"}).status_code == 200
+
+
+def test_api_keys_from_the_flag_or_the_environment(monkeypatch):
+    from argparse import Namespace
+
+    from lamina.entrypoints.openai.cli_serve import api_keys
+
+    monkeypatch.delenv("LAMINA_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(Namespace(api_key=None)) == ()  # open
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # a vLLM deployment's secret keeps guarding the server
+    assert api_keys(Namespace(api_key=None)) == ("from-vllm",)
+    monkeypatch.setenv("LAMINA_API_KEY", "from-lamina")
+    assert api_keys(Namespace(api_key=None)) == ("from-lamina",)
+    assert api_keys(Namespace(api_key=["a", "b"])) == ("a", "b")  # the flag wins, several keys as vLLM's

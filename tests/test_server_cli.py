@@ -62,7 +62,7 @@ def test_serve_parser_defaults():
     assert args.max_waiting_requests is None and args.served_model_name is None
     args = build_parser().parse_args(["serve", "/m", "--api-key", "k", "--max-waiting-requests", "4",
                                       "--served-model-name", "a", "b", "--dtype", "float32", "--max-num-seqs", "3"])
-    assert (args.model_tag, args.api_key, args.max_waiting_requests, args.served_model_name) == ("/m", "k", 4, ["a", "b"])
+    assert (args.model_tag, args.api_key, args.max_waiting_requests, args.served_model_name) == ("/m", ["k"], 4, ["a", "b"])
     assert args.dtype == "float32" and args.max_num_seqs == 3
     assert args.disable_log_stats is False and args.log_stats_interval == 10.0  # vLLM's default interval
     assert args.max_logprobs == 20  # vLLM's default

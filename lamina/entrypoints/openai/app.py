@@ -49,7 +49,7 @@ _NOT_SERVED = {
 @dataclass
 class ServerConfig:
     served_model_names: list[str]
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several: a request may carry any of them
     max_waiting_requests: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
@@ -120,8 +120,9 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if config.api_key and scope["path"].startswith("/v1"):
             given = headers.get(b"authorization", b"")
-            expected = f"Bearer {config.api_key}".encode()
-            if not hmac.compare_digest(given, expected):
+            keys = (config.api_key,) if isinstance(config.api_key, str) else config.api_key
+            # every key compared (no early exit), each in constant time
+            if not sum(hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys):
                 return await self._reply(send, APIError(
                     401, "a valid API key is needed: send 'Authorization: Bearer <key>'", code="invalid_api_key"))
         if scope["method"] not in ("POST", "PUT", "PATCH"):

@@ -16,10 +16,10 @@ import sys
 
 from lamina.engine.stats_log import DEFAULT_LOG_STATS_INTERVAL_S
 from lamina.entrypoints.openai.serve_flags import (
-    add_chat_args, add_compat_args, check_compat_args, repair_served_model_name,
+    add_chat_args, add_compat_args, check_compat_args, repair_trailing_model,
 )
 
-API_KEY_ENV = "LAMINA_API_KEY"
+API_KEY_ENVS = ("LAMINA_API_KEY", "VLLM_API_KEY")  # the first set one is the key when --api-key is not given
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,8 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the KEYs given) on /v1 routes "
+                        f"(default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, as vLLM reads it)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use; the first is reported in responses (default: MODEL)")
     s.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
@@ -80,6 +81,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_compat_args(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys /v1 routes accept: --api-key's, else the first of API_KEY_ENVS that is set; none: open."""
+    if args.api_key:
+        return tuple(key for key in args.api_key if key)
+    return next(((os.environ[name],) for name in API_KEY_ENVS if os.environ.get(name)), ())
 
 
 def _json_list(text: str) -> list[str]:
@@ -135,7 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from lamina.entrypoints.openai.chat_tools import ChatOptions, load_chat_template
     from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
-    repair_served_model_name(args)
+    repair_trailing_model(args)
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
@@ -166,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     try:
         config = ServerConfig(
-            served_model_names=names, api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
+            served_model_names=names, api_key=api_keys(args) or None, max_waiting_requests=args.max_waiting_requests,
             max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, model_root=model,
             chat=chat, log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

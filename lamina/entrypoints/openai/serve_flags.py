@@ -94,18 +94,25 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(TOOL_PARSERS))})")
 
 
-def repair_served_model_name(args: argparse.Namespace) -> None:
-    """`--served-model-name foo /path/to/model` (MODEL after the flag): argparse takes the path as a second
-    name. Without another MODEL, a last name that is an existing path is the MODEL."""
-    names = args.served_model_name
-    if args.model_tag or args.model or not names or len(names) < 2:
-        return
-    last = names[-1]
-    if os.path.exists(os.path.expanduser(last)):
-        args.served_model_name = names[:-1]
-        args.model_tag = last
-        print(f"[lamina] MODEL {last!r} was given after --served-model-name: serving it as "
-              f"{', '.join(map(repr, names[:-1]))}", file=sys.stderr)
-    elif any(c in last for c in "/\\") and last.startswith((".", "/", "~")):
-        raise ValueError(f"--served-model-name {' '.join(names)}: {last!r} looks like a MODEL path but does not "
-                         "exist; put MODEL before --served-model-name (lamina serve MODEL --served-model-name NAME)")
+# flags that take several values, so that argparse takes a MODEL written after them as one more:
+# (attribute, flag, whether its values may be printed)
+_MULTI_VALUE_FLAGS = (("served_model_name", "--served-model-name", True), ("api_key", "--api-key", False))
+
+
+def repair_trailing_model(args: argparse.Namespace) -> None:
+    """`--served-model-name foo /path/to/model` (MODEL after the flag; --api-key the same): argparse takes
+    the path as a second value. Without another MODEL, a last value that is an existing path is the MODEL."""
+    for attr, flag, shown in _MULTI_VALUE_FLAGS:
+        values = getattr(args, attr, None)
+        if args.model_tag or args.model or not values or len(values) < 2:
+            continue
+        last = values[-1]
+        if os.path.exists(os.path.expanduser(last)):
+            setattr(args, attr, values[:-1])
+            args.model_tag = last
+            kept = f": serving it as {', '.join(map(repr, values[:-1]))}" if shown else ""
+            print(f"[lamina] MODEL {last!r} was given after {flag}{kept}", file=sys.stderr)
+        elif any(c in last for c in "/\\") and last.startswith((".", "/", "~")):
+            what = f"{flag} {' '.join(values)}" if shown else flag
+            raise ValueError(f"{what}: {last!r} looks like a MODEL path but does not exist; put MODEL "
+                             f"before {flag} (lamina serve MODEL {flag} ...)")
