@@ -169,6 +169,14 @@ def test_max_completion_tokens_wins_over_max_tokens(client):
     assert out.usage.completion_tokens == 3  # as in vLLM: OpenAI's current name wins
 
 
+def test_completions_null_max_tokens_is_the_default_16(client):
+    """An explicit null is OpenAI's and vLLM's default of 16, not a generation to the end of the context."""
+    for body in ({"max_tokens": None}, {}):
+        r = client.post("/completions", cast_to=dict, body={"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0,
+                                                             "ignore_eos": True, **body})
+        assert r["usage"]["completion_tokens"] == 16, body
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_continuous_usage_stats(client, endpoint):
     """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its own

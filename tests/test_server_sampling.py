@@ -176,3 +176,6 @@ def test_whole_vocabulary_logprobs(client, hf_logprobs):
     for item in content:
         assert len(item.top_logprobs) == vocab
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the token is the likeliest
+    legacy = client.completions.create(model=MODEL_NAME, prompt=seq, max_tokens=2, temperature=0, logprobs=-1,
+                                       extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert [len(top) for top in legacy.top_logprobs] == [vocab, vocab]  # completions' -1 too, as vLLM's

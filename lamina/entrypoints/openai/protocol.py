@@ -111,14 +111,21 @@ class ResponseFormat(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: _int(ge=0) | None = 16  # 0 only with echo: the prompt (and its logprobs) alone
-    logprobs: _int(ge=0) | None = None  # within the engine's max_logprobs (-1 is chat's top_logprobs only, as vLLM)
+    # 0 only with echo: the prompt (and its logprobs) alone; null is the default 16 (OpenAI's, vLLM's), not
+    # "until the context is full"
+    max_tokens: _int(ge=0) = 16
+    logprobs: _int(ge=-1) | None = None  # -1: the whole vocabulary (within the engine's max_logprobs), as vLLM
     echo: bool | None = False
     best_of: _int(ge=1, le=MAX_N) | None = None
     suffix: str | None = None
     # vLLM's extra: each choice also carries `token_ids` (generated) and `prompt_token_ids`; always on
     # when the server runs without a tokenizer (its text is empty then)
     return_token_ids: bool | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value: Any) -> Any:
+        return 16 if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod
