@@ -456,3 +456,22 @@ def test_api_keys_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("LAMINA_API_KEY", "from-lamina")
     assert api_keys(Namespace(api_key=None)) == ("from-lamina",)
     assert api_keys(Namespace(api_key=["a", "b"])) == ("a", "b")  # the flag wins, several keys as vLLM's
+
+
+def test_request_chat_template_with_the_trust_flag(ckpt):
+    """`--trust-request-chat-template`: a chat request's (and /tokenize's) own chat_template renders the
+    prompt, as in vLLM; without the flag it is a 400 (tests/test_server_bad_input.py)."""
+    from lamina.entrypoints.openai.chat_tools import ChatOptions
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    with _llm(ckpt) as llm, RunningServer(llm.engine, chat=ChatOptions(trust_request_chat_template=True)) as srv:
+        rendered = "[system] Be brief.[user] Tell me about the river."
+        want = llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+        r = httpx.post(f"{srv.url}/tokenize", json={"messages": MESSAGES, "chat_template": template})
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+        with openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0) as client:
+            out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, temperature=0,
+                                                 extra_body={"chat_template": template})
+            assert out.usage.prompt_tokens == len(want)
+            plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, temperature=0)
+            assert plain.usage.prompt_tokens != len(want)  # without it, the checkpoint's template

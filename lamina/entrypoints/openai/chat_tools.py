@@ -31,6 +31,7 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's
+    trust_request_chat_template: bool = False  # a request's own chat_template is used (else a 400), as vLLM's flag
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:

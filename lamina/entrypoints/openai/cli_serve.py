@@ -158,7 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_arg = resolve_preset(args, model_arg)
     check_compat_args(args, model_arg)
     chat = ChatOptions(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                       reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template))
+                       reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template),
+                       trust_request_chat_template=args.trust_request_chat_template)
     if getattr(args, "node_rank", 0) > 0:  # a secondary node of a multi-node layout: its ranks only, no HTTP
         from lamina.config import EngineArgs
         from lamina.engine.mp_executor import run_headless_node

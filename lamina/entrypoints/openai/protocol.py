@@ -93,6 +93,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's: refused (no beam search in lamina), never silently sampled
 
 
 class JsonSchemaFormat(_Request):
@@ -181,6 +182,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: this request's template (needs --trust-request-chat-template)
     echo: bool = False  # vLLM's: a final assistant message's content starts the answer's content
 
 

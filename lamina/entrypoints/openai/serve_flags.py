@@ -27,6 +27,9 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
                    help="qwen3: answer <think>...</think> as reasoning_content")
     g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
                    help="a Jinja chat template (a file path, or the template itself) instead of the tokenizer's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="a chat request's own chat_template field is used (without this flag such a request "
+                        "is answered 400, as in vLLM)")
 
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:

@@ -170,6 +170,9 @@ class OpenAIServing:
                 self.require_tokenizer(f"{name} (structured output)", name)
 
     def check_unsupported(self, req) -> None:
+        if req.use_beam_search:
+            raise APIError(400, "use_beam_search: lamina has no beam search; n / best_of give several samples",
+                           param="use_beam_search")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream = true (as in OpenAI's API and vLLM)", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:

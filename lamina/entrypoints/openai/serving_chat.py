@@ -37,7 +37,11 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _check_chat_options(req: ChatCompletionRequest) -> None:
+def _check_chat_options(req: ChatCompletionRequest, options: ChatOptions) -> None:
+    if req.chat_template is not None and not options.trust_request_chat_template:
+        raise APIError(400, "a chat_template in the request needs the server started with "
+                       "--trust-request-chat-template (as in vLLM); or start it with --chat-template",
+                       param="chat_template")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
@@ -51,7 +55,8 @@ def chat_options(serving: OpenAIServing) -> ChatOptions:
 
 def _apply_template(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[dict]) -> list[int]:
     tokenizer = serving.tokenizer
-    template = chat_options(serving).chat_template
+    options = chat_options(serving)
+    template = req.chat_template if options.trust_request_chat_template and req.chat_template else options.chat_template
     if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template (start the server with --chat-template); use "
                        "/v1/completions", param="messages")
@@ -102,8 +107,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     model = serving.resolve_model(req.model)
     serving.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
     serving.check_unsupported(req)
-    _check_chat_options(req)
     options = chat_options(serving)
+    _check_chat_options(req, options)
     choice, function = resolve_tool_choice(options, req.tools, req.tool_choice)
     tool_constraint = None
     if choice in ENFORCED_CHOICES:  # compiling the tools' grammar: off the event loop

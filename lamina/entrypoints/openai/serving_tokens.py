@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId, _Request
 from lamina.entrypoints.openai.serving import APIError, OpenAIServing
-from lamina.entrypoints.openai.serving_chat import _RESERVED_TEMPLATE_KWARGS, _apply_template, _messages, chat_options
+from lamina.entrypoints.openai.serving_chat import _apply_template, _check_chat_options, _messages, chat_options
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -31,6 +31,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as on /v1/chat/completions (needs --trust-request-chat-template)
 
 
 class TokenizeResponse(BaseModel):
@@ -73,13 +74,12 @@ def _tokenize_chat(serving: OpenAIServing, req: TokenizeRequest) -> list[int]:
     if req.add_generation_prompt and req.continue_final_message:
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true; set "
                        "add_generation_prompt to false to continue the last message", param="continue_final_message")
-    bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
-    if bad:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(bad))}", param="chat_template_kwargs")
     chat = ChatCompletionRequest(
         messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+        chat_template=req.chat_template,
     )
+    _check_chat_options(chat, chat_options(serving))  # the same template arguments as a chat request may give
     ids = _apply_template(serving, chat, _messages(chat))
     if req.add_special_tokens:
         before, after = _special_tokens_around(serving.tokenizer)
