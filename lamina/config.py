@@ -31,7 +31,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the built-in demo model (lamina/demo_model)
+    model: str | None = None  # None: the built-in demo model (lamina/demo_model); a folder or a Hub id
+    revision: str | None = None  # vLLM's: the Hub revision (branch, tag, commit) of a MODEL given as a Hub id
     tokenizer: str | None = None
     # vLLM's name: load no tokenizer. Prompts must be token ids; outputs carry token ids and empty
     # text; stop strings, bad_words and structured output (which need one) are refused.

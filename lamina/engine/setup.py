@@ -22,6 +22,7 @@ from lamina.engine import generation_defaults
 from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.layers.moe import fp8_block_fits, fp8_experts_for
 from lamina.quantization import BlockFp8, online_blocks, read_quantization, resolve_quantization, unquantized_experts
+from lamina.models.hub import resolve_model_path
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.config import ParallelConfig
 from lamina.parallel.plan import ParallelPlan, build_plan
@@ -77,6 +78,8 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
         from lamina.models.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
+    # a Hub id: fetched into (or found in) the Hugging Face cache; every node resolves it itself
+    args.model = resolve_model_path(args.model, revision=args.revision, load_format=args.load_format)
     model_path = Path(args.model)
     hf_config = read_model_config(model_path, args.hf_overrides)
     if args.hf_overrides:

@@ -29,7 +29,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory (default: the built-in demo model); same as --model")
+                   help="checkpoint directory or Hugging Face Hub id (default: the built-in demo model); same as --model")
     cli.add_engine_args(p)
     if hasattr(cli, "add_parallel_args"):
         cli.add_parallel_args(p)
