@@ -200,6 +200,12 @@ def test_chat_applies_template(default_llm):
     assert default_llm.get_tokenizer().decode(out.prompt_token_ids) == expected
     with pytest.raises(ValueError, match="at least one message"):
         default_llm.chat([[]], GREEDY)
+    # vLLM's positional order (messages, sampling_params, use_tqdm, lora_request, chat_template, ...)
+    assert default_llm.chat(messages, GREEDY, False, None)[0].prompt_token_ids == out.prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format = 'openai'"):
+        default_llm.chat(messages, GREEDY, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        default_llm.chat(messages, GREEDY, mm_processor_kwargs={"fps": 1})
 
 
 ARGS_TEMPLATE = (
@@ -297,6 +303,31 @@ def test_outputs_taken_by_another_caller_raise(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_vllm_prompt_types_numpy_ids_and_refused_arguments(llm):
+    """What a ported vLLM script passes: TokensPrompt / TextPrompt (importable from lamina), numpy token
+    ids, `lora_request=None`, zero priorities, chat's positional use_tqdm; what lamina cannot honour
+    (images, a LoRA adapter, priorities) is refused, never silently dropped."""
+    import numpy as np
+
+    from lamina import TokensPrompt
+
+    base = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    ids = np.array(PROMPT["prompt_token_ids"])
+    for prompt in (TokensPrompt(prompt_token_ids=ids), list(ids), {"prompt_token_ids": ids.tolist()}):
+        [out] = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=None, priority=[0])
+        assert out.outputs[0].token_ids == base and out.prompt_token_ids == PROMPT["prompt_token_ids"]
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    with pytest.raises(ValueError, match="multi_modal_data: lamina serves the text model"):
+        llm.generate({**PROMPT, "multi_modal_data": {"image": object()}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt token ids must be integers, got 1.5"):
+        llm.generate({"prompt_token_ids": [5, 1.5]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(PROMPT, GREEDY, lora_request=object())
+    with pytest.raises(ValueError, match="first come, first served"):
+        llm.generate([PROMPT, PROMPT], GREEDY, priority=[0, 1])
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_engine_config_errors(qwen3_next_dir):

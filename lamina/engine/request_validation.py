@@ -4,9 +4,24 @@ that name the offending value (`RequestValidation`)."""
 
 from __future__ import annotations
 
+import operator
+
 from lamina.sampling_params import SamplingParams
 
-__all__ = ["RequestValidation"]
+__all__ = ["RequestValidation", "MULTIMODAL_PROMPT_KEYS"]
+
+# vLLM's prompt-dict keys for images, audio and video: lamina serves the text model only, so such a
+# prompt is refused rather than answered without them
+MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _token_ids(ids) -> list[int]:
+    """A prompt's token ids as Python ints (numpy / torch integers too); anything else is refused."""
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        bad = next(t for t in ids if not hasattr(t, "__index__"))
+        raise ValueError(f"prompt token ids must be integers, got {bad!r} ({type(bad).__name__})") from None
 
 
 class RequestValidation:
@@ -34,13 +49,17 @@ class RequestValidation:
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
+            media = [key for key in MULTIMODAL_PROMPT_KEYS if prompt.get(key) is not None]
+            if media:
+                raise ValueError(f"the prompt carries {', '.join(media)}: lamina serves the text model of a checkpoint "
+                                 "(no vision or audio encoder), so images, audio and video cannot be given")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenize(prompt["prompt"])
             raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return None, _token_ids(prompt)
         raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
 
     def prepare_request_prompt(self, prompt: str | list[int] | dict, keep: int | None) -> tuple[str | None, list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -10,11 +11,10 @@ from tqdm.auto import tqdm
 from lamina.config import EngineArgs
 from lamina.engine.gc_heap import frozen_heap
 from lamina.engine.llm_engine import LLMEngine
+from lamina.inputs import PromptType
 from lamina.entrypoints.chat_messages import normalize_messages
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import RequestOutputKind, SamplingParams
-
-PromptType = str | dict | list[int]
 
 
 class LLM:
@@ -60,10 +60,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request=None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or `{"prompt_token_ids": [...]}`); outputs keep prompt order."""
+        """Generate for each prompt (a string, `{"prompt_token_ids": [...]}` / `{"prompt": ...}`, or a
+        list of token ids); outputs keep prompt order. `lora_request` and a nonzero `priority` (vLLM's)
+        are refused: lamina has no LoRA adapters and schedules first come, first served."""
+        _refuse_unsupported(lora_request=lora_request, priority=priority)
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+            isinstance(prompts, list) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)
         ):
             prompts = [prompts]
         prompts = list(prompts)
@@ -89,20 +94,28 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        lora_request=None,
         chat_template: str | None = None,
-        chat_template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate,
         as vLLM's LLM.chat: OpenAI-format messages (text content parts, tool calls with JSON-string
         arguments; lamina.entrypoints.chat_messages), `tools` (OpenAI's function definitions) passed
         to the template, `continue_final_message` to continue a final assistant message instead of
         starting a new one (then `add_generation_prompt` must be False). Each output's `prompt` is
-        the rendered prompt text."""
+        the rendered prompt text. The parameters come in vLLM's order; `chat_template_content_format`
+        "auto" / "string" (lamina hands the template text content as strings), and `lora_request` /
+        `mm_processor_kwargs` are refused (no LoRA adapters, no multimodal encoder)."""
+        _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format = {chat_template_content_format!r}: lamina gives the "
+                             "template each message's text content as a string; valid: 'auto', 'string'")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs, tools=tools,
@@ -210,3 +223,14 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _refuse_unsupported(*, lora_request=None, priority=None, mm_processor_kwargs=None) -> None:
+    """vLLM's generate / chat arguments that lamina cannot honour, refused when they ask for something."""
+    if lora_request is not None:
+        raise ValueError("lora_request: lamina does not serve LoRA adapters; merge the adapter into the checkpoint")
+    if priority is not None and any(priority):
+        raise ValueError("priority: lamina schedules requests first come, first served (vLLM's default 'fcfs' "
+                         "policy), so every priority must be 0")
+    if mm_processor_kwargs is not None:
+        raise ValueError("mm_processor_kwargs: lamina serves the text model of a checkpoint (no multimodal processor)")
