@@ -364,6 +364,21 @@ def test_cli_generate_json(capsys):
     assert record["prompt"] == "Hello" and len(record["token_ids"]) == 5 and record["finish_reason"] == "length"
 
 
+def test_cli_generate_takes_the_generation_config_and_every_chat_prompt(capsys, tmp_path):
+    """Unset sampling flags come from --generation-config (else greedy, 32 tokens); a flag wins; --chat
+    answers every --prompt, each its own conversation."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    base = ["generate", "--prompt", "Hello", "--ignore-eos", "--json", "--device", "cpu"]
+
+    def token_counts(*flags):
+        assert cli_main([*base, *flags]) == 0
+        return [len(json.loads(line)["token_ids"]) for line in capsys.readouterr().out.strip().splitlines()]
+    assert token_counts("--generation-config", str(tmp_path)) == [3]
+    assert token_counts("--generation-config", str(tmp_path), "--max-tokens", "5") == [5]
+    assert token_counts("--generation-config", "vllm") == [32]
+    assert token_counts("--chat", "--prompt", "Bye", "--max-tokens", "2") == [2, 2]
+
+
 def test_cli_errors_exit_2(capsys, tmp_path):
     assert cli_main(["generate", "--prompt", "x", "--max-tokens", "0", "--device", "cpu"]) == 2
     assert cli_main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2

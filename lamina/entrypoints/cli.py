@@ -179,13 +179,10 @@ def _generate(args: argparse.Namespace) -> int:
         print("lamina generate: error: --chat applies a chat template to text: use --prompt", file=sys.stderr)
         return 2
     model = args.model or str(ensure_default_model())
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-        max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
-    )
     with LLM(model, **engine_kwargs(args)) as llm:
-        if args.chat:
-            outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
+        params = _generate_params(args, llm.engine.default_sampling)
+        if args.chat:  # each prompt its own one-message conversation
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
         else:
             prompts = [*args.prompt, *({"prompt_token_ids": ids} for ids in token_prompts)]
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -204,6 +201,19 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[lamina] {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}", file=sys.stderr)
     return 0
+
+
+# what `lamina generate` samples with when neither its flags nor the generation config say: greedy, 32 tokens
+GENERATE_FALLBACK = {"temperature": 0.0, "max_tokens": 32}
+GENERATE_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+
+
+def _generate_params(args: argparse.Namespace, config_defaults: dict) -> SamplingParams:
+    """A flag that is given, else the model's generation config (`--generation-config`; vLLM's
+    defaults for requests that leave a field out), else GENERATE_FALLBACK."""
+    given = {name: getattr(args, name) for name in GENERATE_SAMPLING_FLAGS if getattr(args, name) is not None}
+    return SamplingParams(**{**GENERATE_FALLBACK, **config_defaults, **given}, seed=args.sampling_seed,
+                          stop=args.stop or None, ignore_eos=args.ignore_eos)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -250,15 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several; required on node 0)")
     s.add_argument("--prompt-token-ids", action="append", default=[], metavar="IDS",
                    help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; works without a tokenizer)")
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
+    # unset: the model's generation config (--generation-config), else greedy and 32 tokens
+    s.add_argument("--max-tokens", type=int, default=None, help="default: the generation config's max_new_tokens, else 32")
+    s.add_argument("--temperature", type=float, default=None, help="default: the generation config's, else 0 (greedy)")
+    s.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1")
+    s.add_argument("--top-k", type=int, default=None, help="default: the generation config's, else 0 (off)")
+    s.add_argument("--min-p", type=float, default=None, help="default: the generation config's, else 0")
     s.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the (first) prompt")
+    s.add_argument("--chat", action="store_true",
+                   help="apply the tokenizer's chat template to each prompt (a one-message conversation each)")
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_generate)
 
