@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # logits by a tiny number only risks overflow), only 0 stays below it.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
-# OpenAI's range for one logit_bias entry.
+# OpenAI's range for one logit_bias entry (the server's check; offline any finite bias or -inf).
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -77,7 +77,8 @@ class SamplingParams:
             positive logits divided by it and negative ones multiplied by it;
             ``> 0``, ``1`` disables it.
         logit_bias: ``{token id: bias}`` added to the logits before sampling;
-            each bias in ``[-100, 100]``.
+            any finite bias, or ``-inf`` to ban the token (as vLLM's offline
+            API; the server keeps OpenAI's ``[-100, 100]``).
         allowed_token_ids: If given, only these token ids can be sampled.
         bad_words: Words that are never generated: the engine tokenizes each
             (with and without a leading space) and bans a sequence's last token
@@ -220,10 +221,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (ints), got {key!r}") from None
                 if not _is_int(tok) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
-                if not _is_real(value) or math.isnan(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                if not _is_real(value) or math.isnan(value) or value == math.inf:
                     raise ValueError(
-                        f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                        f"got {value!r} for token {key!r}"
+                        f"logit_bias values must be finite numbers, or -inf to ban a token, got {value!r} for token {key!r}"
                     )
                 bias[int(tok)] = float(value)
             self.logit_bias = bias or None

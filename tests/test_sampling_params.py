@@ -67,7 +67,8 @@ def test_clone_is_independent():
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
         ({"repetition_penalty": math.inf}, "inf"),
-        ({"logit_bias": {5: 101}}, "[-100, 100], got 101 for token 5"),
+        ({"logit_bias": {5: float("inf")}}, "finite numbers, or -inf to ban a token, got inf for token 5"),
+        ({"logit_bias": {5: float("nan")}}, "got nan for token 5"),
         ({"logit_bias": {"x": 1}}, "'x'"),
         ({"logit_bias": {-1: 1}}, "-1"),
         ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
@@ -138,6 +139,7 @@ def test_logprobs_spellings_and_low_temperatures(caplog):
 
 
 def test_parity_fields_normalised():
+    assert SamplingParams(logit_bias={5: -1e9, 6: float("-inf"), 7: 250}).logit_bias[6] == float("-inf")  # as vLLM offline
     p = SamplingParams(n=2, logit_bias={"7": 1.5, 3: -100}, allowed_token_ids=(4, 5), bad_words="foo")
     assert p.best_of == 2
     assert p.logit_bias == {7: 1.5, 3: -100.0}

@@ -1,6 +1,8 @@
 """Sampling parity with vLLM (issue 13): penalties, logit_bias, allowed_token_ids, bad_words in the
 sampler (batched, per row, batch independent), and n / best_of through the engine."""
 
+import math
+
 import pytest
 import torch
 
@@ -164,6 +166,11 @@ def test_greedy_n_children_identical_and_penalties_change_output(llm):
     plain = out.outputs[0].token_ids
     [biased] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logit_bias={plain[0]: -100.0}))
     assert biased.outputs[0].token_ids[0] != plain[0]
+    banned = set(plain)  # -inf bans, as vLLM's offline logit_bias (sampled: the race must not see a NaN)
+    [out] = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=2,
+                                                logit_bias={t: float("-inf") for t in banned}))
+    assert not banned & set(out.outputs[0].token_ids)
+    assert all(math.isfinite(lp.logprob) for entry in out.outputs[0].logprobs for lp in entry.values())
     [rep] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, logit_bias={9: 30.0},
                                                  frequency_penalty=2.0, repetition_penalty=2.0))
     tokens = rep.outputs[0].token_ids

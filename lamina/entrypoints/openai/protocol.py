@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from lamina.sampling_params import MAX_LOGIT_BIAS
+
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 64
 MAX_BATCH_PROMPTS = 1024
@@ -94,6 +96,15 @@ class _SamplingFields(_Request):
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     use_beam_search: bool = False  # vLLM's: refused (no beam search in lamina), never silently sampled
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():  # OpenAI's range (offline, SamplingParams takes any finite bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} "
+                                 f"for token {token!r}")
+        return value
 
 
 class JsonSchemaFormat(_Request):
