@@ -108,9 +108,16 @@ class EngineArgs:
     # them); prompt_logprobs are always raw logprobs
     logprobs_mode: str = "raw_logprobs"
     # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
-    # own model code; configs are read by transformers); enable_prefix_caching True is refused
+    # own model code; configs are read by transformers); enable_prefix_caching True is refused;
+    # enable_chunked_prefill False is refused (long prompts are always split into chunks);
+    # disable_log_stats has no effect offline; tokenizer_mode "auto" / "hf" only (transformers'
+    # AutoTokenizer); download_dir: where a MODEL given as a Hub id is fetched (default: the HF cache)
     trust_remote_code: bool = False
     enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    disable_log_stats: bool = False
+    tokenizer_mode: str = "auto"
+    download_dir: str | None = None
 
     def parallel_config(self):
         from lamina.parallel.config import ParallelConfig
@@ -151,6 +158,13 @@ class EngineArgs:
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=True: prefix caching is not supported yet (every prompt is "
                              "computed in full); leave it unset or pass False")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill=False: lamina always splits a prompt longer than "
+                             "max_num_batched_tokens into chunks; to prefill prompts whole, leave it unset and set "
+                             "max_num_batched_tokens to at least max_model_len")
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ValueError(f"tokenizer_mode = {self.tokenizer_mode!r}: lamina loads the checkpoint's tokenizer with "
+                             "transformers' AutoTokenizer; valid: 'auto', 'hf'")
         from lamina.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config

@@ -23,8 +23,8 @@ def test_repo_id_shape(model, is_id):
 
 
 def _fake_hub(monkeypatch, folder, calls):
-    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        calls.append((repo_id, revision, list(allow_patterns)))
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, cache_dir=None, **kw):
+        calls.append((repo_id, revision, list(allow_patterns), cache_dir))
         return str(folder)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
 
@@ -35,11 +35,11 @@ def test_hub_id_loads_the_snapshot(qwen3_next_dir, monkeypatch):
     with LLM(str(qwen3_next_dir), device="cpu", dtype="float32", max_model_len=64, show_progress=False) as local:
         want = local.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert not calls  # a local folder never asks the hub
-    with LLM("Qwen/Tiny-Next", revision="v1", device="cpu", dtype="float32", max_model_len=64,
-             show_progress=False) as hub:
+    with LLM("Qwen/Tiny-Next", revision="v1", download_dir="/models", device="cpu", dtype="float32",
+             max_model_len=64, show_progress=False) as hub:
         assert hub.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
-    [(repo, revision, patterns)] = calls
-    assert repo == "Qwen/Tiny-Next" and revision == "v1"
+    [(repo, revision, patterns, cache_dir)] = calls
+    assert repo == "Qwen/Tiny-Next" and revision == "v1" and cache_dir == "/models"
     assert "*.json" in patterns and set(HUB_WEIGHT_PATTERNS) <= set(patterns)
     calls.clear()
     resolve_model_path("Qwen/Tiny-Next", load_format="dummy")  # dummy weights: configs and tokenizer only

@@ -79,7 +79,8 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
 
         args.model = str(ensure_default_model())
     # a Hub id: fetched into (or found in) the Hugging Face cache; every node resolves it itself
-    args.model = resolve_model_path(args.model, revision=args.revision, load_format=args.load_format)
+    args.model = resolve_model_path(args.model, revision=args.revision, load_format=args.load_format,
+                                    download_dir=args.download_dir)
     model_path = Path(args.model)
     hf_config = read_model_config(model_path, args.hf_overrides)
     if args.hf_overrides:

@@ -17,6 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="checkpoint directory, or a Hugging Face Hub id fetched into the local "
                    "cache (default: the built-in demo model, lamina/demo_model)")
     g.add_argument("--revision", default=None, help="the Hub revision (branch, tag or commit) of a MODEL given as a Hub id")
+    g.add_argument("--download-dir", default=None,
+                   help="where a MODEL given as a Hub id is fetched (default: the Hugging Face cache)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, outputs carry token ids and empty text, "
@@ -133,7 +135,7 @@ def parallel_kwargs(args: argparse.Namespace) -> dict:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer, skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
-        revision=getattr(args, "revision", None),
+        revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None),
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,

@@ -20,7 +20,8 @@ from lamina.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Load a checkpoint and generate from it.
 
-    `model=None` uses the built-in demo model (lamina/demo_model). Keyword arguments are the fields of
+    `model=None` uses the built-in demo model (lamina/demo_model); a Hugging Face Hub id is fetched
+    into the local cache (`revision`, `download_dir`). Keyword arguments are the fields of
     `lamina.config.EngineArgs`, with vLLM's names: `device`, `dtype`, `max_model_len`,
     `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `seed`, `num_gpu_blocks_override`,
     `gpu_memory_utilization`, `kv_cache_memory_bytes`, `tokenizer`, `skip_tokenizer_init` (no
@@ -33,7 +34,9 @@ class LLM:
     `node_rank`, `master_addr`, `master_port`, `speculative_config` (MTP speculative decoding:
     `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`),
     `generation_config`, `max_logprobs` (the most logprobs a request may ask a token, 20; -1: the
-    vocabulary, which `SamplingParams(logprobs=-1)` asks).
+    vocabulary, which `SamplingParams(logprobs=-1)` asks); vLLM's `trust_remote_code`,
+    `disable_log_stats` (no effect), `enable_chunked_prefill` (False refused), `tokenizer_mode`
+    ("auto" / "hf") and `enable_prefix_caching` (True refused) are taken so vLLM scripts run.
     """
 
     def __init__(self, model: str | None = None, **kwargs):

@@ -31,9 +31,11 @@ def looks_like_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and ".." not in model and not model.endswith(".")
 
 
-def resolve_model_path(model: str, *, revision: str | None = None, load_format: str = "auto") -> str:
+def resolve_model_path(model: str, *, revision: str | None = None, load_format: str = "auto",
+                       download_dir: str | None = None) -> str:
     """The local folder of `model`: itself when it exists (or is not shaped like a Hub id), else the
-    Hub snapshot of that id at `revision` (a branch, tag or commit; None: main)."""
+    Hub snapshot of that id at `revision` (a branch, tag or commit; None: main), in `download_dir`
+    (vLLM's name; None: the Hugging Face cache)."""
     if Path(model).expanduser().exists() or not looks_like_repo_id(model):
         if revision is not None and not looks_like_repo_id(model):
             raise ValueError(f"revision = {revision!r} needs MODEL to be a Hugging Face Hub id, got the path {model!r}")
@@ -44,7 +46,7 @@ def resolve_model_path(model: str, *, revision: str | None = None, load_format: 
     logger.info("model %r is not a local folder: fetching it from the Hugging Face Hub (or its cache)%s",
                 model, f" at revision {revision}" if revision else "")
     try:
-        return snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns)
+        return snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns, cache_dir=download_dir)
     except Exception as e:  # noqa: BLE001 - the hub client raises many classes (network, auth, missing repo)
         raise CheckpointError(
             f"model {model!r} is not a local folder, and fetching it from the Hugging Face Hub failed "
