@@ -109,6 +109,12 @@ def test_served_model_name_followed_by_model(tmp_path):
     args = build_parser().parse_args(["serve", "--served-model-name", "foo", "bar"])  # two names, no path
     repair_trailing_model(args)
     assert args.model_tag is None and args.served_model_name == ["foo", "bar"]
+    args = build_parser().parse_args(["serve", "--served-model-name", "foo", "Qwen/Qwen3.5-35B-A3B"])  # a Hub id
+    repair_trailing_model(args)
+    assert args.model_tag == "Qwen/Qwen3.5-35B-A3B" and args.served_model_name == ["foo"]
+    args = build_parser().parse_args(["serve", "/m", "--served-model-name", "foo", "Qwen/Qwen3.5"])  # MODEL given
+    repair_trailing_model(args)
+    assert args.model_tag == "/m" and args.served_model_name == ["foo", "Qwen/Qwen3.5"]
     args = build_parser().parse_args(["serve", "--served-model-name", "foo", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="looks like a MODEL path but does not exist"):
         repair_trailing_model(args)
@@ -121,6 +127,9 @@ def test_api_key_followed_by_model(tmp_path, capsys):
     repair_trailing_model(args)
     assert args.model_tag == str(model) and args.api_key == ["k1", "k2"]
     assert "k1" not in capsys.readouterr().err  # keys are never printed
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "sk-ab/cd"])  # a key with a slash stays a key
+    repair_trailing_model(args)
+    assert args.model_tag is None and args.api_key == ["k1", "sk-ab/cd"]
     args = build_parser().parse_args(["serve", "--api-key", "k1", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="put MODEL before --api-key") as err:
         repair_trailing_model(args)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from lamina.models.hub import looks_like_repo_id
 
 TRACKED = "not supported yet (see docs/SERVING.md)"
 
@@ -98,19 +99,21 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
 
 
 # flags that take several values, so that argparse takes a MODEL written after them as one more:
-# (attribute, flag, whether its values may be printed)
+# (attribute, flag, whether its values may be printed and a last Hub-id-shaped one taken as MODEL; never
+# for keys, which may hold a slash and must not be sent to the Hub as a model name)
 _MULTI_VALUE_FLAGS = (("served_model_name", "--served-model-name", True), ("api_key", "--api-key", False))
 
 
 def repair_trailing_model(args: argparse.Namespace) -> None:
     """`--served-model-name foo /path/to/model` (MODEL after the flag; --api-key the same): argparse takes
-    the path as a second value. Without another MODEL, a last value that is an existing path is the MODEL."""
+    the path as a second value. Without another MODEL, a last value that is an existing path is the MODEL
+    (for --served-model-name also a Hub id, `org/name`: lamina would otherwise serve its demo model)."""
     for attr, flag, shown in _MULTI_VALUE_FLAGS:
         values = getattr(args, attr, None)
         if args.model_tag or args.model or not values or len(values) < 2:
             continue
         last = values[-1]
-        if os.path.exists(os.path.expanduser(last)):
+        if os.path.exists(os.path.expanduser(last)) or (shown and looks_like_repo_id(last)):
             setattr(args, attr, values[:-1])
             args.model_tag = last
             kept = f": serving it as {', '.join(map(repr, values[:-1]))}" if shown else ""
