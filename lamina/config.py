@@ -155,19 +155,31 @@ class EngineArgs:
                              f"got {self.max_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode = {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True: prefix caching is not supported yet (every prompt is "
-                             "computed in full); leave it unset or pass False")
-        if self.enable_chunked_prefill is False:
-            raise ValueError("enable_chunked_prefill=False: lamina always splits a prompt longer than "
-                             "max_num_batched_tokens into chunks; to prefill prompts whole, leave it unset and set "
-                             "max_num_batched_tokens to at least max_model_len")
-        if self.tokenizer_mode not in ("auto", "hf"):
-            raise ValueError(f"tokenizer_mode = {self.tokenizer_mode!r}: lamina loads the checkpoint's tokenizer with "
-                             "transformers' AutoTokenizer; valid: 'auto', 'hf'")
+        check_vllm_modes(self.enable_prefix_caching, self.enable_chunked_prefill, self.tokenizer_mode)
         from lamina.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config
+
+
+def _keyword(name: str, value) -> str:
+    return name if value is None else f"{name}={value!r}"
+
+
+def check_vllm_modes(enable_prefix_caching: bool | None, enable_chunked_prefill: bool | None, tokenizer_mode: str,
+                     spell=_keyword) -> None:
+    """vLLM options lamina takes but cannot honour in every setting, refused with what to do instead.
+    `spell(name, value)`: how the caller's user wrote the option (a keyword argument, or a CLI flag)."""
+    if enable_prefix_caching:
+        raise ValueError(f"{spell('enable_prefix_caching', True)}: prefix caching is not supported yet (see "
+                         f"docs/SERVING.md). Leave it out or pass {spell('enable_prefix_caching', False)} (every "
+                         "prompt is computed in full)")
+    if enable_chunked_prefill is False:
+        raise ValueError(f"{spell('enable_chunked_prefill', False)}: lamina always splits a prompt longer than "
+                         f"{spell('max_num_batched_tokens', None)} into chunks; to prefill prompts whole, leave it out "
+                         f"and set {spell('max_num_batched_tokens', None)} to at least {spell('max_model_len', None)}")
+    if tokenizer_mode not in ("auto", "hf"):
+        raise ValueError(f"{spell('tokenizer_mode', tokenizer_mode)}: lamina loads the checkpoint's tokenizer with "
+                         "transformers' AutoTokenizer. Supported: auto (or hf)")
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -10,11 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from lamina.config import check_vllm_modes
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from lamina.models.hub import looks_like_repo_id
 
-TRACKED = "not supported yet (see docs/SERVING.md)"
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -73,11 +73,17 @@ def _config_namespace(config: dict):
                            text_config=SimpleNamespace(quantization_config=text.get("quantization_config")))
 
 
+def _flag(name: str, value) -> str:
+    """An option as a `lamina serve` flag: `--name` (True, or only named), `--no-name` (False), `--name value`."""
+    flag = "--" + name.replace("_", "-")
+    if value is False:
+        return f"--no-{flag[2:]}"
+    return flag if value is None or value is True else f"{flag} {value}"
+
+
 def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
     """Refuse (ValueError, exit 2) what lamina cannot do, naming the flag and what is supported."""
-    if args.enable_prefix_caching:
-        raise ValueError(f"--enable-prefix-caching: prefix caching is {TRACKED}. Leave the flag out or pass "
-                         "--no-enable-prefix-caching (every prompt is computed in full)")
+    check_vllm_modes(args.enable_prefix_caching, args.enable_chunked_prefill, args.tokenizer_mode, spell=_flag)
     if args.quantization is not None:
         from lamina.quantization import read_quantization, resolve_quantization
 
@@ -87,13 +93,6 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
                                  getattr(args, "load_format", "auto"))
         except ValueError as e:
             raise ValueError(f"--quantization {args.quantization}: {e}") from None
-    if args.enable_chunked_prefill is False:
-        raise ValueError("--no-enable-chunked-prefill: lamina always splits a prompt longer than "
-                         "--max-num-batched-tokens into chunks; to prefill every prompt whole, leave the flag out and "
-                         "set --max-num-batched-tokens to at least --max-model-len")
-    if args.tokenizer_mode not in ("auto", "hf"):
-        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: lamina loads the checkpoint's tokenizer with "
-                         "transformers' AutoTokenizer. Supported: auto (or hf)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(TOOL_PARSERS))})")
 
