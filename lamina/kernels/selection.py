@@ -248,8 +248,10 @@ def nucleus_cut_enabled() -> bool:
     without sorting the vocabulary (`lamina.kernels.triton_window_cut.nucleus_cut_triton`: the
     128-wide `topk`, a search for the k-th largest logit by count, one read of the row for the kept
     set's normaliser, a search by mass when the 128 hold less than top-p) rather than the sort
-    (`sorted_cut`). Off unless `LAMINA_NUCLEUS_CUT=1` until it is timed on a GPU
-    against the sort (benchmarks/bench_nucleus_cut.py); read once per process."""
+    (`sorted_cut`). Off unless `LAMINA_NUCLEUS_CUT=1`: on an H100 (session 39, docs/PERFORMANCE.md)
+    it is 1.5-8x faster than the sort on peaked top-p rows but 4-10x slower at batch 1-16 on rows
+    that search, and on flat rows at the 248k vocabulary it may keep one boundary token more or
+    fewer than the sort (whose float32 softmax rounds there); read once per process."""
     return _switch("LAMINA_NUCLEUS_CUT", "0")
 
 
