@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 4], help="0: Triton's default")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 4],
+                        help="0: the kernel's default (FP8_CACHE_STAGES over an FP8 cache, else Triton's)")
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--out", default="bench_decode_attention_kv.json")
     args = parser.parse_args()

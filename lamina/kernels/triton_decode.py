@@ -47,7 +47,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 ATTENTION_SPLITS = 16
 # Triton's interpreter (CI) runs the programs one after another, and a program past its request's
 # last key block still costs its launch before it returns: there the default is 2 programs. Up to
-# 2 * BLOCK_N keys (128; 64 at head dims over 128) both counts give each block a program of its
+# 2 * BLOCK_N keys (128) both counts give each block a program of its
 # own and combine the same partials in the same order (the absent ones add exactly 0), so the
 # result is the same bit for bit; longer contexts group their partial sums differently. Either way
 # the split path (partials, ticket, combine) runs.
@@ -156,9 +156,16 @@ def _paged_decode_attention_kernel(
     tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=gd_ok)
 
 
-def _block_n(head_dim: int) -> int:
-    """Keys a program's loop iteration takes."""
-    return 32 if head_dim > 128 else 64
+# Keys a program's loop iteration takes, and Triton's pipeline stages over an FP8 cache (None: Triton's
+# default; neither changes what is computed in which order beyond BLOCK_N's own grouping, and neither
+# depends on the batch). An H100 timed them at head dim 256, 16 splits, 8 warps, per layer (session 39,
+# benchmarks/results/decode_attention_kv_h100_s39.json): 64 keys against 32 took bf16 batch 1 at 4k /
+# 16k context from 23.8 / 69.4 to 18.9 / 50.5 us and batch 32 from 116.2 / 389.6 to 114.4 / 369.3 us;
+# over an FP8 cache 2 stages took batch 32 from 111.9 / 383.0 us (32 keys) to 90.2 / 286.2 us, for
+# 0.5-2.4 us more at batch 1 (19.7 / 54.0 against 19.2 / 51.6 us).
+DECODE_ATTENTION_BLOCK_N = 64
+FP8_CACHE_STAGES = 2
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def paged_decode_attention(
@@ -171,8 +178,9 @@ def paged_decode_attention(
     `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
     attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head), by default
     ATTENTION_SPLITS (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`,
-    `block_n` (keys a loop iteration) and `num_stages` override ATTENTION_WARPS, `_block_n` and
-    Triton's default (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
+    `block_n` (keys a loop iteration) and `num_stages` override ATTENTION_WARPS,
+    DECODE_ATTENTION_BLOCK_N and the stages (FP8_CACHE_STAGES over an FP8 cache, else Triton's
+    default) (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
     bsz, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -195,13 +203,15 @@ def paged_decode_attention(
         tickets = _tickets(q.device, bsz * num_kv_heads)
     else:
         part_acc = part_ml = tickets = out  # unused
+    if num_stages is None and k_cache.dtype in _FP8_DTYPES:
+        num_stages = FP8_CACHE_STAGES
     _paged_decode_attention_kernel[(bsz, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale, part_acc, part_ml, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or _block_n(head_dim),
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or DECODE_ATTENTION_BLOCK_N,
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
         **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS, **FP_FUSION,
         **({} if num_stages is None else {"num_stages": num_stages}),
