@@ -20,7 +20,7 @@ def _token_ids(ids) -> list[int]:
     try:
         return [operator.index(t) for t in ids]
     except TypeError:
-        bad = next(t for t in ids if not hasattr(t, "__index__"))
+        bad = next((t for t in ids if not hasattr(t, "__index__")), ids)
         raise ValueError(f"prompt token ids must be integers, got {bad!r} ({type(bad).__name__})") from None
 
 
