@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.launch_options import FP_FUSION
+from lamina.kernels.paged_attention import FP8_DTYPES
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.selection import triton_interpreted
 
@@ -165,7 +166,6 @@ def _paged_decode_attention_kernel(
 # 0.5-2.4 us more at batch 1 (19.7 / 54.0 against 19.2 / 51.6 us).
 DECODE_ATTENTION_BLOCK_N = 64
 FP8_CACHE_STAGES = 2
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def paged_decode_attention(
@@ -203,7 +203,7 @@ def paged_decode_attention(
         tickets = _tickets(q.device, bsz * num_kv_heads)
     else:
         part_acc = part_ml = tickets = out  # unused
-    if num_stages is None and k_cache.dtype in _FP8_DTYPES:
+    if num_stages is None and k_cache.dtype in FP8_DTYPES:
         num_stages = FP8_CACHE_STAGES
     _paged_decode_attention_kernel[(bsz, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale, part_acc, part_ml, tickets,

@@ -137,7 +137,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("max_tokens", mode="before")
     @classmethod
     def _null_max_tokens(cls, value: Any) -> Any:
-        return 16 if value is None else value
+        return cls.model_fields["max_tokens"].default if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod
