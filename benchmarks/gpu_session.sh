@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -778,6 +778,45 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_fp8_kv_cache_kernels.py tests/test_triton_kernels.py \
         -k "fp8_caches or writers or stored_values or real_width" > $OUT/s37b_kernels.txt 2>&1
       tail -3 $OUT/s37b_kernels.txt ;;
+    s40a)  # session 40: MTP verification attention on the split decode kernel: its GPU tests (rows equal the one-token
+      # kernel bit for bit, bf16 / FP8 caches), timed against the tree before (.baseline, d678534^: one program per
+      # (request, KV head), 32 keys a block), then the engine's GPU tests (graphs, MTP) on the retuned attention
+      timeout 90 python3 -m pytest -v -p no:cacheprovider tests/test_triton_verify_kernels.py tests/test_fp8_kv_cache_kernels.py \
+        > $OUT/s40_verify_tests.txt 2>&1
+      grep -E "FAILED|ERROR|passed|failed" $OUT/s40_verify_tests.txt | tail -8
+      timeout 100 python3 benchmarks/bench_verify_attention.py --label new --out $OUT/bench_verify_attention_new.json \
+        2>&1 | tail -40 | cut -c1-220
+      (cd .baseline && PYTHONPATH=/tmp/site timeout 100 python3 ../benchmarks/bench_verify_attention.py --label base \
+        --out $OUT/bench_verify_attention_base.json 2>&1 | tail -40 | cut -c1-220)
+      timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
+        tests/test_mtp_triton.py > $OUT/s40_engine.txt 2>&1
+      grep -E "FAILED|ERROR|passed|failed" $OUT/s40_engine.txt | tail -8 ;;
+    s40b)  # MTP K = 2 (dummy weights: drafts rejected, a step's cost) at 16k context, batch 1, the tree before (.baseline,
+      # d678534^) and this tree; the FP8 KV kernels' tests; decode at 4k (batch 1 / 32) and 16k (batch 1) over bf16 and
+      # FP8 KV caches, the two trees alternating, one process each
+      for tree in base new; do
+        d=.; [ $tree = base ] && d=.baseline
+        (cd $d && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 90 python3 -m lamina.entrypoints.cli bench \
+          latency --dtype bfloat16 --batch-size 1 --input-len 16384 --output-len 32 --hf-overrides '{"mtp_num_hidden_layers": 1}' \
+          --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' --gpu-memory-utilization 0.95 \
+          --output-json /tmp/s40mtp_16384_$tree.json 2>&1 | grep "^| [0-9]")
+      done
+      merge_latency s40mtp
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_cache_kernels.py 2>&1 | tail -2
+      for ctx in 4096:1,32 16384:1; do for kv in auto fp8; do for tree in base new; do
+        d=.; [ $tree = base ] && d=.baseline
+        (cd $d && PYTHONPATH=/tmp/site:$PWD LAMINA_GDN_PREFILL=reference timeout 80 python3 -m lamina.entrypoints.cli bench \
+          latency --dtype bfloat16 --batch-size $(echo ${ctx#*:} | tr , " ") --input-len ${ctx%:*} --output-len 32 \
+          --kv-cache-dtype $kv --gpu-memory-utilization 0.95 --output-json /tmp/s40kv_${ctx%:*}_${kv}_$tree.json 2>&1 \
+          | grep "^| [0-9]")
+      done; done; done
+      merge_latency s40kv ;;
+    s40c)  # the Q-row attention's launch parameters for verification (4 queries, bf16 / FP8 caches), then MTP K = 1..3
+      # step costs at batch 1 on the new path (bench_mtp.py, 40 layers, graphs)
+      timeout 150 python3 benchmarks/bench_verify_attention.py --batch 1 16 --context 4096 16384 --queries 4 \
+        --block-n 32 64 --stages 0 1 2 3 --label sweep --out $OUT/bench_verify_attention_sweep.json 2>&1 | tail -64 | cut -c1-200
+      timeout 120 python3 benchmarks/bench_mtp.py --layers 40 --new-tokens 64 --batches 1 --out $OUT/mtp_graphs_b1.json \
+        2>&1 | tail -10 | cut -c1-300 ;;
     s39)  # session 38's owed run in one call: the sampler kernels' tests, the search cut against the sort (top-p alone
       # and top-k 1000, more search points), the engine's GPU tests and batch invariance, decode attention bf16 / FP8 KV
       timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_triton_sampler_kernels.py > $OUT/s39_sampler.txt 2>&1

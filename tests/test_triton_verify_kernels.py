@@ -62,6 +62,37 @@ def test_paged_verify_attention_matches_reference(queries, hq, hkv, head_dim, pa
     torch.testing.assert_close(gated, ref * torch.sigmoid(gate), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("queries", [2, 4])
+def test_verify_rows_equal_the_one_token_kernel_at_their_positions(queries):
+    """Query i of a request is computed as the decode kernel computes one query at position
+    seq_len - Q + i: the same key blocks in the same programs, the keys past it adding exactly
+    zero, so MTP verification gives plain decode's attention bit for bit. The contexts put a row's
+    last key just before a block edge (a split whose keys all lie past that row) and cross several
+    blocks per split."""
+    from lamina.kernels.triton_decode import paged_decode_attention
+
+    hq, hkv, head_dim, page = 4, 2, 16, 8
+    seq_lens = torch.tensor([queries, 63 + queries, 64 + queries - 1, 66, 129, 300], device=DEVICE)
+    bsz = seq_lens.shape[0]
+    max_pages = -(-300 // page)
+    num_blocks = bsz * max_pages + 1
+    k_cache = _rand(num_blocks, page, hkv, head_dim, seed=11)
+    v_cache = _rand(num_blocks, page, hkv, head_dim, seed=12)
+    block_tables = torch.randperm(num_blocks, generator=_gen(13)).to(DEVICE)[: bsz * max_pages].view(bsz, max_pages)
+    q = _rand(bsz * queries, hq, head_dim, seed=14)
+    gate = _rand(bsz * queries, hq, head_dim, seed=15)
+    verify = paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, queries, gate=gate)
+    assert torch.isfinite(verify).all()
+    for i in range(queries):
+        rows = torch.arange(bsz, device=DEVICE) * queries + i  # token i of every request
+        one = paged_decode_attention(q[rows], k_cache, v_cache, block_tables, seq_lens - queries + i + 1,
+                                     head_dim**-0.5, gate=gate[rows])
+        assert torch.equal(verify[rows], one), f"query {i}"
+    qsl = torch.arange(bsz + 1, device=DEVICE) * queries  # [B+1]
+    ref = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, queries, 300, head_dim**-0.5)
+    torch.testing.assert_close(verify, ref * torch.sigmoid(gate), atol=2e-5, rtol=2e-5)
+
+
 def test_paged_verify_attention_rejects_ragged_batches():
     q = _rand(5, 2, 16, seed=1)
     cache = _rand(4, 4, 1, 16, seed=2)
@@ -214,3 +245,30 @@ def test_verify_kernels_at_real_width(queries):
     torch.testing.assert_close(conv_pool, ref_final)
     torch.testing.assert_close(conv_capture.view(bsz, queries - 1, 8192, 3),
                                ref_cap.view(bsz, queries, 8192, 3)[:, :-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("queries", [2, 4])
+def test_verify_attention_equals_decode_rows_at_real_width(queries, cache_dtype):
+    """At the 35B attention shape (16 q / 2 kv heads of 256, 16-token pages, bf16 queries, a bf16 or
+    FP8 cache), 16 key splits and 64-key blocks, contexts up to 20k: every verification row is the
+    one-token kernel's output at its position, bit for bit (one kernel, more query rows per tile)."""
+    from lamina.kernels.triton_decode import paged_decode_attention
+
+    bsz, page, longest = 16, 16, 20_000
+    seq_lens = torch.randint(queries, longest, (bsz,), generator=_gen(20))
+    seq_lens[:4] = torch.tensor([queries, 64 + queries - 1, 1024 + 1, longest])  # block edges, the longest
+    seq_lens = seq_lens.to(DEVICE)
+    max_pages = -(-longest // page)
+    k_cache = _rand(bsz * max_pages, page, 2, 256, seed=21, dtype=torch.bfloat16).to(cache_dtype)
+    v_cache = _rand(bsz * max_pages, page, 2, 256, seed=22, dtype=torch.bfloat16).to(cache_dtype)
+    tables = torch.randperm(bsz * max_pages, generator=_gen(23)).to(DEVICE).view(bsz, max_pages)  # [B, pages]
+    q = _rand(bsz * queries, 16, 256, seed=24, dtype=torch.bfloat16)
+    gate = _rand(bsz * queries, 16, 256, seed=25, dtype=torch.bfloat16)
+    verify = paged_verify_attention(q, k_cache, v_cache, tables, seq_lens, 256**-0.5, queries, gate=gate)
+    for i in range(queries):
+        rows = torch.arange(bsz, device=DEVICE) * queries + i
+        one = paged_decode_attention(q[rows], k_cache, v_cache, tables, seq_lens - queries + i + 1, 256**-0.5,
+                                     gate=gate[rows])
+        assert torch.equal(verify[rows], one), f"query {i}: {(verify[rows].float() - one.float()).abs().max()}"

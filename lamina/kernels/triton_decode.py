@@ -3,11 +3,11 @@
 Each kernel has a torch reference in this package (CPU, CI, the oracle) and is tested against it,
 on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes:
 
-- `paged_decode_attention`: one query per request over its paged K/V (block tables, `seq_lens`
-  read on the device), all query heads of a KV head in one program (GQA), online softmax, the
-  key blocks split over ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under Triton's
-  interpreter) whose partials the last one combines.
-  Reference: `paged_attention` with `max_query_len == 1`.
+- `paged_decode_attention`: one query per request (or Q consecutive ones, causal inside the Q:
+  MTP verification) over its paged K/V (block tables, `seq_lens` read on the device), all query
+  heads of a KV head in one program (GQA), online softmax, the key blocks split over
+  ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter) whose
+  partials the last one combines. Reference: `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
   written back to the state pool at the request's slot (float32, or `mamba_ssm_cache_dtype`'s
   dtype: read into float32, rounded on store). Reference: `recurrent_gated_delta_rule_step`.
@@ -71,11 +71,11 @@ CONV_WARPS = 8
 def _paged_decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, gate_ptr, out_ptr, scale,
     part_acc_ptr, part_ml_ptr, ticket_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_gb, stride_gh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    SPLITS: tl.constexpr, PDL: tl.constexpr,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
+    QUERIES: tl.constexpr, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     req = tl.program_id(0)
@@ -86,17 +86,21 @@ def _paged_decode_attention_kernel(
     num_parts = tl.minimum(num_blocks, SPLITS)  # programs with at least one key block
     if split >= num_parts:
         return
-    offs_g = tl.arange(0, GROUP_PAD)
+    offs_r = tl.arange(0, ROWS_PAD)  # row r: query token r // GROUP of the request, head r % GROUP of this KV head
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
-    g_ok = offs_g < GROUP
+    tok = offs_r // GROUP
+    heads = kv_head * GROUP + offs_r % GROUP
+    tokens = req * QUERIES + tok  # [R] flat token of each row
+    r_ok = offs_r < QUERIES * GROUP
     d_ok = offs_d < HEAD_DIM
-    gd_ok = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_ok, other=0.0)  # [G, D]
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    rd_ok = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=rd_ok, other=0.0)  # [R, D]
+    q_pos = seq_len - QUERIES + tok  # [R]: the query's position; it reads keys 0..q_pos
+    m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS_PAD], tl.float32)
+    acc = tl.zeros([ROWS_PAD, BLOCK_D], tl.float32)
     for block_index in range(split, num_blocks, SPLITS):
         pos = block_index * BLOCK_N + offs_n  # [N]
         n_ok = pos < seq_len
@@ -104,11 +108,17 @@ def _paged_decode_attention_kernel(
         row = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
+        if QUERIES == 1:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new  # finite: a program's first block holds a key of every row
+        else:  # causal inside the Q: an early query's keys may all lie past it in this program's blocks
+            s = tl.where(n_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # such a row keeps l = 0, acc = 0, m = -inf
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
@@ -118,12 +128,12 @@ def _paged_decode_attention_kernel(
         # This program's partial (running max, sum, unnormalised output) for the last program of the
         # (request, KV head) to combine, in split order: deterministic.
         head_index = req * tl.num_programs(1) + kv_head
-        acc_base = part_acc_ptr + head_index * SPLITS * GROUP_PAD * BLOCK_D  # [SPLITS, G, D] float32
-        ml_base = part_ml_ptr + head_index * SPLITS * 2 * GROUP_PAD  # [SPLITS, 2, G] float32
-        tl.store(acc_base + split * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
-                 mask=g_ok[:, None])  # the padding heads' rows are never read
-        tl.store(ml_base + split * 2 * GROUP_PAD + offs_g, m_i)
-        tl.store(ml_base + split * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i)
+        acc_base = part_acc_ptr + head_index * SPLITS * ROWS_PAD * BLOCK_D  # [SPLITS, R, D] float32
+        ml_base = part_ml_ptr + head_index * SPLITS * 2 * ROWS_PAD  # [SPLITS, 2, R] float32
+        tl.store(acc_base + split * ROWS_PAD * BLOCK_D + offs_r[:, None] * BLOCK_D + offs_d[None, :], acc,
+                 mask=r_ok[:, None])  # the padding rows are never read
+        tl.store(ml_base + split * 2 * ROWS_PAD + offs_r, m_i)
+        tl.store(ml_base + split * 2 * ROWS_PAD + ROWS_PAD + offs_r, l_i)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases them
         done = tl.atomic_add(ticket_ptr + head_index, 1, sem="acq_rel")  # release ours, acquire the others'
         if done != num_parts - 1:
@@ -131,30 +141,31 @@ def _paged_decode_attention_kernel(
         tl.atomic_xchg(ticket_ptr + head_index, 0)  # ready for the next call (and the next graph replay)
         offs_s = tl.arange(0, SPLITS)
         s_ok = offs_s < num_parts
-        m_all = tl.load(ml_base + offs_s[:, None] * 2 * GROUP_PAD + offs_g[None, :], mask=s_ok[:, None],
-                        other=float("-inf"), cache_modifier=".cg")  # [S, G]
-        m_i = tl.max(m_all, axis=0)  # [G]
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        # Unrolled over every split, the absent ones masked off (they add exactly 0): straight-line
-        # code whose loads the compiler may issue ahead of the sums, in split order as before.
+        m_all = tl.load(ml_base + offs_s[:, None] * 2 * ROWS_PAD + offs_r[None, :], mask=s_ok[:, None],
+                        other=float("-inf"), cache_modifier=".cg")  # [S, R]
+        m_i = tl.max(m_all, axis=0)  # [R]: finite, split 0 holds key 0
+        l_i = tl.zeros([ROWS_PAD], tl.float32)
+        acc = tl.zeros([ROWS_PAD, BLOCK_D], tl.float32)
+        # Unrolled over every split, the absent ones masked off (they add exactly 0, as does a split
+        # whose keys all lie past a row: m = -inf there): straight-line code whose loads the
+        # compiler may issue ahead of the sums, in split order as before.
         for j in tl.static_range(SPLITS):
-            live = g_ok & ((offs_g * 0 + j) < num_parts)  # [G]
-            m_j = tl.load(ml_base + j * 2 * GROUP_PAD + offs_g, mask=live, other=0.0, cache_modifier=".cg")
-            l_j = tl.load(ml_base + j * 2 * GROUP_PAD + GROUP_PAD + offs_g, mask=live, other=0.0, cache_modifier=".cg")
-            w_j = tl.where(live, tl.exp(m_j - m_i), 0.0)  # [G]
+            live = r_ok & ((offs_r * 0 + j) < num_parts)  # [R]
+            m_j = tl.load(ml_base + j * 2 * ROWS_PAD + offs_r, mask=live, other=0.0, cache_modifier=".cg")
+            l_j = tl.load(ml_base + j * 2 * ROWS_PAD + ROWS_PAD + offs_r, mask=live, other=0.0, cache_modifier=".cg")
+            w_j = tl.where(live, tl.exp(m_j - m_i), 0.0)  # [R]
             l_i += w_j * l_j
-            acc += w_j[:, None] * tl.load(acc_base + j * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :],
+            acc += w_j[:, None] * tl.load(acc_base + j * ROWS_PAD * BLOCK_D + offs_r[:, None] * BLOCK_D + offs_d[None, :],
                                           mask=live[:, None], other=0.0, cache_modifier=".cg")
     dtype = out_ptr.dtype.element_ty
-    l_i = tl.where(g_ok, l_i, 1.0)
+    l_i = tl.where(r_ok, l_i, 1.0)
     out = (acc / l_i[:, None]).to(dtype)
     if GATED:  # the output gate: attn * sigmoid(gate), rounded as the layer's torch ops round
-        gate = tl.load(gate_ptr + req * stride_gb + heads[:, None] * stride_gh + offs_d[None, :],
-                       mask=gd_ok, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + tokens[:, None] * stride_gt + heads[:, None] * stride_gh + offs_d[None, :],
+                       mask=rd_ok, other=0.0).to(tl.float32)
         gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = (out.to(tl.float32) * gate).to(dtype)
-    tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=gd_ok)
+    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out, mask=rd_ok)
 
 
 # Keys a program's loop iteration takes, and Triton's pipeline stages over an FP8 cache (None: Triton's
@@ -171,17 +182,20 @@ FP8_CACHE_STAGES = 2
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int | None = None,
-    num_warps: int | None = None, block_n: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, block_n: int | None = None, num_stages: int | None = None, queries: int = 1,
 ) -> torch.Tensor:
-    """q `[B, Hq, D]` (one query per request, at position seq_lens[b] - 1; unit last stride);
-    caches `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables
-    `[B, >= pages]`; seq_lens `[B]` (>= 1); gate: optional `[B, Hq, D]`, the output becomes
-    attn * sigmoid(gate); `splits` (a power of two): programs per (request, KV head), by default
-    ATTENTION_SPLITS (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`,
-    `block_n` (keys a loop iteration) and `num_stages` override ATTENTION_WARPS,
-    DECODE_ATTENTION_BLOCK_N and the stages (FP8_CACHE_STAGES over an FP8 cache, else Triton's
-    default) (benchmarks). Returns `[B, Hq, D]` in q's dtype."""
-    bsz, num_q_heads, head_dim = q.shape
+    """q `[B*Q, Hq, D]` (Q = `queries` consecutive query tokens per request, request-major, at
+    positions seq_lens[b] - Q .. seq_lens[b] - 1, causal inside the Q; unit last stride); caches
+    `[num_blocks, block_size, Hkv, D]` holding this step's keys; block_tables `[B, >= pages]`;
+    seq_lens `[B]` (>= Q); gate: optional `[B*Q, Hq, D]`, the output becomes attn * sigmoid(gate);
+    `splits` (a power of two): programs per (request, KV head), by default ATTENTION_SPLITS
+    (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`, `block_n` (keys a loop
+    iteration) and `num_stages` override ATTENTION_WARPS, DECODE_ATTENTION_BLOCK_N and the stages
+    (FP8_CACHE_STAGES over an FP8 cache, else Triton's default) (benchmarks). Each query row runs the
+    one-token computation at its own position: the same blocks in the same programs, the keys past
+    it adding exactly zero. Returns `[B*Q, Hq, D]` in q's dtype."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    bsz = num_tokens // queries
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     if splits is None:
@@ -189,17 +203,17 @@ def paged_decode_attention(
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_decode_attention: splits = {splits} must be a power of two")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((bsz, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
     gated = gate is not None
     gate = gate if gated else q
-    group_pad, block_d = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    rows_pad, block_d = max(16, triton.next_power_of_2(queries * group)), triton.next_power_of_2(head_dim)
     if splits > 1:
         from lamina.kernels.triton_moe_gemv import _tickets
 
-        part_acc = torch.empty(bsz * num_kv_heads * splits * group_pad * block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(bsz * num_kv_heads * splits * 2 * group_pad, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(bsz * num_kv_heads * splits * rows_pad * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(bsz * num_kv_heads * splits * 2 * rows_pad, dtype=torch.float32, device=q.device)
         tickets = _tickets(q.device, bsz * num_kv_heads)
     else:
         part_acc = part_ml = tickets = out  # unused
@@ -210,7 +224,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        QUERIES=queries, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or DECODE_ATTENTION_BLOCK_N,
         PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
         **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS, **FP_FUSION,

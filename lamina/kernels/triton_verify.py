@@ -5,8 +5,9 @@ Token t of the flat batch is token `t % Q` of request `t // Q`. With Q = 1 every
 here calls the one-token kernels of `lamina.kernels.triton_decode` unchanged.
 
 - `paged_verify_attention`: the Q queries of a request (positions seq_len - Q .. seq_len - 1)
-  over its paged K/V, causal inside the Q, all query heads of a KV head in one program.
-  Reference: `paged_attention` with `max_query_len == Q`.
+  over its paged K/V, causal inside the Q: the decode kernel with Q query rows per program (its
+  key splits, block size and FP8 stages), each row computed as the one-token kernel computes its
+  position. Reference: `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_verify`: Q delta-rule steps per request on the device, from the state at the
   request's slot; the state after the last token is written back to the slot, and with `capture`
   `[B*(Q-1), Hv, Dk, Dv]` the states after tokens 0..Q-2 go to capture rows b*(Q-1) + i, which
@@ -28,7 +29,6 @@ import triton.language as tl
 
 from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.triton_decode import (
-    _dot_precision,
     causal_conv1d_decode,
     gated_delta_rule_decode,
     paged_decode_attention,
@@ -50,61 +50,6 @@ def _check_queries(num_tokens: int, queries: int) -> int:
 # ---- paged attention, Q queries per request ------------------------------------------------------
 
 
-@triton.jit
-def _paged_verify_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, gate_ptr, out_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
-    QUERIES: tl.constexpr, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr,
-):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    offs_r = tl.arange(0, ROWS_PAD)  # row r: query token r // GROUP, head r % GROUP of this KV head
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok = offs_r // GROUP
-    heads = kv_head * GROUP + offs_r % GROUP
-    tokens = req * QUERIES + tok  # [R] flat token of each row
-    r_ok = offs_r < QUERIES * GROUP
-    d_ok = offs_d < HEAD_DIM
-    rd_ok = r_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=rd_ok, other=0.0)  # [R, D]
-    q_pos = seq_len - QUERIES + tok  # [R]: the query's position; it reads keys 0..q_pos
-    m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS_PAD], tl.float32)
-    acc = tl.zeros([ROWS_PAD, BLOCK_D], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
-        pos = start + offs_n  # [N]
-        n_ok = pos < seq_len
-        block = tl.load(block_tables_ptr + req * stride_bt + pos // PAGE_SIZE, mask=n_ok, other=0)
-        row = pos % PAGE_SIZE
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
-        s = tl.where(n_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Every row sees key 0 in the first block (q_pos >= 0), so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    dtype = out_ptr.dtype.element_ty
-    out = (acc / l_i[:, None]).to(dtype)
-    if GATED:  # attn * sigmoid(gate), rounded as the layer's torch ops round
-        gate = tl.load(gate_ptr + tokens[:, None] * stride_gt + heads[:, None] * stride_gh + offs_d[None, :],
-                       mask=rd_ok, other=0.0).to(tl.float32)
-        gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (out.to(tl.float32) * gate).to(dtype)
-    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out, mask=rd_ok)
-
-
 def paged_verify_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, queries: int, gate: torch.Tensor | None = None,
@@ -113,28 +58,8 @@ def paged_verify_attention(
     holding this step's keys; block_tables `[B, >= pages]`; seq_lens `[B]` (>= Q): query i of
     request b sits at seq_lens[b] - Q + i; gate: optional `[B*Q, Hq, D]`, the output becomes
     attn * sigmoid(gate). Returns `[B*Q, Hq, D]` in q's dtype."""
-    if queries == 1:
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, gate=gate)
-    num_tokens, num_q_heads, head_dim = q.shape
-    bsz = _check_queries(num_tokens, queries)
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if bsz == 0:
-        return out
-    gated = gate is not None
-    gate = gate if gated else q
-    _paged_verify_attention_kernel[(bsz, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
-        out.stride(0), out.stride(1),
-        QUERIES=queries, GROUP=group, ROWS_PAD=max(16, triton.next_power_of_2(queries * group)), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=32 if head_dim > 128 else 64,
-        PRECISION=_dot_precision(q.dtype), GATED=gated, **FP_FUSION,
-    )
-    return out
+    _check_queries(q.shape[0], queries)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, gate=gate, queries=queries)
 
 
 # ---- gated delta rule, Q tokens per request --------------------------------------------------------
