@@ -62,3 +62,58 @@ def test_local_folder_wins_and_errors_name_the_hub(tmp_path, monkeypatch):
         LLM("Qwen/Not-Cached", device="cpu", show_progress=False)
     with pytest.raises(CheckpointError, match="does not exist"):  # not id-shaped: the loader's own error
         LLM("./missing/ckpt", device="cpu", show_progress=False)
+
+
+def test_plan_takes_a_hub_id_without_fetching_weights(tmp_path, monkeypatch, capsys):
+    """`lamina plan Qwen/X`: the configs come from the Hub snapshot (no weight patterns asked), the
+    shard headers from the Hub's safetensors metadata (the MTP check reads them); a failed header read
+    is reported and planning goes on; an unreachable id exits 2 naming the Hub."""
+    import json
+
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+    from transformers import Qwen3NextConfig
+
+    from lamina.entrypoints.cli import main
+
+    hf = Qwen3NextConfig(num_hidden_layers=4, vocab_size=1024, hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, num_nextn_predict_layers=1)
+    hf.architectures = ["Qwen3NextForCausalLM"]
+    hf.save_pretrained(tmp_path)
+    calls, meta_calls = [], []
+    _fake_hub(monkeypatch, tmp_path, calls)
+
+    def tensors(*names):
+        info = TensorInfo(dtype="BF16", shape=[4, 4], data_offsets=(0, 32))
+        file = SafetensorsFileMetadata(metadata={}, tensors={n: info for n in names})
+        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={n: "model.safetensors" for n in names},
+                                       files_metadata={"model.safetensors": file})
+
+    held = {"names": ("model.embed_tokens.weight", "mtp.fc.weight")}
+
+    def get_safetensors_metadata(repo_id, revision=None, **kw):
+        meta_calls.append((repo_id, revision))
+        if held["names"] is None:
+            raise OSError("no network")
+        return tensors(*held["names"])
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    spec = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    assert main(["plan", "Qwen/Tiny-Next", "--revision", "v2", "--device", "cpu", "--json", *spec]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 1
+    [(repo, revision, patterns, _)] = calls
+    assert (repo, revision) == ("Qwen/Tiny-Next", "v2") and not set(HUB_WEIGHT_PATTERNS) & set(patterns)
+    assert meta_calls == [("Qwen/Tiny-Next", "v2")]
+
+    held["names"] = ("model.embed_tokens.weight",)  # the Hub's checkpoint has no MTP tensors: refused as locally
+    assert main(["plan", "Qwen/Tiny-Next", "--device", "cpu", *spec]) == 2
+    assert "holds no mtp.* tensors" in capsys.readouterr().err
+
+    held["names"] = None  # headers unreadable: said, and the plan goes on from the config
+    assert main(["plan", "Qwen/Tiny-Next", "--device", "cpu", *spec]) == 0
+    captured = capsys.readouterr()
+    assert "could not be read from the Hub (OSError: no network)" in captured.err and "rank 0" in captured.out
+
+    def offline(**kw):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline and not in the cache")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert main(["plan", "Qwen/Not-Cached", "--device", "cpu"]) == 2
+    assert "fetching it from the Hugging Face Hub failed" in capsys.readouterr().err

@@ -99,9 +99,11 @@ def mtp_prefix(names) -> str | None:
     return None
 
 
-def check_speculative(spec: SpeculativeConfig, hf_config, model_cls, model_path: Path, load_format: str) -> str:
+def check_speculative(spec: SpeculativeConfig, hf_config, model_cls, model_path: Path, load_format: str,
+                      tensor_names: list[str] | None = None) -> str:
     """Refuse a checkpoint without MTP weights, or a model family without MTP support, before any
-    weight is read. Returns the checkpoint's MTP tensor prefix."""
+    weight is read. `tensor_names`: the checkpoint's tensors when known already (None: read from the
+    shards' headers in `model_path`). Returns the checkpoint's MTP tensor prefix."""
     from lamina.models.mtp import mtp_class_for
 
     count = num_mtp_layers(hf_config)
@@ -115,7 +117,9 @@ def check_speculative(spec: SpeculativeConfig, hf_config, model_cls, model_path:
         return MTP_PREFIXES[0]
     from lamina.models.loader import read_header, resolve_shards
 
-    names = [n for path in resolve_shards(Path(model_path)) for n in read_header(path).tensors]
+    names = tensor_names
+    if names is None:
+        names = [n for path in resolve_shards(Path(model_path)) for n in read_header(path).tensors]
     prefix = mtp_prefix(names)
     if prefix is None:
         raise ValueError(

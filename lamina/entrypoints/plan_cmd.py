@@ -1,6 +1,8 @@
 """`lamina plan MODEL [flags] [--json]`: print the ParallelPlan of a model and layout, per rank.
 
-Reads config.json only; per-rank memory is estimated by building each rank's stage on the meta
+Reads config.json (and the safetensors headers, for the experts' FP8 check and the MTP drafter);
+MODEL may be a Hugging Face Hub id: its configs are fetched into the HF cache (no weights) and the
+headers read remotely, where the local snapshot has no shards. Per-rank memory is estimated by building each rank's stage on the meta
 device (no memory, no weights), so the figures are what the loader would allocate. With
 `--gpu-memory-gib N` it also says what the engine's GPU memory plan would make of each rank on a
 GPU of N GiB (max_num_seqs, KV cache tokens), or why it would not start.
@@ -25,19 +27,33 @@ from lamina.engine.spec_decode import SpeculativeConfig, check_speculative
 from lamina.models.registry import resolve_model_class
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
-from lamina.models.loader import CheckpointError, read_header, resolve_shards
+from lamina.models.hub import looks_like_repo_id, resolve_model_path
+from lamina.models.loader import CheckpointError, ShardHeader, read_header, resolve_shards
 from lamina.quantization import online_blocks, read_quantization, resolve_quantization, unquantized_expert_tensors
 from lamina.worker.model_loader import attach_drafter, read_model_config
 
 
-def _headers(model_path, engine_args: EngineArgs) -> list:
-    """The checkpoint's shard headers ([] for dummy weights or a folder without shards)."""
+def _headers(model_path, engine_args: EngineArgs, hub_id: str | None = None) -> list:
+    """The checkpoint's shard headers ([] for dummy weights or a folder without shards). A Hub id
+    whose snapshot holds no shards (plan fetches configs only) has its headers read from the Hub
+    (`huggingface_hub.get_safetensors_metadata`: the headers alone, no weights); [] when that fails."""
     if engine_args.load_format == "dummy":
         return []
     try:
         return [read_header(p) for p in resolve_shards(Path(model_path))]
     except (CheckpointError, OSError):
+        if hub_id is None:
+            return []
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        meta = get_safetensors_metadata(hub_id, revision=engine_args.revision)
+    except Exception as e:  # noqa: BLE001 - network, auth, a repository without safetensors
+        print(f"lamina plan: the shard headers of {hub_id!r} could not be read from the Hub ({type(e).__name__}: "
+              f"{e}); planning as if every expert tensor were in the checkpoint's declared format", file=sys.stderr)
         return []
+    return [ShardHeader(Path(name), {t: (info.dtype, tuple(info.shape)) for t, info in file.tensors.items()})
+            for name, file in sorted(meta.files_metadata.items())]
 
 
 def _is_ple_table(name: str) -> bool:
@@ -191,14 +207,21 @@ def render(plan: ParallelPlan, ranks: list[dict], boundary: dict, device_type: s
 def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         engine_args.validate()
-        hf_config = read_model_config(args.model_path, engine_args.hf_overrides)
+        # A Hub id: its configs fetched into (or found in) the HF cache, no weights; a local folder wins.
+        model_path = resolve_model_path(args.model_path, revision=engine_args.revision, load_format="dummy",
+                                        download_dir=engine_args.download_dir)
+        hub_id = args.model_path if model_path != args.model_path and looks_like_repo_id(args.model_path) else None
+        hf_config = read_model_config(model_path, engine_args.hf_overrides)
         architecture, model_cls = resolve_model_class(hf_config)
         cfg = model_cls.parse_config(hf_config, architecture)
         spec = SpeculativeConfig.parse(engine_args.speculative_config)
-        headers = _headers(args.model_path, engine_args)  # read once: the FP8 experts' check and the drafter's
+        headers = _headers(model_path, engine_args, hub_id)  # read once: the FP8 experts' check and the drafter's
         drafter = None
         if spec is not None:  # refuse what `generate` would refuse, from config and headers alone
-            prefix = check_speculative(spec, hf_config, model_cls, Path(args.model_path), engine_args.load_format)
+            hub_names = [n for h in headers for n in h.tensors] if hub_id else None
+            prefix = check_speculative(  # a Hub id's headers unread: its MTP tensors taken as the config says
+                spec, hf_config, model_cls, Path(model_path),
+                "dummy" if hub_id and not headers else engine_args.load_format, tensor_names=hub_names)
             drafter = {"hf_config": hf_config, "mtp_prefix": prefix, "headers": headers}
         device_type = "cpu" if engine_args.device == "cpu" else ("cuda" if engine_args.device.startswith("cuda") or torch.cuda.is_available() else "cpu")
         plan = build_plan(cfg, engine_args.parallel_config(), num_devices=None, device_type=device_type)
