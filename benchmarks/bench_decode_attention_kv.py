@@ -32,7 +32,9 @@ LAYERS = 10
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 2, 256, 16
 
 
-def make_case(batch: int, context: int, cache_dtype: torch.dtype, dev):
+def make_case(batch: int, context: int, cache_dtype: torch.dtype, dev, queries: int = 1):
+    """LAYERS caches of `batch` requests at `context` tokens in shuffled pages, their block tables and
+    lengths, and bf16 queries / gates `[batch * queries, HEADS, HEAD_DIM]`."""
     gen = torch.Generator(device=dev).manual_seed(0)
     pages_per_req = context // PAGE
     num_pages = batch * pages_per_req + 1
@@ -44,8 +46,8 @@ def make_case(batch: int, context: int, cache_dtype: torch.dtype, dev):
     order = torch.randperm(num_pages - 1, device=dev, generator=gen) + 1
     block_tables = order.view(batch, pages_per_req).to(torch.int32)  # [B, pages]
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)
-    gate = torch.randn(batch, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch * queries, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)  # [B*Q, H, D]
+    gate = torch.randn(batch * queries, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)
     return caches, block_tables, seq_lens, q, gate
 
 

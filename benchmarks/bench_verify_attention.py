@@ -31,28 +31,8 @@ from lamina.kernels.triton_decode import paged_decode_attention  # noqa: E402
 from lamina.kernels.triton_verify import paged_verify_attention  # noqa: E402
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from graph_timing import time_graph  # noqa: E402 (this script's folder)
-
-LAYERS = 10
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 2, 256, 16
-
-
-def make_case(batch: int, context: int, queries: int, cache_dtype: torch.dtype, dev):
-    gen = torch.Generator(device=dev).manual_seed(0)
-    pages_per_req = context // PAGE
-    num_pages = batch * pages_per_req + 1
-    caches = []
-    for _ in range(LAYERS):
-        k = (torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=dev, generator=gen) * 0.5).to(cache_dtype)
-        v = (torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=dev, generator=gen) * 0.5).to(cache_dtype)
-        caches.append((k, v))
-    order = torch.randperm(num_pages - 1, device=dev, generator=gen) + 1
-    block_tables = order.view(batch, pages_per_req).to(torch.int32)  # [B, pages]
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch * queries, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)  # [B*Q, H, D]
-    gate = torch.randn(batch * queries, HEADS, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)
-    return caches, block_tables, seq_lens, q, gate
-
+from bench_decode_attention_kv import HEAD_DIM, KV_HEADS, LAYERS, make_case  # noqa: E402 (this script's folder)
+from graph_timing import time_graph  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -71,7 +51,7 @@ def main() -> None:
     rows = []
     for batch, context, queries in itertools.product(args.batch, args.context, args.queries):
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            caches, block_tables, seq_lens, q, gate = make_case(batch, context, queries, cache_dtype, dev)
+            caches, block_tables, seq_lens, q, gate = make_case(batch, context, cache_dtype, dev, queries)
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
             for block_n, stages in itertools.product(args.block_n, args.stages):
                 options = {k: v for k, v in (("block_n", block_n), ("num_stages", stages)) if v}
