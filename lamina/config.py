@@ -49,7 +49,7 @@ class EngineArgs:
     default_max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
-    seed: int = 0
+    seed: int | None = 0  # None: 0, as vLLM's V1 engine
     num_gpu_blocks_override: int | None = None  # vLLM's name: fixes the number of KV blocks
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # KV budget; default on CPU: 4 GiB
@@ -100,6 +100,9 @@ class EngineArgs:
     # vLLM's name: where default sampling parameters come from: "auto" (the model's
     # generation_config.json), "vllm" (none) or a folder (lamina.engine.generation_defaults)
     generation_config: str = "auto"
+    # vLLM's name: sampling defaults laid over (generation_config "auto" / a folder) or instead of ("vllm")
+    # the generation config's, e.g. {"temperature": 0.5, "max_new_tokens": 256}
+    override_generation_config: dict | None = None
     # vLLM's name and default: the most logprobs / prompt_logprobs a request may ask (-1: the
     # whole vocabulary, which a request asks with logprobs=-1)
     max_logprobs: int = 20
@@ -118,6 +121,10 @@ class EngineArgs:
     disable_log_stats: bool = False
     tokenizer_mode: str = "auto"
     download_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = 0
 
     def parallel_config(self):
         from lamina.parallel.config import ParallelConfig
@@ -142,6 +149,10 @@ class EngineArgs:
                                  f"got {getattr(self, name)!r}")
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises on an unknown name
         parse_max_model_len(self.max_model_len)  # raises on a bad spelling
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict of generation-config fields (e.g. "
+                             f"{{'temperature': 0.5}}), got {type(self.override_generation_config).__name__}: "
+                             f"{self.override_generation_config!r}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json keys (nested dicts are merged), got "
                              f"{type(self.hf_overrides).__name__}: {self.hf_overrides!r}")

@@ -5,6 +5,7 @@ max_new_tokens, offline and served; "vllm" ignores it; a bad value fails before 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import openai
@@ -92,3 +93,65 @@ def test_served_truncate_prompt_tokens(qwen3_next_dir):
         with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
             client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
                                       extra_body={"truncate_prompt_tokens": 0})
+
+
+def test_override_generation_config(greedy_by_default, tmp_path):
+    """vLLM's override_generation_config: laid over the file's defaults ("auto"), or alone ("vllm");
+    a field lamina does not read, or a bad value, fails before any weight is read."""
+    assert default_sampling("auto", greedy_by_default, {"temperature": 0.3, "max_new_tokens": 9}) == dict(
+        temperature=0.3, top_p=0.9, top_k=1, repetition_penalty=1.0, max_tokens=9)
+    assert default_sampling("vllm", greedy_by_default, {"top_k": 4}) == {"top_k": 4}
+    with pytest.raises(ValueError, match=r"\['do_sample'\] are not sampling defaults lamina reads"):
+        default_sampling("auto", greedy_by_default, {"do_sample": False})
+    with pytest.raises(ValueError, match="override_generation_config: its sampling defaults are not valid.*top_p"):
+        LLM(str(greedy_by_default), override_generation_config={"top_p": 2.0}, **ENGINE)
+    with LLM(str(greedy_by_default), override_generation_config={"max_new_tokens": 3}, **ENGINE) as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.top_k, params.max_tokens) == (1, 3)
+        assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_vllm_only_engine_options(qwen3_next_dir, caplog):
+    """vLLM's options for what lamina lacks (lm-evaluation-harness sends swap_space and
+    tokenizer_revision): accepted where harmless, refused where they ask for a missing feature;
+    seed None is 0, as vLLM's V1 engine."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="lamina.vllm_compat"), \
+            LLM(str(qwen3_next_dir), swap_space=4, tokenizer_revision=None, enable_lora=False, max_lora_rank=16,
+                compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0, task="generate",
+                distributed_executor_backend="mp", limit_mm_per_prompt={"image": 0}, seed=None, **ENGINE) as llm:
+        assert llm.engine.args.seed == 0
+        seeded = llm.generate(PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    assert "swap_space=4: no effect" in caplog.text
+    with LLM(str(qwen3_next_dir), seed=0, **ENGINE) as llm:
+        assert llm.generate(PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids == seeded
+    for kwargs, message in (({"enable_lora": True}, "enable_lora=True is not supported; valid: false"),
+                            ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
+                            ({"tokenizer_revision": "v2"}, "tokenizer_revision='v2' is not supported"),
+                            ({"limit_mm_per_prompt": {"image": 1}}, "zero items of every modality")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LLM(str(qwen3_next_dir), **kwargs, **ENGINE)
+
+
+def test_the_engine_leaves_the_callers_torch_rng_alone(qwen3_next_dir):
+    """Unseeded requests draw from the engine's own stream (lamina.worker.sampling_rng), as vLLM's
+    engine runs in a process of its own: building an engine and generating neither reseeds nor
+    advances the caller's global torch RNG, and the caller's torch.manual_seed does not steer sampling
+    (the engine's seed does)."""
+    import torch
+
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    sampled = SamplingParams(temperature=1.0, max_tokens=6)
+    with LLM(str(qwen3_next_dir), seed=7, **ENGINE) as llm:
+        first = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
+        assert torch.equal(torch.rand(3), expected)  # not reseeded, not advanced
+        torch.manual_seed(99)
+        second = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
+        torch.manual_seed(99)
+        third = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
+    assert second != third  # the stream goes on: the caller's seed does not replay it
+    with LLM(str(qwen3_next_dir), seed=7, **ENGINE) as llm:  # the engine's seed replays it
+        assert llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids == first

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -184,3 +185,37 @@ def test_vllm_launch_line_serves_tools_and_reasoning(qwen3_next_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "was given after --served-model-name" in proc.stdout.read()
+
+
+def test_vllm_only_options_accepted_where_they_ask_nothing(caplog):
+    """vLLM's options for what lamina lacks (lamina.vllm_compat): harmless values accepted (a non-default
+    one logged with what lamina does), values asking for a missing feature refused naming the flag;
+    vLLM's frontend flags parse."""
+    import logging
+
+    args = build_parser().parse_args([
+        "serve", "/m", "--device", "cpu", "--swap-space", "4", "--disable-custom-all-reduce", "-O", "3",
+        "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp", "--max-lora-rank", "64",
+        "--limit-mm-per-prompt", '{"image": 0}', "--task", "generate", "--cpu-offload-gb", "0",
+        "--tool-call-parser", "qwen3_xml", "--enable-log-requests", "--max-log-len", "100",
+        "--enable-prompt-tokens-details", "--enable-force-include-usage", "--enable-request-id-headers",
+        "--response-role", "assistant", "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--chat-template-content-format", "string", "--override-generation-config", '{"temperature": 0.5}'])
+    with caplog.at_level(logging.INFO, logger="lamina.vllm_compat"):
+        check_compat_args(args, None)
+    assert "--swap-space 4.0: no effect" in caplog.text and "--compilation-config 3: no effect" in caplog.text
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert engine_kwargs(args)["override_generation_config"] == {"temperature": 0.5}
+    for flags, named in ((["--enable-lora"], "--enable-lora is not supported; valid: false (lamina has no LoRA"),
+                         (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8.0 is not supported; valid: 0"),
+                         (["--enable-sleep-mode"], "--enable-sleep-mode is not supported"),
+                         (["--distributed-executor-backend", "ray"], "valid: mp or uni (no Ray)"),
+                         (["--limit-mm-per-prompt", '{"image": 2}'], "zero items of every modality"),
+                         (["--middleware", "my.mod.Middleware"], "--middleware my.mod.Middleware: lamina loads no")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            check_compat_args(build_parser().parse_args(["serve", "--device", "cpu", *flags]), None)
+
+
+def test_ssl_flags_need_each_other(capsys, tmp_path):
+    assert cli_main(["serve", "--device", "cpu", "--port", "0", "--ssl-keyfile", str(tmp_path / "k.pem")]) == 2
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from lamina.step_plan import PENDING_TOKEN_ID
 from lamina.models.hybrid_config import num_mtp_layers
 from lamina.worker.model_loader import build_model
 from lamina.worker.model_runner import ModelRunner
+from lamina.worker.sampling_rng import seed_unseeded_stream
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         # report their id, as vLLM moves them into stop_token_ids
         tokenizer_eos = getattr(setup.tokenizer, "eos_token_id", None)
         self.primary_eos_token_id = tokenizer_eos if tokenizer_eos is not None else next(iter(self.eos_token_ids), None)
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
         self.structured = StructuredOutputManager(self.tokenizer, setup.model_config.vocab_size, self.eos_token_ids)
         hf_config, model_cls, cfg = setup.hf_config, setup.model_cls, setup.model_config
         max_num_seqs = args.max_num_seqs or args.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS[self.device.type]
@@ -174,6 +173,9 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         if self.device.type == "cuda":
             with self._out_of_memory_explained("warming up (a step of max_num_batched_tokens tokens)"):
                 self.warm_up()
+        # the noise of unseeded requests: the engine's own stream, started after the warm-up's draws (the
+        # caller's global torch RNG is neither read nor reseeded: lamina.worker.sampling_rng)
+        seed_unseeded_stream(args.seed, self.device)
 
     def _reset_statistics(self) -> None:
         """Speculative decoding's K policy and counters, and the token counters for metrics (as

@@ -111,7 +111,8 @@ def resolve_setup(args: EngineArgs) -> EngineSetup:
     mtp_prefix = None
     if spec_config is not None:
         mtp_prefix = check_speculative(spec_config, hf_config, model_cls, model_path, args.load_format)
-    default_sampling = generation_defaults.default_sampling(args.generation_config, model_path)
+    default_sampling = generation_defaults.default_sampling(args.generation_config, model_path,
+                                                            args.override_generation_config)
     ssm_state_dtype, source = ssm_state_dtype_choice(args.mamba_ssm_cache_dtype, hf_config, args.mamba_cache_dtype)
     if args.mamba_cache_dtype != "auto" and not source.startswith("mamba_cache_dtype"):
         logger.warning("mamba_cache_dtype = %s is not used: %s names the recurrent pool's dtype (the conv state "

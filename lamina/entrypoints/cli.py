@@ -7,6 +7,7 @@ import json
 import sys
 
 from lamina.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, LOGPROBS_MODES
+from lamina.entrypoints.cli_args import json_object
 from lamina.entrypoints.openai.cli_serve import add_serve_parser
 from lamina.sampling_params import SamplingParams
 
@@ -73,6 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default sampling parameters of requests that set none: 'auto' reads the model's "
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens), 'vllm' ignores it, or a folder holding one")
+    g.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help="vLLM's flag: sampling defaults laid over the generation config's (alone with "
+                        "--generation-config vllm), e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask (-1: the whole vocabulary, "
                         "which a request asks with -1)")
@@ -87,13 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_overrides(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object of config.json keys, got {text!r}")
-    return value
+    return json_object(text, "config.json keys")
 
 
 def _max_model_len(text: str) -> int | str:
@@ -146,6 +144,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager,
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
+        override_generation_config=getattr(args, "override_generation_config", None),
         logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         async_scheduling=getattr(args, "async_scheduling", None), speculative_config=_speculative_config(getattr(args, "speculative_config", None)),
         **(parallel_kwargs(args) if hasattr(args, "tensor_parallel_size") else {}),

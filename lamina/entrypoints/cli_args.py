@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 # the options that take a JSON object
-JSON_OPTIONS = ("--hf-overrides", "--speculative-config")
+JSON_OPTIONS = ("--hf-overrides", "--speculative-config", "--override-generation-config")
 
 
 def expand_argv(argv: list[str], boolean_flags: dict[str, bool]) -> list[str]:
@@ -138,3 +139,14 @@ def _deep_update(target: dict, value: dict) -> None:
             _deep_update(target[key], item)
         else:
             target[key] = item
+
+
+def json_object(text: str, of: str = "keys and values") -> dict:
+    """An option's JSON object value (argparse type): a clear error for bad JSON or a non-object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of {of}, got {text!r}")
+    return value

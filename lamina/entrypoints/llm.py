@@ -15,6 +15,7 @@ from lamina.inputs import PromptType
 from lamina.entrypoints.chat_messages import normalize_messages
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import RequestOutputKind, SamplingParams
+from lamina.vllm_compat import COMPAT_OPTIONS, check_compat_options
 
 
 class LLM:
@@ -36,14 +37,18 @@ class LLM:
     `generation_config`, `max_logprobs` (the most logprobs a request may ask a token, 20; -1: the
     vocabulary, which `SamplingParams(logprobs=-1)` asks); vLLM's `trust_remote_code`,
     `disable_log_stats` (no effect), `enable_chunked_prefill` (False refused), `tokenizer_mode`
-    ("auto" / "hf") and `enable_prefix_caching` (True refused) are taken so vLLM scripts run.
+    ("auto" / "hf") and `enable_prefix_caching` (True refused) are taken so vLLM scripts run, as are
+    vLLM's options for what lamina does not have (`swap_space`, `compilation_config`, `enable_lora`,
+    ...: lamina.vllm_compat), where they ask for nothing lamina lacks.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
-        unknown = sorted(set(kwargs) - fields)
+        unknown = sorted(set(kwargs) - fields - set(COMPAT_OPTIONS))
         if unknown:
-            raise TypeError(f"LLM() got unknown argument(s) {unknown}; valid: {', '.join(sorted(fields))}")
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; valid: {', '.join(sorted(fields))}, and "
+                            f"vLLM's {', '.join(sorted(COMPAT_OPTIONS))} (lamina.vllm_compat)")
+        check_compat_options({name: kwargs.pop(name) for name in list(kwargs) if name in COMPAT_OPTIONS})
         args = EngineArgs(model=None if model is None else str(model), **kwargs)
         self.llm_engine: LLMEngine | None = LLMEngine(args)
 

@@ -37,8 +37,9 @@ def resolve_model_path(model: str, *, revision: str | None = None, load_format: 
     Hub snapshot of that id at `revision` (a branch, tag or commit; None: main), in `download_dir`
     (vLLM's name; None: the Hugging Face cache)."""
     if Path(model).expanduser().exists() or not looks_like_repo_id(model):
-        if revision is not None and not looks_like_repo_id(model):
-            raise ValueError(f"revision = {revision!r} needs MODEL to be a Hugging Face Hub id, got the path {model!r}")
+        if revision is not None:  # as vLLM (transformers ignores a revision for a local folder)
+            logger.warning("revision = %r is ignored: MODEL %r is a local folder, not a Hugging Face Hub id",
+                           revision, model)
         return model
     from huggingface_hub import snapshot_download
 

@@ -34,6 +34,7 @@ import torch
 
 from lamina.worker.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch, _exponential_race,
                                    apply_bans_and_adjustments, check_logprobs_mode, reported_values, seeded_race)
+from lamina.worker.sampling_rng import unseeded_generator
 
 
 @dataclass
@@ -50,8 +51,8 @@ class VerifyOutput:
 
 
 def _uniforms(num_rows: int, batch: SamplingBatch, device) -> torch.Tensor:
-    """U[0, 1) per row, from the global RNG (rows without a seed use them)."""
-    return torch.rand(num_rows, device=device)  # [R]
+    """U[0, 1) per row, from the engine's stream of unseeded requests (rows without a seed use them)."""
+    return torch.rand(num_rows, device=device, generator=unseeded_generator(device))  # [R]
 
 
 def normalised_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

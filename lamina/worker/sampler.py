@@ -39,6 +39,7 @@ from lamina.outputs import Logprob
 from lamina.sampling_params import SamplingParams
 from lamina.worker.logits_processors import LogitAdjustments, bad_word_bans
 from lamina.kernels.seeded_noise import fill_seeded_exponential, seed_key
+from lamina.worker.sampling_rng import unseeded_generator
 from lamina.worker.top_k_top_p import TOP_K_WINDOW, apply_min_p, filter_top_k_top_p
 
 __all__ = [
@@ -470,12 +471,12 @@ def _exponential_race(probs: torch.Tensor, batch: SamplingBatch, seeded: bool = 
     probability ``p_j / sum(p)``.  Seeded rows take their ``E`` from
     :func:`~lamina.kernels.seeded_noise.fill_seeded_exponential` (unless ``seeded``
     is False: their result is then not used), everything else from the
-    global RNG.
+    engine's stream of unseeded requests (lamina.worker.sampling_rng).
     """
     bsz = probs.shape[0]
     noise = torch.empty_like(probs)  # [B, V]
     if len(batch.seeded_rows) < bsz or not seeded:
-        noise.exponential_()
+        noise.exponential_(generator=unseeded_generator(noise.device))
     if seeded and batch.seeded is not None:
         rows, keys, positions = batch.seeded  # [S] each
         fill_seeded_exponential(noise, rows, keys, positions, batch.sampler_kernels)

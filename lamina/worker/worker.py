@@ -18,6 +18,7 @@ from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
 from lamina.step_plan import StepPlan
 from lamina.worker.cuda_graphs import replay_size
+from lamina.worker.sampling_rng import seed_unseeded_stream
 
 
 @dataclass
@@ -134,11 +135,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             spec.model_path, hf_config, groups.ctx, dtype=spec.dtype, device=device, progress=False,
             layer_range=me.layer_range, model_options=spec.model_options, load_format=spec.load_format, seed=spec.seed,
         )
-        # The global RNG draws the noise of unseeded requests: one stream per data-parallel replica (the
-        # same seed on every replica gave the same "random" text to the same prompt on each of them);
+        # The noise of unseeded requests (lamina.worker.sampling_rng): one stream per data-parallel replica
+        # (the same seed on every replica gave the same "random" text to the same prompt on each of them);
         # replica 0 keeps the engine's seed, so one replica draws what a single-rank engine does.
         replica = groups.ctx.dp.rank
-        torch.manual_seed(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF)
+        seed_unseeded_stream(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF,
+                             device)
         runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size,
                              ssm_state_dtype=spec.ssm_state_dtype, kv_cache_dtype=spec.kv_cache_dtype,
                              logprobs_mode=spec.logprobs_mode)

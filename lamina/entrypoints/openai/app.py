@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -23,7 +24,7 @@ from lamina.engine.llm_engine import LLMEngine
 from lamina.entrypoints.openai.chat_tools import ChatOptions
 from lamina.entrypoints.openai.metrics import ServerMetrics
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
-from lamina.entrypoints.openai.serving import APIError, OpenAIServing
+from lamina.entrypoints.openai.serving import APIError, FrontendOptions, OpenAIServing
 from lamina.entrypoints.openai.serving_chat import create_chat_completion
 from lamina.entrypoints.openai.serving_completions import create_completion
 from lamina.entrypoints.openai.serving_tokens import (
@@ -65,6 +66,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns them off)
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # usage, request ids, role, request logs
 
 
 class ServerState:
@@ -79,6 +81,7 @@ class ServerState:
                                      retry_after_s=config.retry_after_s)
         self.serving.chat_options = config.chat or ChatOptions()
         self.serving.return_tokens_as_token_ids = config.return_tokens_as_token_ids
+        self.serving.frontend = config.frontend
 
     async def drain(self, timeout_s: float | None = None, give_up=lambda: False) -> None:
         """Refuse new requests, give in-flight ones `timeout_s` to finish (or until `give_up()`), then end
@@ -102,7 +105,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """Plain ASGI middleware: API-key check on /v1 routes, then a bound on request bodies (read here in
+    """Plain ASGI middleware: API-key check on /v1 routes and /invocations, then a bound on request bodies (read here in
     full, up to the limit, and replayed to the app; the client's disconnect still reaches the app)."""
 
     def __init__(self, app, state: ServerState):
@@ -118,7 +121,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         config = self.state.config
         headers = dict(scope.get("headers") or [])
-        if config.api_key and scope["path"].startswith("/v1"):
+        if config.api_key and (scope["path"].startswith("/v1") or scope["path"] == "/invocations"):
             given = headers.get(b"authorization", b"")
             keys = (config.api_key,) if isinstance(config.api_key, str) else config.api_key
             # every key compared (no early exit), each in constant time
@@ -254,6 +257,9 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
             return _error_response(APIError(503, "the server is shutting down", code="shutting_down"))
         return {"status": "ok"}
 
+    # vLLM's /ping (SageMaker's health check): /health's answer, to GET and POST
+    app.add_api_route("/ping", health, methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+
     @app.get("/version")
     async def version():
         return {"version": lamina.__version__}
@@ -265,8 +271,14 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
     facts = _engine_facts(engine)
 
     def model_cards() -> list[dict]:
+        # vLLM's card: root (the model's path), parent (a LoRA's base: none here), one permission entry
+        permission = {"id": f"modelperm-{state.serving.created:x}", "object": "model_permission",
+                      "created": state.serving.created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
         return [{"id": name, "object": "model", "created": state.serving.created, "owned_by": "lamina",
-                 "root": config.model_root, "max_model_len": engine.max_model_len, **facts}
+                 "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len,
+                 "permission": [permission], **facts}
                 for name in config.served_model_names]
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
@@ -287,6 +299,27 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state.serving, body, request)
+
+    @app.post("/invocations", responses=_ERROR_RESPONSES)
+    async def invocations(request: Request):
+        """vLLM's SageMaker route: a chat request (with `messages`) or a completion request (with
+        `prompt`), answered as /v1/chat/completions or /v1/completions would."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        kind = ("chat" if isinstance(body, dict) and "messages" in body else
+                "completions" if isinstance(body, dict) and "prompt" in body else None)
+        if kind is None:
+            raise APIError(400, "an /invocations body is a chat request (with 'messages') or a completion request "
+                           "(with 'prompt')")
+        model_cls, create = ((ChatCompletionRequest, create_chat_completion) if kind == "chat"
+                             else (CompletionRequest, create_completion))
+        try:
+            parsed = model_cls.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        return await create(state.serving, parsed, request)
 
     # vLLM's tokenizer routes (at the root, as vLLM's: lm-evaluation-harness looks for them there)
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)

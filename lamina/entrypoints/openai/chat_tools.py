@@ -32,6 +32,8 @@ class ChatOptions:
     reasoning_parser: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's
     trust_request_chat_template: bool = False  # a request's own chat_template is used (else a 400), as vLLM's flag
+    # vLLM's --default-chat-template-kwargs: every request's template kwargs, under its own chat_template_kwargs
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -85,6 +87,8 @@ def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_cho
             raise APIError(400, "tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
                            "--tool-call-parser NAME", param="tool_choice")
         if tool_choice == "required":
+            if tools == []:  # OpenAI's and vLLM's rule: an empty tool list makes 'required' mean 'none'
+                return "none", None
             if not tools:
                 raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
             if options.tool_call_parser is None:

@@ -34,7 +34,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     if hasattr(cli, "add_parallel_args"):
         cli.add_parallel_args(p)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    s.add_argument("--host", default=None,
+                   help="address to bind (default: every IPv4 interface, 0.0.0.0, as vLLM; 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any of the KEYs given) on /v1 routes "
@@ -74,6 +75,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--disable-log-stats", action="store_true",
                    help="do not log the engine-statistics line (prompt / generation tok/s, running and waiting "
                         "requests, KV cache use, step times)")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="vLLM's flag: serve HTTPS with this key")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE", help="vLLM's flag: ... and this certificate")
+    s.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="vLLM's flag: CA certificates of clients")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, metavar="N",
+                   help="vLLM's flag: whether a client certificate is needed (Python's ssl.CERT_*: 0 none, 2 required)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="vLLM's flag: log each request's prompt, token ids and sampling parameters (INFO)")
+    s.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="vLLM's flag: with --enable-log-requests, the prompt characters and token ids a line shows")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="vLLM's flag: usage carries prompt_tokens_details.cached_tokens (always 0: no prefix caching)")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="vLLM's flag: every stream ends with a usage chunk, whatever its stream_options ask")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="vLLM's flag: answers carry the request's X-Request-Id header back")
+    s.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="vLLM's flag: the role of chat answers when add_generation_prompt is true")
     s.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S, metavar="SECONDS",
                    help=f"seconds between engine-statistics lines while there is work (default: "
                         f"{DEFAULT_LOG_STATS_INTERVAL_S:g})")
@@ -141,6 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from lamina.entrypoints.cli import engine_kwargs
     from lamina.entrypoints.openai.app import ServerConfig, build_app
     from lamina.entrypoints.openai.chat_tools import ChatOptions, load_chat_template
+    from lamina.entrypoints.openai.serving import FrontendOptions
     from lamina.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
     repair_trailing_model(args)
@@ -157,9 +176,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.preset is not None or args.num_layers is not None:
         model_arg = resolve_preset(args, model_arg)
     check_compat_args(args, model_arg)
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     chat = ChatOptions(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                        reasoning_parser=args.reasoning_parser, chat_template=load_chat_template(args.chat_template),
-                       trust_request_chat_template=args.trust_request_chat_template)
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs)
     if getattr(args, "node_rank", 0) > 0:  # a secondary node of a multi-node layout: its ranks only, no HTTP
         from lamina.config import EngineArgs
         from lamina.engine.mp_executor import run_headless_node
@@ -167,7 +191,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_headless_node(EngineArgs(model=model_arg, **engine_kwargs(args)))
     model = model_arg or str(ensure_default_model())
     names = args.served_model_name or [args.preset or model_arg or DEFAULT_MODEL_NAME]
-    sock = bind_socket(args.host, args.port)
+    host = args.host or "0.0.0.0"
+    sock = bind_socket(host, args.port)
+    if host in ("0.0.0.0", "::") and not api_keys(args):
+        print(f"[lamina] listening on every interface ({host}) without --api-key: anyone who reaches this machine's "
+              "port can use the model (pass --host 127.0.0.1 or --api-key to restrict it)", file=sys.stderr)
     try:
         llm = LLM(model, **engine_kwargs(args))
     except BaseException:
@@ -181,18 +209,26 @@ def run_serve(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
             fastapi_docs=not args.disable_fastapi_docs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            frontend=FrontendOptions(
+                force_include_usage=args.enable_force_include_usage,
+                prompt_tokens_details=args.enable_prompt_tokens_details,
+                request_id_headers=args.enable_request_id_headers, response_role=args.response_role,
+                log_requests=args.enable_log_requests and not args.disable_log_requests, max_log_len=args.max_log_len),
         )
         app = build_app(llm.engine, config)
         import uvicorn  # the server stack loads only for `lamina serve` (bench / generate run without it)
 
         from lamina.entrypoints.openai.uvicorn_server import LaminaServer
 
-        uv_config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1],
+        uv_config = uvicorn.Config(app, host=host, port=sock.getsockname()[1],
                                    log_level=args.uvicorn_log_level or args.log_level,
                                    access_log=not args.no_access_log, timeout_graceful_shutdown=5,
-                                   root_path=args.root_path or "")
+                                   root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                                   ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                                   ssl_cert_reqs=args.ssl_cert_reqs)
         server = LaminaServer(uv_config, app.state.lamina)
-        print(f"[lamina] serving {names[0]!r} on http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"[lamina] serving {names[0]!r} on {scheme}://{host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
         server.run(sockets=[sock])
     finally:
         llm.shutdown()

@@ -53,7 +53,7 @@ class _Request(BaseModel):
 
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(_Request):
-    include_usage: bool | None = False
+    include_usage: bool | None = True  # vLLM's default: `stream_options: {}` asks for usage
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
 
 
@@ -96,6 +96,11 @@ class _SamplingFields(_Request):
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     use_beam_search: bool = False  # vLLM's: refused (no beam search in lamina), never silently sampled
+    # vLLM's: the response id becomes `<prefix>-<request_id>` (an X-Request-Id header wins)
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's extra: the response carries `prompt_token_ids`, each choice its generated `token_ids`; always on
+    # when the server runs without a tokenizer (completions: its text is empty then)
+    return_token_ids: bool | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -130,9 +135,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     best_of: _int(ge=1, le=MAX_N) | None = None
     suffix: str | None = None
-    # vLLM's extra: each choice also carries `token_ids` (generated) and `prompt_token_ids`; always on
-    # when the server runs without a tokenizer (its text is empty then)
-    return_token_ids: bool | None = None
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -209,10 +211,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # lamina has no prefix caching: always 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):
@@ -288,7 +295,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lamina"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
     # lamina's: what a client needs to make token-id prompts and to label its measurements
     vocab_size: int | None = None
     dtype: str | None = None

@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from lamina.config import check_vllm_modes
+from lamina.entrypoints.cli_args import json_object
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from lamina.models.hub import looks_like_repo_id
+from lamina.vllm_compat import COMPAT_OPTIONS, check_compat_options
 
 
 
@@ -28,9 +30,18 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
                    help="qwen3: answer <think>...</think> as reasoning_content")
     g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
                    help="a Jinja chat template (a file path, or the template itself) instead of the tokenizer's")
+    g.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                   help="vLLM's flag: chat template kwargs of every request (a request's chat_template_kwargs "
+                        "win), e.g. '{\"enable_thinking\": false}'")
+    g.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string"],
+                   help="vLLM's flag: lamina hands the template text content as strings (auto = string)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="a chat request's own chat_template field is used (without this flag such a request "
                         "is answered 400, as in vLLM)")
+
+
+def _template_kwargs(text: str) -> dict:
+    return json_object(text, "chat template kwargs")
 
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +52,7 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted, no effect: lamina runs its own model code and reads configs with transformers")
     g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted, no effect: lamina does not log request contents")
+                   help="vLLM's older flag: no request logging (lamina logs none unless --enable-log-requests)")
     g.add_argument("--language-model-only", action="store_true",
                    help="accepted, no effect: lamina serves the text model of a vision-language checkpoint and "
                         "never loads its vision encoder")
@@ -50,6 +61,28 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         "--enable-chunked-prefill is accepted, --no-enable-chunked-prefill refused")
     g.add_argument("--tokenizer-mode", default="auto",
                    help="only 'auto' (or 'hf'): the checkpoint's tokenizer through transformers' AutoTokenizer")
+    # vLLM's options for what lamina does not have (lamina.vllm_compat): accepted where they ask for nothing
+    g.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="accepted, no effect")
+    g.add_argument("--cpu-offload-gb", type=float, default=None, metavar="GIB", help="0 only")
+    g.add_argument("--disable-custom-all-reduce", action="store_true", default=None, help="accepted, no effect")
+    g.add_argument("--compilation-config", "-O", default=None, metavar="JSON|LEVEL",
+                   help="accepted, no effect: lamina captures its own CUDA graphs (--enforce-eager turns them off)")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N", help="accepted, no effect")
+    g.add_argument("--tokenizer-revision", default=None, metavar="REV",
+                   help="refused: lamina reads the tokenizer of MODEL at --revision (or --tokenizer)")
+    g.add_argument("--distributed-executor-backend", default=None, metavar="mp|uni",
+                   help="mp / uni accepted (lamina's ranks are its own processes); ray refused")
+    g.add_argument("--enable-sleep-mode", action="store_true", default=None, help="refused: no sleep mode")
+    g.add_argument("--enable-lora", action="store_true", default=None, help="refused: no LoRA adapters")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="accepted, no effect without LoRA")
+    g.add_argument("--max-loras", type=int, default=None, help="accepted, no effect without LoRA")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="accepted, no effect without LoRA")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help="zero items of every modality only (the text model is served)")
+    g.add_argument("--task", default=None, help="auto / generate only")
+    g.add_argument("--runner", default=None, help="auto / generate only")
+    g.add_argument("--middleware", action="append", default=None, metavar="IMPORT_PATH",
+                   help="refused: lamina loads no middleware from import paths")
 
 
 def _config_json(model: str | None, overrides: dict | None = None) -> dict:
@@ -84,6 +117,11 @@ def _flag(name: str, value) -> str:
 def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
     """Refuse (ValueError, exit 2) what lamina cannot do, naming the flag and what is supported."""
     check_vllm_modes(args.enable_prefix_caching, args.enable_chunked_prefill, args.tokenizer_mode, spell=_flag)
+    if args.middleware:
+        raise ValueError(f"--middleware {args.middleware[0]}: lamina loads no ASGI middleware from import paths; run "
+                         "it in a proxy in front of the server")
+    check_compat_options({name: getattr(args, name) for name in COMPAT_OPTIONS if name != "served_model_name"},
+                         spell=_flag)
     if args.quantization is not None:
         from lamina.quantization import read_quantization, resolve_quantization
 

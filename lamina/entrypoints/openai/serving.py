@@ -8,8 +8,10 @@ import bisect
 import json
 import math
 import time
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -23,6 +25,8 @@ from lamina.entrypoints.openai.token_text import logprob_token_text, token_bytes
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.structured_output import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -74,6 +78,18 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
+@dataclass
+class FrontendOptions:
+    """vLLM's frontend flags that shape answers and logs (`lamina serve --help` names them)."""
+
+    force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage whatever they ask
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details
+    request_id_headers: bool = False  # --enable-request-id-headers: answers carry X-Request-Id
+    response_role: str = "assistant"  # --response-role: the answer's role when add_generation_prompt
+    log_requests: bool = False  # --enable-log-requests: each request's prompt and parameters logged
+    max_log_len: int | None = None  # --max-log-len: prompt characters / token ids a log line shows
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
                  *, retry_after_s: int = 1):
@@ -87,6 +103,7 @@ class OpenAIServing:
         self.created = int(time.time())
         self._token_text_cache: dict[int, str] = {}
         self.return_tokens_as_token_ids = False  # the server's default (--return-tokens-as-token-ids)
+        self.frontend = FrontendOptions()
 
     # ---- model, tokenizer ------------------------------------------------------------------
     @property
@@ -173,7 +190,8 @@ class OpenAIServing:
         if req.use_beam_search:
             raise APIError(400, "use_beam_search: lamina has no beam search; n / best_of give several samples",
                            param="use_beam_search")
-        if req.stream_options is not None and not req.stream:
+        if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
+            # vLLM's rule: a non-empty stream_options needs stream = true ({} passes)
             raise APIError(400, "stream_options needs stream = true (as in OpenAI's API and vLLM)", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs is not available with stream = true (as in vLLM); on "
@@ -289,6 +307,41 @@ class OpenAIServing:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+    def request_ids(self, prefix: str, req, raw: Request) -> tuple[str, str]:
+        """(the answer's id, the engine's request id). As vLLM: `<prefix>-<X-Request-Id header>`, else
+        `<prefix>-<the body's request_id>`, else a random id; the engine's id adds a random suffix to a
+        client's, so two requests sending the same id never collide in the engine."""
+        given = raw.headers.get("x-request-id") or getattr(req, "request_id", None)
+        if not given:
+            request_id = self.new_id(prefix)
+            return request_id, request_id
+        request_id = f"{prefix}-{given}"
+        return request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+    def response_headers(self, raw: Request) -> dict[str, str] | None:
+        """X-Request-Id echoed back with --enable-request-id-headers (as vLLM)."""
+        given = raw.headers.get("x-request-id")
+        return {"X-Request-Id": given} if self.frontend.request_id_headers and given else None
+
+    def stream_usage(self, req) -> tuple[bool, bool]:
+        """(usage in a stream's last chunk, usage on every chunk) as vLLM decides them: stream_options'
+        include_usage (default true once stream_options is given) or --enable-force-include-usage;
+        continuous_usage_stats only with usage."""
+        options = req.stream_options
+        include = (bool(options.include_usage) if options is not None else False) or self.frontend.force_include_usage
+        return include, include and options is not None and bool(options.continuous_usage_stats)
+
+    def log_request(self, request_id: str, prompt: str | None, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """--enable-log-requests: the request's prompt, token ids and parameters at INFO (--max-log-len
+        cuts the prompt's characters and the ids shown)."""
+        if not self.frontend.log_requests:
+            return
+        cut = self.frontend.max_log_len
+        shown_ids = list(token_ids if cut is None else token_ids[:cut])
+        logger.info("request %s: prompt %r, params %s, prompt_token_ids %s%s", request_id,
+                    prompt if prompt is None or cut is None else prompt[:cut], params, shown_ids,
+                    "" if len(shown_ids) == len(token_ids) else f" (first {len(shown_ids)} of {len(token_ids)})")
 
     def submit(self, items: Sequence[tuple[str, list[int], SamplingParams, str | None]]) -> list[RequestStream]:
         """Queue (request_id, token_ids, params, prompt_text) items, all or none."""
@@ -430,10 +483,12 @@ class OpenAIServing:
             field.append(item)
         return field
 
-    @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.frontend.prompt_tokens_details:  # no prefix caching: no prompt token is ever cached
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        return usage
 
     @staticmethod
     def error_event(error: APIError) -> str:

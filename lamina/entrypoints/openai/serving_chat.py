@@ -64,7 +64,8 @@ def _apply_template(serving: OpenAIServing, req: ChatCompletionRequest, messages
         ids = tokenizer.apply_chat_template(
             messages, tools=req.tools, chat_template=template, tokenize=True,
             add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
+            continue_final_message=req.continue_final_message,
+            **((options.default_chat_template_kwargs or {}) | (req.chat_template_kwargs or {})),
         )
     except APIError:
         raise
@@ -135,19 +136,23 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     elif params.structured_outputs is not None and parser.reasoning is not None and parser.reasoning.opened_in_prompt:
         _enforce_after_reasoning(serving, params.structured_outputs)
     serving.validate_prompt(token_ids, params, "messages")
-    request_id = serving.new_id("chatcmpl")
-    [stream] = serving.submit([(request_id, token_ids, params, None)])
+    request_id, engine_id = serving.request_ids("chatcmpl", req, raw)
+    serving.log_request(request_id, None, token_ids, params)
+    [stream] = serving.submit([(engine_id, token_ids, params, None)])
     created = int(time.time())
+    # vLLM's role rule: the server's response role after a generation prompt, else the last message's
+    role = serving.frontend.response_role if req.add_generation_prompt else messages[-1].get("role", "assistant")
+    with_ids = bool(req.return_token_ids)
+    headers = serving.response_headers(raw)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage, continuous_usage = serving.stream_usage(req)
         return StreamingResponse(
             _stream(serving, stream, params, raw, request_id, created, model, num_logprobs, include_usage, arrival,
-                    continuous_usage, len(token_ids), echo,
+                    continuous_usage, token_ids, echo,
                     [output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
-                     for _ in range(params.n)], serving.tokens_as_ids(req)),
-            media_type="text/event-stream", headers=SSE_HEADERS,
+                     for _ in range(params.n)], serving.tokens_as_ids(req), role, with_ids),
+            media_type="text/event-stream", headers=SSE_HEADERS | (headers or {}),
         )
 
     try:
@@ -161,7 +166,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         if num_logprobs is not None:
             logprobs = {"content": _logprobs_entries(serving, completion.token_ids, completion.logprobs, 0,
                                                      num_logprobs, serving.tokens_as_ids(req)), "refusal": None}
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text, "refusal": None, "tool_calls": []}
+        message: dict[str, Any] = {"role": role, "content": completion.text, "refusal": None, "tool_calls": []}
         finish_reason = completion.finish_reason
         if parser.active:
             fields = parser.parse(completion.text)
@@ -173,7 +178,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             message["content"] = echo + (message["content"] or "")
         choices.append({
             "index": completion.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": completion.stop_reason,
+            "stop_reason": completion.stop_reason, **({"token_ids": list(completion.token_ids)} if with_ids else {}),
         })
     serving.record(ENDPOINT, arrival, [output])
     body = {
@@ -184,14 +189,18 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     }
     if req.prompt_logprobs is not None:  # vLLM's field: the templated prompt's tokens
         body["prompt_logprobs"] = serving.prompt_logprobs_field(output, req.prompt_logprobs)
-    return JSONResponse(body)
+    if with_ids:  # vLLM's return_token_ids: the templated prompt's ids
+        body["prompt_token_ids"] = list(output.prompt_token_ids)
+    return JSONResponse(body, headers=headers)
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
                   num_logprobs: int | None, include_usage: bool, arrival: float, continuous_usage: bool,
-                  prompt_tokens: int, echo: str, parsers: list[ChatOutputParser], tokens_as_ids: bool = False):
+                  prompt_ids: list[int], echo: str, parsers: list[ChatOutputParser], tokens_as_ids: bool = False,
+                  role: str = "assistant", with_ids: bool = False):
     """`parsers`: one output parser per choice (streamed parsing keeps state); `tokens_as_ids`: logprobs
-    name tokens `token_id:N`. `continuous_usage`
+    name tokens `token_id:N`; `role`: the first chunk's; `with_ids` (vLLM's return_token_ids): the
+    first chunk of a choice carries `prompt_token_ids`, every later one the new `token_ids`. `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats): every chunk carries its choice's usage so far (the
     prompt's tokens and that choice's tokens, as vLLM counts them with n > 1); the last chunk, the
     totals over all choices."""
@@ -199,6 +208,15 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
     n = params.n
     sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
     generated = [0] * n  # tokens of each choice so far
+    sent_ids = [0] * n  # generated ids sent (with_ids)
+    prompt_tokens = len(prompt_ids)
+
+    def new_ids(j: int, token_ids) -> dict:
+        if not with_ids:
+            return {}
+        ids = list(token_ids[sent_ids[j]:])
+        sent_ids[j] = len(token_ids)
+        return {"token_ids": ids}
 
     def chunk(choices: list[dict], usage=None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -212,8 +230,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
     outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
     try:
         for index in range(n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
+                          "finish_reason": None, **({"prompt_token_ids": list(prompt_ids)} if with_ids else {})}])
             if echo:  # vLLM's echo: the final assistant message's content first
                 yield chunk([{"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
         final = None
@@ -246,7 +264,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                     for delta in deltas[:-1]:
                         yield chunk([{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}])
                     choice: dict[str, Any] = {"index": j, "delta": deltas[-1] if deltas else {},
-                                              "logprobs": logprobs, "finish_reason": None}
+                                              "logprobs": logprobs, "finish_reason": None,
+                                              **new_ids(j, completion.token_ids)}
                     if finished:
                         done[j] = True
                         choice["finish_reason"] = chooser.finish_reason(completion.finish_reason, chooser.called_tools)

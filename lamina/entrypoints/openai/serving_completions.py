@@ -162,7 +162,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     prepared = await serving.run_blocking(lambda: [serving.engine.prepare_request_prompt(p, req.truncate_prompt_tokens)
                                                    for p in prompts], param="prompt")
     items = []
-    request_id = serving.new_id("cmpl")
+    request_id, engine_id = serving.request_ids("cmpl", req, raw)
     for i, (text, token_ids) in enumerate(prepared):
         max_tokens = serving.resolve_max_tokens(len(token_ids), 1 if echo_only else req.max_tokens,
                                                 prompt_param="prompt")
@@ -171,20 +171,22 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
             prompt_logprobs=_prompt_logprobs_wanted(req),
         )
         serving.validate_prompt(token_ids, params, "prompt")
-        items.append((f"{request_id}-{i}", token_ids, params, text))
+        items.append((f"{engine_id}-{i}", token_ids, params, text))
+    for item_id, token_ids, params, text in items:
+        serving.log_request(item_id, text, token_ids, params)
     echo_texts = [_echo_text(serving, text, ids) if req.echo else "" for text, ids in prepared]
     choices = [[_Choice(serving, req, i * n + j, echo_texts[i], prepared[i][1], serving.holdback(items[i][2]),
                         not echo_only) for j in range(n)] for i in range(len(prepared))]
     streams = serving.submit(items)
     created = int(time.time())
 
+    headers = serving.response_headers(raw)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage, continuous_usage = serving.stream_usage(req)
         return StreamingResponse(
             _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only,
                     continuous_usage),
-            media_type="text/event-stream", headers=SSE_HEADERS,
+            media_type="text/event-stream", headers=SSE_HEADERS | (headers or {}),
         )
 
     try:
@@ -214,7 +216,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": body_choices,
         "usage": serving.usage(prompt_tokens, completion_tokens), "system_fingerprint": None,
-    })
+    }, headers=headers)
 
 
 def _prompt_logprobs_wanted(req: CompletionRequest) -> int | None:

@@ -228,6 +228,7 @@ class Qwen3CoderToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Qwen3CoderToolParser)}
+TOOL_PARSERS["qwen3_xml"] = Qwen3CoderToolParser  # vLLM's second name for the same XML format
 
 
 def make_tool_parser(name: str, tools: list[dict] | None) -> ToolParser:

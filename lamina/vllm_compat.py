@@ -1,0 +1,95 @@
+"""vLLM engine options that lamina has no use for, taken where they ask nothing lamina lacks.
+
+Scripts and launch lines written for vLLM pass options such as `swap_space`, `compilation_config` or
+`enable_lora=False` (lm-evaluation-harness's vLLM wrapper always sends `swap_space` and
+`tokenizer_revision`). `LLM(...)` and `lamina serve` take each option below: a value that asks for
+nothing lamina lacks is accepted (logged when it is not the default: what lamina does instead), any
+other value is refused before any weight is read, naming the option and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompatOption:
+    name: str
+    accepts: Callable[[Any], bool]  # values lamina can honour
+    effect: str  # what lamina does for an accepted value
+    valid: str  # the accepted values, for the refusal
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+def _zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _falsy(value: Any) -> bool:
+    return not value
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda value: value in choices
+
+
+def _no_media(value: Any) -> bool:
+    """limit_mm_per_prompt: a dict (or its JSON) of per-modality counts, every one zero."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return isinstance(value, dict) and all(_zero(v) or v == {} or v is None for v in value.values())
+
+
+COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
+    CompatOption("swap_space", _any, "no effect: lamina keeps no CPU swap space (a preempted request is recomputed)",
+                 "any size"),
+    CompatOption("cpu_offload_gb", _zero, "no effect", "0 (lamina does not offload weights to the CPU)"),
+    CompatOption("disable_custom_all_reduce", _any, "no effect: lamina's all-reduces are torch.distributed's",
+                 "true or false"),
+    CompatOption("compilation_config", _any, "no effect: lamina captures its own CUDA graphs of decode "
+                 "steps (enforce_eager turns them off) and does not torch.compile", "any value"),
+    CompatOption("max_seq_len_to_capture", _any, "no effect: lamina's decode graphs do not depend on the "
+                 "sequence length", "any length"),
+    CompatOption("tokenizer_revision", _falsy, "no effect", "none (lamina reads the tokenizer of MODEL at "
+                 "revision, or of tokenizer)"),
+    CompatOption("distributed_executor_backend", _one_of(None, "mp", "uni"),
+                 "lamina runs its ranks as processes of its own (torch.distributed)", "mp or uni (no Ray)"),
+    CompatOption("enable_sleep_mode", _falsy, "no effect", "false (lamina has no sleep mode)"),
+    CompatOption("enable_lora", _falsy, "no effect", "false (lamina has no LoRA adapters)"),
+    CompatOption("max_lora_rank", _any, "no effect without LoRA adapters", "any value"),
+    CompatOption("max_loras", _any, "no effect without LoRA adapters", "any value"),
+    CompatOption("max_cpu_loras", _any, "no effect without LoRA adapters", "any value"),
+    CompatOption("limit_mm_per_prompt", _no_media, "no effect: lamina serves the text model only",
+                 "zero items of every modality (lamina has no multimodal encoder)"),
+    CompatOption("task", _one_of(None, "auto", "generate"), "lamina generates", "auto or generate"),
+    CompatOption("runner", _one_of(None, "auto", "generate"), "lamina generates", "auto or generate"),
+    CompatOption("served_model_name", _any, "no effect offline (lamina serve names the model with "
+                 "--served-model-name)", "any name"),
+)}
+
+
+def check_compat_options(values: dict[str, Any], spell: Callable[[str, Any], str] | None = None) -> None:
+    """Refuse (ValueError) a value of COMPAT_OPTIONS that asks for what lamina does not have; log what
+    an accepted non-default value does. `values`: {option name: value} (None: not given);
+    `spell(name, value)`: how the caller's user wrote the option (a keyword argument, a CLI flag)."""
+    spell = spell or (lambda name, value: f"{name}={value!r}")
+    for name, value in values.items():
+        option = COMPAT_OPTIONS[name]
+        if value is None:  # not given
+            continue
+        if not option.accepts(value):
+            raise ValueError(f"{spell(name, value)} is not supported; valid: {option.valid}")
+        if value is not False:
+            logger.info("%s: %s", spell(name, value), option.effect)
