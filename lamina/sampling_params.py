@@ -28,7 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from lamina.structured_output import StructuredOutputsParams
+from lamina.structured_output import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401 (vLLM imports both from here)
 
 __all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MIN_TEMPERATURE", "MAX_LOGIT_BIAS"]
 
@@ -86,7 +86,10 @@ class SamplingParams:
         structured_outputs: A :class:`~lamina.structured_output.StructuredOutputsParams`
             (or a dict of its fields: ``json``, ``json_object``, ``regex``,
             ``choice``, ``grammar``): the output must match it; enforced
-            during sampling.
+            during sampling. ``guided_decoding`` (vLLM's older name, with
+            ``GuidedDecodingParams``) is taken as it.
+        extra_args: vLLM's arguments of custom logits processors: kept on the
+            request, read by nothing (lamina has no custom logits processors).
         prompt_logprobs: If not ``None``, return for every prompt token after
             the first its logprob plus the ``prompt_logprobs`` most likely
             tokens' logprobs at that position; ``-1``: the whole vocabulary's
@@ -159,6 +162,10 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's older name of structured_outputs (GuidedDecodingParams, before 0.11): taken into it
+    guided_decoding: StructuredOutputsParams | dict | None = None
+    # vLLM's per-request arguments of custom logits processors: kept, read by nothing in lamina
+    extra_args: dict | None = None
     # Set by the engine from `bad_words` and its tokenizer: the token sequences to ban.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -250,7 +257,13 @@ class SamplingParams:
             self.bad_words = words or None
         if self.best_of is None:
             self.best_of = self.n
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (vLLM's older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
 
     def _validate(self) -> None:
         """Raise ValueError for any out-of-range field."""

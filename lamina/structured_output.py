@@ -36,6 +36,8 @@ __all__ = ["StructuredOutputsParams", "StructuredOutputManager", "bitmask_words"
 
 MAX_CHOICES = 1024
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+_OPTIONS = ("enforce_after_token_id", "disable_any_whitespace", "backend", "disable_fallback", "whitespace_pattern",
+            "disable_additional_properties")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -59,8 +61,23 @@ class StructuredOutputsParams:
     # reasoning end `</think>` when its reasoning parser is on and the prompt opened a think block,
     # as vLLM enforces structured output only after the reasoning); None: from the first token
     enforce_after_token_id: int | None = None
+    # vLLM's options: `disable_any_whitespace` False lets JSON have any whitespace between its tokens
+    # (None, lamina's default, and True: compact JSON, which keeps a model from looping on blanks);
+    # `backend` None / "auto" / "xgrammar" (lamina's only one); `disable_fallback` (no fallback here);
+    # `whitespace_pattern` and `disable_additional_properties` (other backends') unset only
+    disable_any_whitespace: bool | None = None
+    backend: str | None = None
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
+        if self.backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"structured_outputs backend {self.backend!r}: lamina compiles grammars with xgrammar; "
+                             "valid: auto, xgrammar")
+        if self.whitespace_pattern is not None or self.disable_additional_properties:
+            raise ValueError("structured_outputs whitespace_pattern / disable_additional_properties belong to other "
+                             "backends (outlines, guidance); lamina's xgrammar takes disable_any_whitespace")
         given = [name for name in _KINDS if getattr(self, name)]
         if len(given) != 1:
             raise ValueError(
@@ -104,18 +121,19 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(_KINDS) - {"enforce_after_token_id"})
+            unknown = sorted(set(value) - set(_KINDS) - set(_OPTIONS))
             if unknown:
                 raise ValueError(f"structured_outputs has unknown keys {unknown}; valid: {', '.join(_KINDS)}")
             return cls(**value)
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple[str, ...]:
         """A hashable description (the compiled-grammar cache key)."""
+        spaces = "any" if self.disable_any_whitespace is False else ""
         if self.json is not None:
-            return ("json", json.dumps(self.json, sort_keys=True))
+            return ("json", json.dumps(self.json, sort_keys=True), spaces)
         if self.json_object:
-            return ("json_object", "")
+            return ("json_object", "", spaces)
         if self.regex is not None:
             return ("regex", self.regex)
         if self.choice is not None:
@@ -123,6 +141,9 @@ class StructuredOutputsParams:
         if self.structural_tag is not None:
             return ("structural_tag", json.dumps(self.structural_tag, sort_keys=True))
         return ("grammar", self.grammar)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.11 (SamplingParams(guided_decoding=...))
 
 
 def _holds_json(node: Any) -> bool:
@@ -199,10 +220,11 @@ class StructuredOutputManager:
                 return compiled
         compiler = self._get_compiler()
         try:
+            any_whitespace = spec.disable_any_whitespace is False  # vLLM's False: any whitespace
             if spec.json is not None:
-                compiled = compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
+                compiled = compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=any_whitespace)
             elif spec.json_object:
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
             elif spec.regex is not None:
                 compiled = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:

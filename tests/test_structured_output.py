@@ -54,6 +54,28 @@ def test_params_validation():
     assert SamplingParams(structured_outputs={"json": '{"type": "object"}'}).structured_outputs.json == {"type": "object"}
 
 
+def test_vllm_spellings_and_options():
+    """vLLM's GuidedDecodingParams / SamplingParams(guided_decoding=...) (its name before 0.11) are
+    structured_outputs; its backend options: xgrammar only, the other backends' options refused;
+    extra_args kept."""
+    from lamina.sampling_params import GuidedDecodingParams
+
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"], backend="xgrammar"))
+    assert params.structured_outputs.choice == ["a", "b"] and params.guided_decoding is None
+    assert SamplingParams(guided_decoding={"regex": "x+"}).structured_outputs.regex == "x+"
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding={"regex": "x"}, structured_outputs={"regex": "y"})
+    with pytest.raises(ValueError, match="valid: auto, xgrammar"):
+        StructuredOutputsParams(regex="x", backend="outlines")
+    with pytest.raises(ValueError, match="belong to other backends"):
+        StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=r"\s?")
+    assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
+    compact = StructuredOutputsParams(json={"type": "object"})
+    spaced = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False)
+    assert compact.key() != spaced.key() and compact.key() == StructuredOutputsParams(
+        json={"type": "object"}, disable_any_whitespace=True).key()
+
+
 def test_apply_token_bitmask_matches_explicit_mask():
     vocab = 70
     allowed = [[0, 5, 31, 32, 69], [33], list(range(vocab))]
@@ -104,6 +126,27 @@ def test_grammar_wins_over_min_tokens_bans(llm):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids[0] == brace and 0 not in out.token_ids[:3]
     assert out.text.startswith("{")
+
+
+def test_any_whitespace_json_when_asked(llm):
+    """disable_any_whitespace=False (vLLM's option) lets the JSON grammar take whitespace between
+    tokens; lamina's default keeps it compact: after `{`, only the spaced grammar's mask allows a
+    space."""
+    manager, tokenizer = llm.engine.structured, llm.get_tokenizer()
+    space = tokenizer.encode(" ", add_special_tokens=False)
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    assert len(space) == 1 and len(brace) == 1
+    allowed = {}
+    for name, spec in (("compact", StructuredOutputsParams(json_object=True)),
+                       ("spaced", StructuredOutputsParams(json_object=True, disable_any_whitespace=False))):
+        manager.add(name, spec)
+        try:
+            assert manager.accept(name, brace[0])
+            words = manager.bitmask(name)
+            allowed[name] = bool((int(words[space[0] // 32]) >> (space[0] % 32)) & 1)
+        finally:
+            manager.remove(name)
+    assert allowed == {"compact": False, "spaced": True}
 
 
 def test_engine_rejects_grammar_that_does_not_compile(llm):
