@@ -8,12 +8,10 @@ import json
 import re
 import shutil
 
-import openai
 import pytest
 
 from lamina import LLM, SamplingParams
 from lamina.engine.generation_defaults import default_sampling
-from tests.server_harness import MODEL_NAME, RunningServer
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False)
 PROMPT = {"prompt_token_ids": [5, 17, 230, 44, 9, 301]}
@@ -53,6 +51,10 @@ def test_offline_requests_without_params_take_them(greedy_by_default):
 
 
 def test_served_requests_take_them_for_fields_they_leave_out(greedy_by_default):
+    import openai  # the server's modules: imported here, so the GPU machine (no openai) collects this file
+
+    from tests.server_harness import MODEL_NAME, RunningServer
+
     with LLM(str(greedy_by_default), **ENGINE) as llm:
         greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
     with LLM(str(greedy_by_default), **ENGINE) as llm, RunningServer(llm.engine) as srv, \
@@ -81,6 +83,10 @@ def test_vllm_engine_arguments_scripts_pass(qwen3_next_dir):
 
 def test_served_truncate_prompt_tokens(qwen3_next_dir):
     """vLLM's truncate_prompt_tokens on the server: the last k prompt tokens are the prompt."""
+    import openai
+
+    from tests.server_harness import MODEL_NAME, RunningServer
+
     prompt = list(range(1, 200))  # with max_tokens 16: longer than max_model_len = 128 allows
     with LLM(str(qwen3_next_dir), **ENGINE) as llm:
         tail = llm.generate({"prompt_token_ids": prompt[-6:]}, SamplingParams(temperature=0.0, max_tokens=4),
@@ -134,24 +140,32 @@ def test_vllm_only_engine_options(qwen3_next_dir, caplog):
             LLM(str(qwen3_next_dir), **kwargs, **ENGINE)
 
 
-def test_the_engine_leaves_the_callers_torch_rng_alone(qwen3_next_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_leaves_the_callers_torch_rng_alone(qwen3_next_dir, device):
     """Unseeded requests draw from the engine's own stream (lamina.worker.sampling_rng), as vLLM's
     engine runs in a process of its own: building an engine and generating neither reseeds nor
     advances the caller's global torch RNG, and the caller's torch.manual_seed does not steer sampling
     (the engine's seed does)."""
     import torch
 
+    engine = ENGINE | {"device": device}
     torch.manual_seed(1234)
-    expected = torch.rand(3)
+    expected = torch.rand(3), (torch.rand(3, device=device) if device == "cuda" else None)
     torch.manual_seed(1234)
     sampled = SamplingParams(temperature=1.0, max_tokens=6)
-    with LLM(str(qwen3_next_dir), seed=7, **ENGINE) as llm:
+    with LLM(str(qwen3_next_dir), seed=7, **engine) as llm:
+        after_start = torch.get_rng_state(), (torch.cuda.get_rng_state() if device == "cuda" else None)
         first = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
-        assert torch.equal(torch.rand(3), expected)  # not reseeded, not advanced
+        assert torch.equal(torch.get_rng_state(), after_start[0])  # generating leaves it alone
+        if device == "cuda":
+            assert torch.equal(torch.cuda.get_rng_state(), after_start[1]), "generating moved the CUDA RNG"
+        assert torch.equal(torch.rand(3), expected[0])  # not reseeded, not advanced
+        if device == "cuda":
+            assert torch.equal(torch.rand(3, device=device), expected[1]), "starting the engine moved the CUDA RNG"
         torch.manual_seed(99)
         second = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
         torch.manual_seed(99)
         third = llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids
     assert second != third  # the stream goes on: the caller's seed does not replay it
-    with LLM(str(qwen3_next_dir), seed=7, **ENGINE) as llm:  # the engine's seed replays it
+    with LLM(str(qwen3_next_dir), seed=7, **engine) as llm:  # the engine's seed replays it
         assert llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs[0].token_ids == first

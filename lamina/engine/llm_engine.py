@@ -66,6 +66,10 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         setup = resolve_setup(args)  # every config error is raised here, before any weight is read
         self.setup = setup
         self.args, self.model_path, self.device, self.dtype = setup.args, setup.model_path, setup.device, setup.dtype
+        # The caller's CUDA RNG state of this device, given back once the engine is up: capturing CUDA
+        # graphs moves it (torch registers the default generator with each graph), and an engine in the
+        # caller's process leaves the caller's randomness alone (lamina.worker.sampling_rng)
+        callers_cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self.model_config, self.parallel_config, self.plan = setup.model_config, setup.parallel_config, setup.plan
         self.max_model_len, self.spec_config = setup.max_model_len, setup.spec_config
         self.ssm_state_dtype = setup.ssm_state_dtype  # the recurrent state pool's (mamba_ssm_cache_dtype)
@@ -170,12 +174,14 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self._spec_layers = (cfg.num_hidden_layers, num_mtp_layers(hf_config))
         self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
         self._reset_statistics()
+        # the noise of unseeded requests: the engine's own stream (the caller's global torch RNG is neither
+        # read nor reseeded: lamina.worker.sampling_rng), started again after the warm-up's draws
+        seed_unseeded_stream(args.seed, self.device)
         if self.device.type == "cuda":
             with self._out_of_memory_explained("warming up (a step of max_num_batched_tokens tokens)"):
                 self.warm_up()
-        # the noise of unseeded requests: the engine's own stream, started after the warm-up's draws (the
-        # caller's global torch RNG is neither read nor reseeded: lamina.worker.sampling_rng)
-        seed_unseeded_stream(args.seed, self.device)
+            seed_unseeded_stream(args.seed, self.device)
+            torch.cuda.set_rng_state(callers_cuda_rng, self.device)
 
     def _reset_statistics(self) -> None:
         """Speculative decoding's K policy and counters, and the token counters for metrics (as
