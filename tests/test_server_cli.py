@@ -58,7 +58,7 @@ def _stop(proc, timeout=30) -> int:
 
 def test_serve_parser_defaults():
     args = build_parser().parse_args(["serve"])
-    assert args.model_tag is None and args.host == "127.0.0.1" and args.port == 8000
+    assert args.model_tag is None and args.host is None and args.port == 8000  # None: 0.0.0.0, as vLLM
     assert args.max_waiting_requests is None and args.served_model_name is None
     args = build_parser().parse_args(["serve", "/m", "--api-key", "k", "--max-waiting-requests", "4",
                                       "--served-model-name", "a", "b", "--dtype", "float32", "--max-num-seqs", "3"])
@@ -80,7 +80,7 @@ def test_serve_config_errors_exit_2(capsys):
         assert cli_main(["serve", "--device", "cpu", "--port", str(taken.getsockname()[1])]) == 2
     assert cli_main(["serve", "--device", "cpu", "--log-stats-interval", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--max-waiting-requests must be >= 1" in err and "cannot listen on 127.0.0.1" in err
+    assert "--max-waiting-requests must be >= 1" in err and "cannot listen on 0.0.0.0" in err  # every interface
     assert "--log-stats-interval must be > 0 seconds, got 0.0" in err
 
 
