@@ -393,3 +393,25 @@ def test_cli_errors_exit_2(capsys, tmp_path):
     assert "no config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["--help"])
+
+
+def test_vllm_engine_and_llm_calling_conventions(llm):
+    """vLLM's LLMEngine.add_request(request_id, prompt, params) order is taken beside lamina's
+    (prompt, params, request_id), told apart by the SamplingParams' place; a wrong params type is a
+    clear TypeError; LLM.reset_prefix_cache() is True (no prefix cache, nothing stale); sleep /
+    wake_up say lamina has no sleep mode."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert engine.add_request("vllm-order", {"prompt_token_ids": [5, 6, 7]}, params) == "vllm-order"
+    assert engine.add_request({"prompt_token_ids": [5, 6, 7]}, params, "lamina-order") == "lamina-order"
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["vllm-order"] == done["lamina-order"] and len(done["vllm-order"]) == 3
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got str"):
+        engine.add_request("id-1", "a prompt")
+    assert llm.reset_prefix_cache() is True
+    with pytest.raises(NotImplementedError, match="no sleep mode"):
+        llm.sleep()

@@ -227,6 +227,13 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        """Queue a request; returns its id. Also takes vLLM's order, `add_request(request_id, prompt,
+        params)`: told apart by where the SamplingParams is (a prompt is never one)."""
+        if not isinstance(params, SamplingParams) and isinstance(request_id, SamplingParams):
+            prompt, params, request_id = params, request_id, prompt  # vLLM's (request_id, prompt, params)
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"add_request: params must be a SamplingParams, got {type(params).__name__} (the "
+                            "arguments are (prompt, params, request_id), or vLLM's (request_id, prompt, params))")
         params = params or self.default_sampling_params()
         text, token_ids = self.prepare_request_prompt(prompt, params.truncate_prompt_tokens)
         max_tokens = self.validate_request(token_ids, params)

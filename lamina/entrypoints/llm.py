@@ -61,6 +61,20 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self, device=None) -> bool:
+        """vLLM's: drop cached prompt prefixes (RL loops call it after a weight update). lamina keeps none
+        (no prefix caching: every prompt is computed in full), so there is nothing stale: True."""
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (free the GPU's weights / KV cache between uses): lamina has none."""
+        raise NotImplementedError("lamina has no sleep mode (vLLM's enable_sleep_mode): shut the LLM down "
+                                  "(llm.shutdown()) to free its memory, and build a new one")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's sleep mode: lamina has none (see `sleep`)."""
+        raise NotImplementedError("lamina has no sleep mode (vLLM's enable_sleep_mode); nothing to wake up")
+
     # ---- generation ----------------------------------------------------------------------
     def generate(
         self,
