@@ -41,6 +41,8 @@ VLLM_SERIES = {
     "vllm:request_generation_tokens": "histogram",
     "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:request_params_n": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:cache_config_info": "gauge",
 }
 BUCKETS = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
@@ -140,6 +142,17 @@ def test_preemptions_and_vllm_names_under_a_tiny_cache(server):
     assert _value(after, "vllm:request_params_n", "_sum", **LABELS) == NUM_REQUESTS
     assert _value(after, "vllm:num_requests_running", **LABELS) == 0
     assert _value(after, "vllm:kv_cache_usage_perc", **LABELS) == 0
+    # tokens each engine step ran (monitors read its _count as the engine's heartbeat): every step
+    # counted, the tokens summed, vLLM's buckets
+    steps = "vllm:iteration_tokens_total"
+    assert _value(after, steps, "_count", **LABELS) - _value(before, steps, "_count", **LABELS) >= MAX_TOKENS
+    ran = _value(after, steps, "_sum", **LABELS) - _value(before, steps, "_sum", **LABELS)
+    assert ran >= prompt_tokens + NUM_REQUESTS * (MAX_TOKENS - 1)  # preempted requests run their tokens again
+    bounds = [float(s.labels["le"]) for s in after[steps].samples if s.name == steps + "_bucket"]
+    assert bounds[:3] == [1.0, 8.0, 16.0] and bounds[-1] == float("inf")
+    info = [s for s in after["vllm:cache_config_info"].samples][0]
+    assert info.value == 1 and info.labels["block_size"] == "4" and info.labels["num_gpu_blocks"] == "40"
+    assert info.labels["enable_prefix_caching"] == "False"
 
 
 def test_spec_decode_series_only_with_speculative_decoding():

@@ -11,6 +11,7 @@ import torch
 
 from lamina.config import EngineArgs
 from lamina.engine.async_scheduling import plan_may_overlap, resolve_async_scheduling
+from lamina.engine.stats_log import TokenCountHistogram
 from lamina.engine.cache_manager import CacheManager
 from lamina.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lamina.engine.executor import InProcessExecutor
@@ -199,6 +200,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens_processed = 0
         self.step_token_counts.clear()
+        self.iteration_tokens = TokenCountHistogram()  # tokens of each step (vLLM's vllm:iteration_tokens_total)
 
     def _capture_multirank_graphs(self, max_num_seqs: int) -> None:
         """Several ranks (TP / PP / DP / EP): every rank captures its decode graphs
@@ -403,6 +405,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self._fill_token_bitmasks(plans)
         counts = tuple(p.num_tokens for p in plans)
         self.step_token_counts.append(counts)
+        self.iteration_tokens.observe(sum(counts))
         for replica, p in enumerate(plans):
             p.num_draft_tokens = num_drafts
             running = {r.request_id for r in self.schedulers[replica].running}

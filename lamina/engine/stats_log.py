@@ -61,3 +61,30 @@ class EngineStatsLogger:
             self._log(self.line(engine, now))
         self.start(engine)
         return logged
+
+
+# vLLM's buckets of vllm:iteration_tokens_total (tokens an engine step runs)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class TokenCountHistogram:
+    """Cumulative counts of the tokens each engine step ran, in ITERATION_TOKEN_BUCKETS (the server's
+    /metrics reads them at scrape time: the engine thread only adds)."""
+
+    def __init__(self, buckets: tuple[int, ...] = ITERATION_TOKEN_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, the last one past the largest bound
+        self.total = 0  # the sum of the observed counts
+
+    def observe(self, tokens: int) -> None:
+        index = next((i for i, bound in enumerate(self.buckets) if tokens <= bound), len(self.buckets))
+        self.counts[index] += 1
+        self.total += tokens
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' (le, cumulative count) pairs, "+Inf" last."""
+        out, running = [], 0
+        for bound, count in zip([*map(str, map(float, self.buckets)), "+Inf"], list(self.counts)):
+            running += count
+            out.append((bound, running))
+        return out

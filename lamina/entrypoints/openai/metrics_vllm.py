@@ -10,7 +10,7 @@ request finishes.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from lamina.engine.async_engine import AsyncEngine
@@ -18,6 +18,9 @@ from lamina.engine.async_engine import AsyncEngine
 LABELS = ("model_name", "engine")
 ENGINE = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# vllm:cache_config_info's labels (vLLM's names); lamina has no prefix caching and no CPU blocks
+CACHE_INFO_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                     "num_gpu_blocks", "num_cpu_blocks")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -72,6 +75,19 @@ class _EngineCollector(Collector):
                             getattr(llm, "num_prompt_tokens_processed", 0))
         yield self._counter("vllm:generation_tokens", "Tokens generated.",
                             getattr(llm, "num_generation_tokens_processed", 0))
+        steps = getattr(llm, "iteration_tokens", None)
+        if steps is not None:
+            h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens run by each engine step.", labels=LABELS)
+            h.add_metric(self.labels, steps.cumulative(), sum_value=steps.total)
+            yield h
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=LABELS + CACHE_INFO_LABELS)
+        args = getattr(llm, "args", None)
+        info.add_metric(self.labels + [
+            str(getattr(args, "block_size", "")), str(getattr(llm, "kv_cache_dtype", "")).removeprefix("torch."),
+            "False", str(getattr(args, "gpu_memory_utilization", "")), str(getattr(llm, "num_kv_blocks", "")),
+            "None"], 1.0)
+        yield info
         spec = getattr(llm, "spec_decode_metrics", None)
         if spec is not None:  # as vLLM: only with speculative decoding
             yield self._counter("vllm:spec_decode_num_drafts", "Verification steps with drafts.", spec.num_steps)
