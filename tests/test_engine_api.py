@@ -180,6 +180,9 @@ def test_truncate_prompt_tokens_and_detokenize(llm):
     tail = llm.generate({"prompt_token_ids": list(range(294, 300))}, SamplingParams(temperature=0.0, max_tokens=4),
                         use_tqdm=False)[0]
     assert out.outputs[0].token_ids == tail.outputs[0].token_ids and out.num_cached_tokens == 0
+    text = llm.get_tokenizer().decode(list(range(1, 40)))  # a text prompt keeps its text, as vLLM's
+    cut = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt == text and len(cut.prompt_token_ids) == 5
     with pytest.raises(ValueError, match="no room"):  # -1 keeps max_model_len tokens: nothing left to generate
         llm.generate(long_prompt, SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
