@@ -44,6 +44,17 @@ def test_cors_allowed_origins(llm):
         assert got.status_code == 200 and "access-control-allow-origin" not in got.headers
 
 
+def test_api_key_guards_the_routes_under_a_root_path(llm):
+    """uvicorn puts --root-path in front of scope['path']: the API-key check reads the route's own path,
+    so a root path never opens /v1 or /invocations."""
+    with RunningServer(llm.engine, root_path="/api", api_key="k") as srv:
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401  # as a prefix-stripping proxy sends it
+        assert httpx.post(f"{srv.url}/invocations", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(f"{srv.url}/api/v1/models").status_code in (401, 404)  # never answered without the key
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
 def test_root_path_and_docs(llm):
     with RunningServer(llm.engine, root_path="/api") as srv:
         assert httpx.get(f"{srv.url}/openapi.json").json()["servers"] == [{"url": "/api"}]

@@ -121,7 +121,12 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         config = self.state.config
         headers = dict(scope.get("headers") or [])
-        if config.api_key and (scope["path"].startswith("/v1") or scope["path"] == "/invocations"):
+        # the route's own path: uvicorn puts --root-path in front of it (ASGI's root_path rule)
+        path = scope["path"]
+        root = scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if config.api_key and (path.startswith("/v1") or path == "/invocations"):
             given = headers.get(b"authorization", b"")
             keys = (config.api_key,) if isinstance(config.api_key, str) else config.api_key
             # every key compared (no early exit), each in constant time
