@@ -183,6 +183,12 @@ def test_truncate_prompt_tokens_and_detokenize(llm):
     text = llm.get_tokenizer().decode(list(range(1, 40)))  # a text prompt keeps its text, as vLLM's
     cut = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=5), use_tqdm=False)[0]
     assert cut.prompt == text and len(cut.prompt_token_ids) == 5
+    engine = llm.engine  # the engine's own add_request keeps it too
+    request_id = engine.add_request(text, SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=5))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished and o.request_id == request_id]
+    assert finals[0].prompt == text and len(finals[0].prompt_token_ids) == 5
     with pytest.raises(ValueError, match="no room"):  # -1 keeps max_model_len tokens: nothing left to generate
         llm.generate(long_prompt, SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):

@@ -87,12 +87,16 @@ def test_stream_options_as_vllm_reads_them(server, options, usage_chunks):
 
 
 def test_force_include_usage_and_prompt_tokens_details(llm):
+    """--enable-force-include-usage: a stream without stream_options ends with usage.
+    --enable-prompt-tokens-details: vLLM adds the field only when tokens came from its prefix cache;
+    lamina has none, so it stays out, as in vLLM's answers then."""
     frontend = FrontendOptions(force_include_usage=True, prompt_tokens_details=True)
     with RunningServer(llm.engine, frontend=frontend) as srv:
         events = _stream(f"{srv.base_url}/chat/completions", GREEDY | {"messages": MESSAGES})
-        assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+        assert "prompt_tokens_details" not in events[-1]["usage"]
         body = httpx.post(f"{srv.base_url}/completions", json=GREEDY | {"prompt": "x"}, timeout=60).json()
-        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert "prompt_tokens_details" not in body["usage"]
 
 
 def test_request_ids_from_the_header_or_the_body(llm, server):
@@ -114,10 +118,17 @@ def test_request_ids_from_the_header_or_the_body(llm, server):
                 range(2)))
     assert [a.status_code for a in answers] == [200, 200]
     assert all(a.json()["usage"]["completion_tokens"] == 5 for a in answers)
+    too_long = httpx.post(f"{server.base_url}/completions", json=GREEDY | {"prompt": "x"},
+                          headers={"X-Request-Id": "x" * 257}, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"
     with RunningServer(llm.engine, frontend=FrontendOptions(request_id_headers=True)) as srv:
         echoed = httpx.post(f"{srv.base_url}/completions", json=GREEDY | {"prompt": "x"},
                             headers={"X-Request-Id": "trace-2"}, timeout=60)
         assert echoed.headers["x-request-id"] == "trace-2" and echoed.json()["id"] == "cmpl-trace-2"
+        # every answer carries one, as vLLM's: errors and other routes too, a new id when none was sent
+        assert len(httpx.get(f"{srv.base_url}/models").headers["x-request-id"]) == 32
+        error = httpx.post(f"{srv.base_url}/completions", json={"model": MODEL_NAME}, headers={"X-Request-Id": "e-1"})
+        assert error.status_code == 400 and error.headers["x-request-id"] == "e-1"
 
 
 def test_chat_return_token_ids(llm, server):
@@ -129,7 +140,8 @@ def test_chat_return_token_ids(llm, server):
     tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()
     assert tokenized["tokens"] == prompt_ids
     events = _stream(f"{server.base_url}/chat/completions", body)
-    assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert events[0]["prompt_token_ids"] == prompt_ids  # the first chunk's top level, as vLLM's chat
+    assert all("prompt_token_ids" not in e for e in events[1:])
     assert [t for e in events for c in e["choices"] for t in c.get("token_ids", [])] == token_ids
     plain = httpx.post(f"{server.base_url}/chat/completions", json=GREEDY | {"messages": MESSAGES}, timeout=60).json()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
@@ -153,11 +165,18 @@ def test_response_role_and_default_template_kwargs(llm):
         assert httpx.post(url, json=go_on, timeout=60).json()["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_default_template_kwargs_may_not_set_reserved_arguments():
+    from lamina.entrypoints.openai.chat_tools import ChatOptions
+
+    with pytest.raises(ValueError, match="may not set add_generation_prompt"):
+        ChatOptions(default_chat_template_kwargs={"add_generation_prompt": False})
+
+
 def test_log_requests_cut_to_max_log_len(llm, caplog):
     with RunningServer(llm.engine, frontend=FrontendOptions(log_requests=True, max_log_len=3)) as srv, \
             caplog.at_level(logging.INFO, logger="lamina.entrypoints.openai.serving"):
         httpx.post(f"{srv.base_url}/completions", json=GREEDY | {"prompt": "The baker opened the shutters"}, timeout=60)
-    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request cmpl-")]
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request 'cmpl-")]
     assert "prompt 'The'" in line and "(first 3 of" in line and "max_tokens=5" in line
     caplog.clear()
     with RunningServer(llm.engine) as srv, caplog.at_level(logging.INFO, logger="lamina.entrypoints.openai.serving"):

@@ -253,7 +253,8 @@ def test_verify_kernels_at_real_width(queries):
 def test_verify_attention_equals_decode_rows_at_real_width(queries, cache_dtype):
     """At the 35B attention shape (16 q / 2 kv heads of 256, 16-token pages, bf16 queries, a bf16 or
     FP8 cache), 16 key splits and 64-key blocks, contexts up to 20k: every verification row is the
-    one-token kernel's output at its position, bit for bit (one kernel, more query rows per tile)."""
+    one-token kernel's output at its position, bit for bit (one kernel, more query rows per tile; Q x 8
+    <= 32 rows here: from 64 rows Hopper's wgmma path rounds differently, docs/PERFORMANCE.md)."""
     from lamina.kernels.triton_decode import paged_decode_attention
 
     bsz, page, longest = 16, 16, 20_000

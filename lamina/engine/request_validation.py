@@ -64,10 +64,9 @@ class RequestValidation:
 
     def prepare_request_prompt(self, prompt: str | list[int] | dict, keep: int | None) -> tuple[str | None, list[int]]:
         """`prepare_prompt`, then vLLM's truncate_prompt_tokens `keep`: only the last k tokens (-1: the
-        last max_model_len; None: all) are kept; a truncated prompt has no text."""
+        last max_model_len; None: all) are kept; the text stays the prompt given (vLLM's output `prompt`)."""
         text, token_ids = self.prepare_prompt(prompt)
-        kept = self.truncate_prompt(token_ids, keep)
-        return (text if len(kept) == len(token_ids) else None), kept
+        return text, self.truncate_prompt(token_ids, keep)
 
     def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` prompt tokens (-1: the last max_model_len; None: all)."""

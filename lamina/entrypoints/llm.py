@@ -203,9 +203,7 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
         prepared = []
         for prompt, params in zip(prompts, params_list):
-            text, token_ids = engine.prepare_prompt(prompt)
-            # truncate_prompt_tokens keeps the last tokens; the output's `prompt` stays the text given (vLLM's)
-            token_ids = engine.truncate_prompt(token_ids, params.truncate_prompt_tokens)
+            text, token_ids = engine.prepare_request_prompt(prompt, params.truncate_prompt_tokens)
             engine.validate_request(token_ids, params)
             prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
         ids = [engine.add_request(p, params) for p, params in prepared]

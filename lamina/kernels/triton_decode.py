@@ -193,7 +193,9 @@ def paged_decode_attention(
     iteration) and `num_stages` override ATTENTION_WARPS, DECODE_ATTENTION_BLOCK_N and the stages
     (FP8_CACHE_STAGES over an FP8 cache, else Triton's default) (benchmarks). Each query row runs the
     one-token computation at its own position: the same blocks in the same programs, the keys past
-    it adding exactly zero. Returns `[B*Q, Hq, D]` in q's dtype."""
+    it adding exactly zero (equal to the one-token kernel bit for bit on an H100 while Q x group <= 32
+    rows; larger tiles take other MMA instructions and agree within rounding). Returns `[B*Q, Hq, D]`
+    in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     bsz = num_tokens // queries
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

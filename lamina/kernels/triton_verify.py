@@ -7,7 +7,8 @@ here calls the one-token kernels of `lamina.kernels.triton_decode` unchanged.
 - `paged_verify_attention`: the Q queries of a request (positions seq_len - Q .. seq_len - 1)
   over its paged K/V, causal inside the Q: the decode kernel with Q query rows per program (its
   key splits, block size and FP8 stages), each row computed as the one-token kernel computes its
-  position. Reference: `paged_attention` with `max_query_len == Q`.
+  position (bit for bit on an H100 while Q x query heads per KV head <= 32). Reference:
+  `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_verify`: Q delta-rule steps per request on the device, from the state at the
   request's slot; the state after the last token is written back to the slot, and with `capture`
   `[B*(Q-1), Hv, Dk, Dv]` the states after tokens 0..Q-2 go to capture rows b*(Q-1) + i, which

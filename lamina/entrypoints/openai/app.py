@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -163,6 +164,27 @@ class GuardMiddleware:
         return await self.app(scope, replay, send)
 
 
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every HTTP answer carries `X-Request-Id`, the request's own
+    header when it sent one (the answer's id then holds it too), else a new random id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -213,6 +235,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, *, async_engine: AsyncEng
                   summary="OpenAI-compatible server for the Qwen hybrid MoE models", **docs)
     app.state.lamina = state
     app.add_middleware(GuardMiddleware, state=state)
+    if config.frontend.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     # added last, so outermost: a browser's preflight (OPTIONS) is answered before the API key check
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                        allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)

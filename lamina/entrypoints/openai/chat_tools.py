@@ -23,6 +23,12 @@ from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parse
 from lamina.structured_output import StructuredOutputsParams
 
 ENFORCED_CHOICES = ("required", "named")
+# apply_chat_template arguments that chat_template_kwargs (a request's, the server's defaults) may not override
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs",
+})
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,10 @@ class ChatOptions:
                              f"{', '.join(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(TOOL_PARSERS)})")
+        bad = RESERVED_TEMPLATE_KWARGS.intersection(self.default_chat_template_kwargs or {})
+        if bad:
+            raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(sorted(bad))} (the request "
+                             "fields and lamina set them)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not known; valid: "
                              f"{', '.join(REASONING_PARSERS)}")

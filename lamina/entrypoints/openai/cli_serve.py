@@ -85,11 +85,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="vLLM's flag: with --enable-log-requests, the prompt characters and token ids a line shows")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="vLLM's flag: usage carries prompt_tokens_details.cached_tokens (always 0: no prefix caching)")
+                   help="vLLM's flag: usage carries prompt_tokens_details when prompt tokens came from a prefix "
+                        "cache; lamina has none, so the field stays out, as in vLLM's answers without cached tokens")
     s.add_argument("--enable-force-include-usage", action="store_true",
                    help="vLLM's flag: every stream ends with a usage chunk, whatever its stream_options ask")
     s.add_argument("--enable-request-id-headers", action="store_true",
-                   help="vLLM's flag: answers carry the request's X-Request-Id header back")
+                   help="vLLM's flag: every answer carries an X-Request-Id header (the request's, else a new one)")
     s.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="vLLM's flag: the role of chat answers when add_generation_prompt is true")
     s.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S, metavar="SECONDS",

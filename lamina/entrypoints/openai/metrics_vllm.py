@@ -84,7 +84,7 @@ class _EngineCollector(Collector):
                                  labels=LABELS + CACHE_INFO_LABELS)
         args = getattr(llm, "args", None)
         info.add_metric(self.labels + [
-            str(getattr(args, "block_size", "")), str(getattr(llm, "kv_cache_dtype", "")).removeprefix("torch."),
+            str(getattr(args, "block_size", "")), str(getattr(args, "kv_cache_dtype", "auto")),  # as configured
             "False", str(getattr(args, "gpu_memory_utilization", "")), str(getattr(llm, "num_kv_blocks", "")),
             "None"], 1.0)
         yield info

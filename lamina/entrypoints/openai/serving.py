@@ -28,6 +28,8 @@ from lamina.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUEST_ID_CHARS = 256  # a client's X-Request-Id (the body's request_id: the same bound, in protocol.py)
+
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -83,8 +85,8 @@ class FrontendOptions:
     """vLLM's frontend flags that shape answers and logs (`lamina serve --help` names them)."""
 
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage whatever they ask
-    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details
-    request_id_headers: bool = False  # --enable-request-id-headers: answers carry X-Request-Id
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (no cached tokens: the field stays out)
+    request_id_headers: bool = False  # --enable-request-id-headers: every answer carries X-Request-Id (app.py)
     response_role: str = "assistant"  # --response-role: the answer's role when add_generation_prompt
     log_requests: bool = False  # --enable-log-requests: each request's prompt and parameters logged
     max_log_len: int | None = None  # --max-log-len: prompt characters / token ids a log line shows
@@ -312,17 +314,16 @@ class OpenAIServing:
         """(the answer's id, the engine's request id). As vLLM: `<prefix>-<X-Request-Id header>`, else
         `<prefix>-<the body's request_id>`, else a random id; the engine's id adds a random suffix to a
         client's, so two requests sending the same id never collide in the engine."""
-        given = raw.headers.get("x-request-id") or getattr(req, "request_id", None)
+        header = raw.headers.get("x-request-id")
+        if header is not None and len(header) > MAX_REQUEST_ID_CHARS:
+            raise APIError(400, f"the X-Request-Id header has {len(header)} characters; at most "
+                           f"{MAX_REQUEST_ID_CHARS}", param="X-Request-Id")
+        given = header or getattr(req, "request_id", None)
         if not given:
             request_id = self.new_id(prefix)
             return request_id, request_id
         request_id = f"{prefix}-{given}"
         return request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
-
-    def response_headers(self, raw: Request) -> dict[str, str] | None:
-        """X-Request-Id echoed back with --enable-request-id-headers (as vLLM)."""
-        given = raw.headers.get("x-request-id")
-        return {"X-Request-Id": given} if self.frontend.request_id_headers and given else None
 
     def stream_usage(self, req) -> tuple[bool, bool]:
         """(usage in a stream's last chunk, usage on every chunk) as vLLM decides them: stream_options'
@@ -339,7 +340,7 @@ class OpenAIServing:
             return
         cut = self.frontend.max_log_len
         shown_ids = list(token_ids if cut is None else token_ids[:cut])
-        logger.info("request %s: prompt %r, params %s, prompt_token_ids %s%s", request_id,
+        logger.info("request %r: prompt %r, params %s, prompt_token_ids %s%s", request_id,  # %r: ids are the client's
                     prompt if prompt is None or cut is None else prompt[:cut], params, shown_ids,
                     "" if len(shown_ids) == len(token_ids) else f" (first {len(shown_ids)} of {len(token_ids)})")
 
@@ -486,8 +487,8 @@ class OpenAIServing:
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                  "total_tokens": prompt_tokens + completion_tokens}
-        if self.frontend.prompt_tokens_details:  # no prefix caching: no prompt token is ever cached
-            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        # --enable-prompt-tokens-details: vLLM adds prompt_tokens_details when some prompt tokens came from
+        # its prefix cache; lamina has none, so, as vLLM's answer then, the field stays out
         return usage
 
     @staticmethod

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lamina.entrypoints.chat_messages import MessageError, normalize_messages
 from lamina.entrypoints.openai.chat_output import REASONING_FIELDS, ChatOutputParser
-from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, ChatOptions, output_parser,
+from lamina.entrypoints.openai.chat_tools import (ENFORCED_CHOICES, RESERVED_TEMPLATE_KWARGS, ChatOptions, output_parser,
                                                   resolve_tool_choice, tool_choice_structured_output)
 from lamina.entrypoints.openai.protocol import ChatCompletionRequest
 from lamina.entrypoints.openai.reasoning_parser import THINK_END
@@ -19,14 +19,6 @@ from lamina.entrypoints.openai.serving import APIError, ClientDisconnected, Open
 from lamina.entrypoints.openai.serving_completions import SSE_HEADERS
 
 ENDPOINT = "chat"
-
-# apply_chat_template arguments that chat_template_kwargs may not override
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "processor_kwargs",
-})
-
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as the chat templates read them (lamina.entrypoints.chat_messages);
@@ -44,7 +36,7 @@ def _check_chat_options(req: ChatCompletionRequest, options: ChatOptions) -> Non
                        param="chat_template")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
-    bad = _RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
+    bad = RESERVED_TEMPLATE_KWARGS.intersection(req.chat_template_kwargs or {})
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(bad))}", param="chat_template_kwargs")
 
@@ -143,7 +135,6 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     # vLLM's role rule: the server's response role after a generation prompt, else the last message's
     role = serving.frontend.response_role if req.add_generation_prompt else messages[-1].get("role", "assistant")
     with_ids = bool(req.return_token_ids)
-    headers = serving.response_headers(raw)
 
     if req.stream:
         include_usage, continuous_usage = serving.stream_usage(req)
@@ -152,7 +143,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                     continuous_usage, token_ids, echo,
                     [output_parser(options, req.tools, choice, function, prompt_tail, req.parallel_tool_calls)
                      for _ in range(params.n)], serving.tokens_as_ids(req), role, with_ids),
-            media_type="text/event-stream", headers=SSE_HEADERS | (headers or {}),
+            media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
     try:
@@ -191,7 +182,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         body["prompt_logprobs"] = serving.prompt_logprobs_field(output, req.prompt_logprobs)
     if with_ids:  # vLLM's return_token_ids: the templated prompt's ids
         body["prompt_token_ids"] = list(output.prompt_token_ids)
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body)
 
 
 async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_id: str, created: int, model: str,
@@ -200,7 +191,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                   role: str = "assistant", with_ids: bool = False):
     """`parsers`: one output parser per choice (streamed parsing keeps state); `tokens_as_ids`: logprobs
     name tokens `token_id:N`; `role`: the first chunk's; `with_ids` (vLLM's return_token_ids): the
-    first chunk of a choice carries `prompt_token_ids`, every later one the new `token_ids`. `continuous_usage`
+    stream's first chunk carries `prompt_token_ids` (at its top level, as vLLM's chat), every later
+    choice its new `token_ids`. `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats): every chunk carries its choice's usage so far (the
     prompt's tokens and that choice's tokens, as vLLM counts them with n > 1); the last chunk, the
     totals over all choices."""
@@ -218,9 +210,9 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
         sent_ids[j] = len(token_ids)
         return {"token_ids": ids}
 
-    def chunk(choices: list[dict], usage=None) -> str:
+    def chunk(choices: list[dict], usage=None, top: dict | None = None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, "system_fingerprint": None}
+                "choices": choices, "system_fingerprint": None, **(top or {})}
         if include_usage:
             if usage is None and continuous_usage:  # one choice per chunk: its own numbers
                 usage = serving.usage(prompt_tokens, sum(generated[c["index"]] for c in choices))
@@ -231,7 +223,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
     try:
         for index in range(n):
             yield chunk([{"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
-                          "finish_reason": None, **({"prompt_token_ids": list(prompt_ids)} if with_ids else {})}])
+                          "finish_reason": None}], top=({"prompt_token_ids": list(prompt_ids)} if with_ids and index == 0
+                                                       else None))
             if echo:  # vLLM's echo: the final assistant message's content first
                 yield chunk([{"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
         final = None

@@ -174,19 +174,20 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         items.append((f"{engine_id}-{i}", token_ids, params, text))
     for item_id, token_ids, params, text in items:
         serving.log_request(item_id, text, token_ids, params)
-    echo_texts = [_echo_text(serving, text, ids) if req.echo else "" for text, ids in prepared]
+    # echo shows the prompt the model ran: with truncate_prompt_tokens, the kept tokens' text
+    echo_texts = [_echo_text(serving, None if req.truncate_prompt_tokens is not None else text, ids) if req.echo
+                  else "" for text, ids in prepared]
     choices = [[_Choice(serving, req, i * n + j, echo_texts[i], prepared[i][1], serving.holdback(items[i][2]),
                         not echo_only) for j in range(n)] for i in range(len(prepared))]
     streams = serving.submit(items)
     created = int(time.time())
 
-    headers = serving.response_headers(raw)
     if req.stream:
         include_usage, continuous_usage = serving.stream_usage(req)
         return StreamingResponse(
             _stream(serving, streams, choices, raw, request_id, created, model, include_usage, arrival, echo_only,
                     continuous_usage),
-            media_type="text/event-stream", headers=SSE_HEADERS | (headers or {}),
+            media_type="text/event-stream", headers=SSE_HEADERS,
         )
 
     try:
@@ -216,7 +217,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": body_choices,
         "usage": serving.usage(prompt_tokens, completion_tokens), "system_fingerprint": None,
-    }, headers=headers)
+    })
 
 
 def _prompt_logprobs_wanted(req: CompletionRequest) -> int | None:
