@@ -77,7 +77,14 @@ COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
     CompatOption("runner", _one_of(None, "auto", "generate"), "lamina generates", "auto or generate"),
     CompatOption("served_model_name", _any, "no effect offline (lamina serve names the model with "
                  "--served-model-name)", "any name"),
+    CompatOption("reasoning_parser", _any, "no effect offline: structured output applies from the first token "
+                 "(StructuredOutputsParams(enforce_after_token_id=<the </think> id>) gives vLLM's rule; lamina serve "
+                 "--reasoning-parser applies it)", "any name"),
+    CompatOption("scheduling_policy", _one_of(None, "fcfs"), "lamina schedules first come, first served",
+                 "fcfs (no priority scheduling)"),
 )}
+# taken by `lamina serve` as its own flags (they do something there), by LLM() through this table
+SERVE_FLAGS_OF_THEIR_OWN = ("served_model_name", "reasoning_parser")
 
 
 def check_compat_options(values: dict[str, Any], spell: Callable[[str, Any], str] | None = None) -> None:

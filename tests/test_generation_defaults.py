@@ -126,7 +126,8 @@ def test_vllm_only_engine_options(qwen3_next_dir, caplog):
     with caplog.at_level(logging.INFO, logger="lamina.vllm_compat"), \
             LLM(str(qwen3_next_dir), swap_space=4, tokenizer_revision=None, enable_lora=False, max_lora_rank=16,
                 compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0, task="generate",
-                distributed_executor_backend="mp", limit_mm_per_prompt={"image": 0}, seed=None, **ENGINE) as llm:
+                distributed_executor_backend="mp", limit_mm_per_prompt={"image": 0}, seed=None,
+                reasoning_parser="qwen3", scheduling_policy="fcfs", **ENGINE) as llm:
         assert llm.engine.args.seed == 0
         seeded = llm.generate(PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
     assert "swap_space=4: no effect" in caplog.text
@@ -135,7 +136,8 @@ def test_vllm_only_engine_options(qwen3_next_dir, caplog):
     for kwargs, message in (({"enable_lora": True}, "enable_lora=True is not supported; valid: false"),
                             ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
                             ({"tokenizer_revision": "v2"}, "tokenizer_revision='v2' is not supported"),
-                            ({"limit_mm_per_prompt": {"image": 1}}, "zero items of every modality")):
+                            ({"limit_mm_per_prompt": {"image": 1}}, "zero items of every modality"),
+                            ({"scheduling_policy": "priority"}, "valid: fcfs")):
         with pytest.raises(ValueError, match=re.escape(message)):
             LLM(str(qwen3_next_dir), **kwargs, **ENGINE)
 

@@ -15,7 +15,7 @@ from lamina.entrypoints.cli_args import json_object
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from lamina.models.hub import looks_like_repo_id
-from lamina.vllm_compat import COMPAT_OPTIONS, check_compat_options
+from lamina.vllm_compat import COMPAT_OPTIONS, SERVE_FLAGS_OF_THEIR_OWN, check_compat_options
 
 
 
@@ -81,6 +81,7 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                    help="zero items of every modality only (the text model is served)")
     g.add_argument("--task", default=None, help="auto / generate only")
     g.add_argument("--runner", default=None, help="auto / generate only")
+    g.add_argument("--scheduling-policy", default=None, metavar="fcfs", help="fcfs only (no priority scheduling)")
     g.add_argument("--middleware", action="append", default=None, metavar="IMPORT_PATH",
                    help="refused: lamina loads no middleware from import paths")
 
@@ -120,7 +121,7 @@ def check_compat_args(args: argparse.Namespace, model: str | None) -> None:
     if args.middleware:
         raise ValueError(f"--middleware {args.middleware[0]}: lamina loads no ASGI middleware from import paths; run "
                          "it in a proxy in front of the server")
-    check_compat_options({name: getattr(args, name) for name in COMPAT_OPTIONS if name != "served_model_name"},
+    check_compat_options({name: getattr(args, name) for name in COMPAT_OPTIONS if name not in SERVE_FLAGS_OF_THEIR_OWN},
                          spell=_flag)
     if args.quantization is not None:
         from lamina.quantization import read_quantization, resolve_quantization
