@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
 import math
 import time
-import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
