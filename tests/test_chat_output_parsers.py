@@ -246,3 +246,27 @@ def test_tool_call_ids_are_unique():
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
     with pytest.raises(ValueError, match="valid: hermes, qwen3_coder"):
         make_tool_parser("mistral", None)
+
+
+def test_json_tool_choice_parser_and_schema():
+    """The parser-less form of tool_choice 'required' / named (lamina.entrypoints.openai.tool_choice_json):
+    the schema lists every tool (one item at most without parallel calls); the parser reads the array
+    or the arguments object, holds 'required' calls until the array is whole, and calls malformed JSON
+    plain content."""
+    from lamina.entrypoints.openai.tool_choice_json import JsonToolChoiceParser, json_tool_choice_constraint
+
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "b"}}]
+    schema = json_tool_choice_constraint(tools, "required", None, parallel_tool_calls=False).json
+    assert schema["maxItems"] == 1 and [i["properties"]["name"]["enum"] for i in schema["items"]["anyOf"]] == [["a"], ["b"]]
+    assert json_tool_choice_constraint(tools, "named", "b").json == {"type": "object"}
+    required = JsonToolChoiceParser(tools, None)
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    assert required.parse(text[:20], final=False).calls == [] and required.parse(text[:20], final=False).content == ""
+    parsed = required.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("a", {"x": 1}), ("b", {})]
+    assert [c.name for c in required.parse(text, max_calls=1).calls] == ["a"]
+    assert not required.parse(text[:-3]).valid
+    named = JsonToolChoiceParser(tools, "a")
+    assert named.parse('{"x": ', final=False).calls[0].arguments == '{"x": '
+    assert named.parse('{"x": 1}').calls[0].arguments == '{"x": 1}' and not named.parse('{"x": ').valid

@@ -234,10 +234,38 @@ def test_template_that_opens_the_think_block(hermes_ckpt):
         # without parsers configured, tools need tool_choice none (auto needs --enable-auto-tool-choice)
         with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
             _create(c, tools=TOOLS)
-        with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
-            _create(c, tools=TOOLS, tool_choice="required")
         out = _create(c, tools=TOOLS, tool_choice="none").choices[0]
         assert not out.message.tool_calls and out.finish_reason == "stop"
+
+
+# A script that writes vLLM's JSON form of tool_choice 'required' (what the grammar allows without a parser)
+JSON_REQUIRED_PIECES = ['[{"name": "get_weather", "parameters": {"city": "', "Paris", '", "days": ', "3", "}}]"]
+
+
+def test_required_and_named_tool_choice_without_a_parser(qwen3_next_dir, tmp_path_factory):
+    """No --tool-call-parser: tool_choice 'required' / a named function are still served, as vLLM serves
+    them: the call is written as JSON under a JSON schema (an array of {name, parameters}; the named
+    function's arguments object) and read back into tool_calls, streamed and not; a call cut off by
+    max_tokens leaves the text as content."""
+    path = _ckpt(qwen3_next_dir, tmp_path_factory, JSON_REQUIRED_PIECES, "scripted_json_tools")
+    llm, srv = _serve(path, reasoning_parser="qwen3")
+    with llm, srv, openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60) as c:
+        out = _create(c, tools=TOOLS, tool_choice="required").choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        [call] = out.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
+        reasoning, content, calls, finish, _ = _streamed(c, tools=TOOLS, tool_choice="required")
+        assert (reasoning, content, finish) == ("", "", "tool_calls")
+        assert [(x["name"], json.loads(x["arguments"])) for x in calls] == [("get_weather", ARGS)]
+        named = {"type": "function", "function": {"name": "search"}}  # its schema: an object, no properties
+        out = _create(c, tools=TOOLS, tool_choice=named).choices[0]
+        assert out.finish_reason == "stop" and out.message.content is None
+        assert [(x.function.name, json.loads(x.function.arguments)) for x in out.message.tool_calls] == [("search", {})]
+        reasoning, content, calls, finish, order = _streamed(c, tools=TOOLS, tool_choice=named)
+        assert (content, finish, [(x["name"], x["arguments"]) for x in calls]) == ("", "stop", [("search", "{}")])
+        cut = _create(c, tools=TOOLS, tool_choice="required", max_tokens=2).choices[0]
+        assert cut.finish_reason == "length" and not cut.message.tool_calls
+        assert cut.message.content == JSON_REQUIRED_PIECES[0] + JSON_REQUIRED_PIECES[1]
 
 
 def test_qwen3_coder_calls(qwen3_next_dir, tmp_path_factory):

@@ -3,10 +3,11 @@
 preparing tool-call history for the chat template, and the parser of the answer.
 
 `tool_choice` as vLLM reads it: absent means `auto` when `tools` are given (else `none`); `auto` needs
-`--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function need a parser
-and are enforced while decoding: structured output in the parser's format (tool_choice_grammar.py), so
-the answer is tool call(s) and nothing else (no reasoning text either); such a request cannot carry
-another output constraint (response_format, structured_outputs, guided_*).
+`--enable-auto-tool-choice` and a `--tool-call-parser`; `required` and a named function are enforced
+while decoding: structured output in the parser's format (tool_choice_grammar.py), or, without a
+parser, as plain JSON under a JSON schema (tool_choice_json.py, vLLM's way), so the answer is tool
+call(s) and nothing else (no reasoning text either); such a request cannot carry another output
+constraint (response_format, structured_outputs, guided_*).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lamina.entrypoints.openai.chat_output import ChatOutputParser
 from lamina.entrypoints.openai.reasoning_parser import REASONING_PARSERS, make_reasoning_parser
 from lamina.entrypoints.openai.serving import APIError
 from lamina.entrypoints.openai.tool_choice_grammar import tool_choice_constraint
+from lamina.entrypoints.openai.tool_choice_json import JsonToolChoiceParser, json_tool_choice_constraint
 from lamina.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from lamina.structured_output import StructuredOutputsParams
 
@@ -101,9 +103,6 @@ def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_cho
                 return "none", None
             if not tools:
                 raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-            if options.tool_call_parser is None:
-                raise APIError(400, "tool_choice 'required' needs the server started with --tool-call-parser NAME",
-                               param="tool_choice")
         return tool_choice, None
     fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -113,9 +112,6 @@ def resolve_tool_choice(options: ChatOptions, tools: list[dict] | None, tool_cho
     if name not in names:
         raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
                        f"({', '.join(map(repr, names)) or 'none given'})", param="tool_choice")
-    if options.tool_call_parser is None:
-        raise APIError(400, "a named tool_choice needs the server started with --tool-call-parser NAME",
-                       param="tool_choice")
     return "named", name
 
 
@@ -146,8 +142,12 @@ def tool_choice_structured_output(options: ChatOptions, req: Any, choice: str, f
                        "with structured output, and a request takes one output constraint; drop one of them",
                        param=others[0])
     try:
-        spec = tool_choice_constraint(options.tool_call_parser, req.tools, choice, function,
-                                      parallel_tool_calls=req.parallel_tool_calls is not False)
+        parallel = req.parallel_tool_calls is not False
+        if options.tool_call_parser is None:  # no parser: the call written as JSON (vLLM's way, tool_choice_json)
+            spec = json_tool_choice_constraint(req.tools, choice, function, parallel_tool_calls=parallel)
+        else:  # the call in the parser's own format
+            spec = tool_choice_constraint(options.tool_call_parser, req.tools, choice, function,
+                                          parallel_tool_calls=parallel)
         engine.structured.compile(spec)
     except ValueError as e:
         raise APIError(400, f"{what} could not be enforced for these tools: {e}", param="tools") from e
@@ -161,6 +161,8 @@ def output_parser(options: ChatOptions, tools: list[dict] | None, choice: str, f
     tool_parser = None
     if choice != "none" and options.tool_call_parser is not None:
         tool_parser = make_tool_parser(options.tool_call_parser, tools)
+    elif choice in ENFORCED_CHOICES:  # no parser: the enforced call is plain JSON (tool_choice_json)
+        tool_parser = JsonToolChoiceParser(tools, function if choice == "named" else None)
     # an enforced tool choice leaves no room for reasoning: all of the answer is the call(s)
     reasoning = None if choice in ENFORCED_CHOICES else make_reasoning_parser(options.reasoning_parser, prompt_tail)
     return ChatOutputParser(reasoning, tool_parser, function if choice == "named" else None,
