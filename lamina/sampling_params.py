@@ -28,6 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from lamina.beam_search import BeamSearchParams  # noqa: F401 (vLLM imports it from here)
 from lamina.structured_output import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401 (vLLM imports both from here)
 
 __all__ = ["SamplingParams", "RequestOutputKind", "GREEDY_TEMPERATURE_EPS", "MIN_TEMPERATURE", "MAX_LOGIT_BIAS"]

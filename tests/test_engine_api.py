@@ -424,3 +424,61 @@ def test_vllm_engine_and_llm_calling_conventions(llm):
     assert llm.reset_prefix_cache() is True
     with pytest.raises(NotImplementedError, match="no sleep mode"):
         llm.sleep()
+
+
+def test_beam_search(llm):
+    """vLLM's LLM.beam_search: width 1 is greedy decoding; wider beams come back best first, each
+    beam's cumulative logprob the sum of the model's logprobs of its tokens (checked with
+    prompt_logprobs over the whole sequence), its text its tokens decoded."""
+    from lamina.sampling_params import BeamSearchParams
+
+    prompt = {"prompt_token_ids": [5, 17, 230, 44]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    [one] = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True))
+    assert one.sequences[0].tokens == prompt["prompt_token_ids"] + list(greedy)
+    [out] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    beams = out.sequences
+    assert len(beams) == 3 and len({tuple(b.tokens) for b in beams}) == 3
+    scores = [b.cum_logprob / len(b.tokens) for b in beams]
+    assert scores == sorted(scores, reverse=True)
+    for beam in beams:
+        assert beam.tokens[:4] == prompt["prompt_token_ids"] and len(beam.tokens) == 8
+        check = llm.generate({"prompt_token_ids": beam.tokens}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                             use_tqdm=False)[0].prompt_logprobs
+        assert beam.cum_logprob == pytest.approx(sum(check[p][beam.tokens[p]] for p in range(4, 8)), abs=1e-4)
+        assert beam.text == llm.get_tokenizer().decode(beam.tokens) and beam.finish_reason == "length"
+    with pytest.raises(ValueError, match="beam_width must be an int >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=2)
+
+
+def test_beam_search_completes_beams_at_eos():
+    """A beam that picks EOS is complete (its text without the EOS); the complete and the live beams
+    compete at the end by vLLM's score (cum logprob / length ** length_penalty, the EOS not counted)."""
+    import math
+    from types import SimpleNamespace
+
+    from lamina.beam_search import BeamSearchParams, beam_search
+    from lamina.outputs import Logprob
+
+    eos = 0
+    table = {(1,): {eos: math.log(0.6), 2: math.log(0.4)},  # after the prompt [1]: EOS is likeliest
+             (1, 2): {3: math.log(0.9), eos: math.log(0.1)}}
+
+    class FakeLLM:
+        engine = SimpleNamespace(eos_token_ids=[eos], prepare_prompt=lambda p: (None, p["prompt_token_ids"]),
+                                 tokenizer=SimpleNamespace(decode=lambda ids: " ".join(map(str, ids))))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            outs = []
+            for p in prompts:
+                entry = {t: Logprob(v) for t, v in table.get(tuple(p["prompt_token_ids"]), {eos: 0.0}).items()}
+                outs.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=[entry])]))
+            return outs
+
+    [out] = beam_search(FakeLLM(), [{"prompt_token_ids": [1]}], BeamSearchParams(beam_width=2, max_tokens=2))
+    best, second = out.sequences
+    # [1, EOS]: log 0.6 over length 1 = -0.51; [1, 2, 3]: log 0.36 over 3 = -0.34 wins; [1, 2, EOS] log 0.04 / 2
+    assert best.tokens == [1, 2, 3] and best.finish_reason == "length" and best.text == "1 2 3"
+    assert second.tokens == [1, eos] and second.finish_reason == "stop" and second.text == "1"
+    assert second.cum_logprob == pytest.approx(math.log(0.6))

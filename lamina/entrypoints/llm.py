@@ -61,6 +61,22 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None):
+        """vLLM's beam search (lamina.beam_search): `prompts` a list of TokensPrompt / TextPrompt dicts (or
+        strings), `params` a BeamSearchParams; returns a BeamSearchOutput per prompt, its beams best
+        first. Every step runs each live beam's whole sequence again (no prefix caching): for short
+        outputs. `lora_request` is refused (no LoRA adapters); all beams of a step run as one batch
+        (`concurrency_limit`, vLLM's bound on prompts per batch, has no effect)."""
+        from lamina.beam_search import BeamSearchParams, beam_search
+
+        _refuse_unsupported(lora_request=lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params)
+
     def reset_prefix_cache(self, device=None) -> bool:
         """vLLM's: drop cached prompt prefixes (RL loops call it after a weight update). lamina keeps none
         (no prefix caching: every prompt is computed in full), so there is nothing stale: True."""

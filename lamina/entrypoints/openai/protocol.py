@@ -95,7 +95,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
-    use_beam_search: bool = False  # vLLM's: refused (no beam search in lamina), never silently sampled
+    use_beam_search: bool = False  # vLLM's: refused (the server has no beam search), never silently sampled
     # vLLM's: the response id becomes `<prefix>-<request_id>` (an X-Request-Id header wins)
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # vLLM's extra: the response carries `prompt_token_ids`, each choice its generated `token_ids`; always on

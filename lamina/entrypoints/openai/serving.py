@@ -190,7 +190,8 @@ class OpenAIServing:
 
     def check_unsupported(self, req) -> None:
         if req.use_beam_search:
-            raise APIError(400, "use_beam_search: lamina has no beam search; n / best_of give several samples",
+            raise APIError(400, "use_beam_search: the server has no beam search (offline, LLM.beam_search has); n / best_of give "
+                           "several samples",
                            param="use_beam_search")
         if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
             # vLLM's rule: a non-empty stream_options needs stream = true ({} passes)
