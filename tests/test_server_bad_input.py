@@ -171,7 +171,7 @@ CASES = [
                                          tool_choice="none"), 400, "tools"),
     ("tools-auto-without-parser", _chat(tools=[TOOL]), 400, "tool_choice"),
     ("tool-choice-auto-without-parser", _chat(tools=[TOOL], tool_choice="auto"), 400, "tool_choice"),
-    ("tool-choice-required-without-parser", _chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice"),
+    ("tool-choice-required-without-tools", _chat(tool_choice="required"), 400, "tool_choice"),
     ("tool-choice-unknown-string", _chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
     ("tool-choice-int", _chat(tools=[TOOL], tool_choice=5), 400, "tool_choice"),
     ("tool-choice-named-unknown", _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
