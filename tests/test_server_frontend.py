@@ -22,18 +22,29 @@ GREEDY = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "ignore_eos": 
 
 
 @pytest.fixture(scope="module")
-def llm(qwen3_next_dir, tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("q3next_frontend") / "ckpt"
-    shutil.copytree(qwen3_next_dir, ckpt)
-    (ckpt / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    with LLM(str(ckpt), device="cpu", dtype="float32", max_model_len=256, show_progress=False, max_num_seqs=4) as llm:
-        yield llm
+def ckpt(qwen3_next_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("q3next_frontend") / "ckpt"
+    shutil.copytree(qwen3_next_dir, path)
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return path
+
+
+def _llm(path) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", max_model_len=256, show_progress=False, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    with RunningServer(llm.engine) as srv:
+def server(ckpt):
+    with _llm(ckpt) as engine_llm, RunningServer(engine_llm.engine) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    """An engine of its own for the servers a test starts with other options, one at a time: an engine
+    is stepped by one server's thread only (two would take each other's outputs)."""
+    with _llm(ckpt) as llm:
+        yield llm
 
 
 def _events(response: httpx.Response) -> list[dict]:
