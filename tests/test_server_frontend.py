@@ -205,3 +205,24 @@ def test_model_card_and_required_without_tools(server):
     missing = httpx.post(f"{server.base_url}/chat/completions",
                          json=GREEDY | {"messages": MESSAGES, "tool_choice": "required"}, timeout=60)
     assert missing.status_code == 400
+
+
+def test_one_server_drives_an_engine_at_a_time(llm):
+    """Two servers stepping one engine would take each other's outputs: a second AsyncEngine on the
+    same LLMEngine refuses to start while the first runs, and starts once it has stopped."""
+    import asyncio
+
+    from lamina.engine.async_engine import AsyncEngine
+
+    async def run():
+        first, second = AsyncEngine(llm.engine), AsyncEngine(llm.engine)
+        first.start()
+        try:
+            with pytest.raises(RuntimeError, match="already driven by another running AsyncEngine"):
+                second.start()
+        finally:
+            first.stop()
+        second.start()
+        second.stop()
+
+    asyncio.run(run())

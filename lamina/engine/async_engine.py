@@ -137,6 +137,12 @@ class AsyncEngine:
         """Start the engine thread; call from the event loop that will read the streams."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine already started")
+        driver = getattr(self.engine, "_async_driver", None)
+        if driver is not None and driver is not self and driver.is_running:
+            # two engine threads stepping one LLMEngine take each other's outputs: one driver at a time
+            raise RuntimeError("this LLMEngine is already driven by another running AsyncEngine (another "
+                               "server on the same engine); stop it first, or give the new one an engine of its own")
+        self.engine._async_driver = self
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="lamina-engine", daemon=True)
         self._thread.start()
