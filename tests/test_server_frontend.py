@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import httpx
 import pytest
@@ -15,18 +14,10 @@ import pytest
 from lamina import LLM
 from lamina.entrypoints.openai.serving import FrontendOptions
 from tests.server_harness import MODEL_NAME, RunningServer
-from tests.test_server_api import THINKING_TEMPLATE
+from tests.test_server_api import ckpt  # noqa: F401 (the fixture: the tiny checkpoint with a thinking template)
 
 MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
 GREEDY = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ckpt(qwen3_next_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("q3next_frontend") / "ckpt"
-    shutil.copytree(qwen3_next_dir, path)
-    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    return path
 
 
 def _llm(path) -> LLM:

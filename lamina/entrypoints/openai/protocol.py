@@ -211,15 +211,10 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # lamina has no prefix caching: always 0
-
-
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):
