@@ -111,12 +111,15 @@ class EngineArgs:
     # them); prompt_logprobs are always raw logprobs
     logprobs_mode: str = "raw_logprobs"
     # vLLM's names, taken so that vLLM scripts run: trust_remote_code has no effect (lamina runs its
-    # own model code; configs are read by transformers); enable_prefix_caching True is refused;
-    # enable_chunked_prefill False is refused (long prompts are always split into chunks);
+    # own model code; configs are read by transformers); enable_chunked_prefill False is refused (long prompts are always split into chunks);
     # disable_log_stats has no effect offline; tokenizer_mode "auto" / "hf" only (transformers'
     # AutoTokenizer); download_dir: where a MODEL given as a Hub id is fetched (default: the HF cache)
     trust_remote_code: bool = False
+    # vLLM's name: keep prompt prefixes for later prompts (lamina/engine/prefix_cache.py); None = off
+    # (vLLM's default is on). prefix_cache_min_tokens (lamina's): the shortest prefix kept, a
+    # multiple of block_size after rounding up (each kept prefix costs its prompt one more step)
     enable_prefix_caching: bool | None = None
+    prefix_cache_min_tokens: int = 256
     enable_chunked_prefill: bool | None = None
     disable_log_stats: bool = False
     tokenizer_mode: str = "auto"
@@ -166,6 +169,8 @@ class EngineArgs:
                              f"got {self.max_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode = {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+        if not isinstance(self.prefix_cache_min_tokens, int) or self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"prefix_cache_min_tokens must be a positive integer, got {self.prefix_cache_min_tokens!r}")
         check_vllm_modes(self.enable_prefix_caching, self.enable_chunked_prefill, self.tokenizer_mode)
         from lamina.engine.spec_decode import SpeculativeConfig
 
@@ -180,10 +185,8 @@ def check_vllm_modes(enable_prefix_caching: bool | None, enable_chunked_prefill:
                      spell=_keyword) -> None:
     """vLLM options lamina takes but cannot honour in every setting, refused with what to do instead.
     `spell(name, value)`: how the caller's user wrote the option (a keyword argument, or a CLI flag)."""
-    if enable_prefix_caching:
-        raise ValueError(f"{spell('enable_prefix_caching', True)}: prefix caching is not supported yet (see "
-                         f"docs/SERVING.md). Leave it out or pass {spell('enable_prefix_caching', False)} (every "
-                         "prompt is computed in full)")
+    if enable_prefix_caching not in (None, True, False):
+        raise ValueError(f"{spell('enable_prefix_caching', enable_prefix_caching)}: expected True or False")
     if enable_chunked_prefill is False:
         raise ValueError(f"{spell('enable_chunked_prefill', False)}: lamina always splits a prompt longer than "
                          f"{spell('max_num_batched_tokens', None)} into chunks; to prefill prompts whole, leave it out "

@@ -126,5 +126,5 @@ class RequestOutput:
     # With prompt_logprobs: each prompt token's rank in its position's distribution (1 = the most
     # likely token; None for the first), as vLLM's Logprob.rank.
     prompt_logprob_ranks: list[int | None] | None = None
-    # vLLM's field: prompt tokens served from a prefix cache; lamina has none, so always 0
+    # vLLM's field: prompt tokens served from a kept prefix (enable_prefix_caching), else 0
     num_cached_tokens: int = 0

@@ -72,11 +72,11 @@ def test_served_requests_take_them_for_fields_they_leave_out(greedy_by_default):
 
 
 def test_vllm_engine_arguments_scripts_pass(qwen3_next_dir):
-    """vLLM scripts pass trust_remote_code (no effect here) and enable_prefix_caching (False only)."""
+    """vLLM scripts pass trust_remote_code (no effect here) and enable_prefix_caching (a bool)."""
     with LLM(str(qwen3_next_dir), trust_remote_code=True, enable_prefix_caching=False, **ENGINE) as llm:
         assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-    with pytest.raises(ValueError, match="prefix caching is not supported"):
-        LLM(str(qwen3_next_dir), enable_prefix_caching=True, **ENGINE)
+    with pytest.raises(ValueError, match="enable_prefix_caching='yes': expected True or False"):
+        LLM(str(qwen3_next_dir), enable_prefix_caching="yes", **ENGINE)
     with pytest.raises(TypeError, match="unknown argument"):
         LLM(str(qwen3_next_dir), no_such_argument=1, **ENGINE)
 

@@ -174,7 +174,8 @@ class AsyncEngine:
 
     # ---- requests (event loop) ------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a validated request; the returned stream yields its outputs.
 
@@ -195,6 +196,8 @@ class AsyncEngine:
             stream = RequestStream(request_id)
             self._streams[request_id] = stream
             payload = {"prompt": prompt, "prompt_token_ids": list(prompt_token_ids)}
+            if cache_salt is not None:
+                payload["cache_salt"] = cache_salt
             self._commands.append(("add", request_id, (payload, params)))
             self._pending_adds += 1
             self._cv.notify()

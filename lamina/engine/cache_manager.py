@@ -1,29 +1,52 @@
 """Cache bookkeeping (pure integers): paged KV blocks for attention layers, fixed state slots for
-recurrent layers. The tensors themselves live on the workers; this only decides who owns what."""
+recurrent layers, and with prefix caching the entries that outlive their requests
+(lamina/engine/prefix_cache.py). The tensors themselves live on the workers; this only decides
+who owns what."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from lamina.engine.prefix_cache import PrefixCache, PrefixEntry, chain_hashes
+
 
 class BlockAllocator:
+    """KV blocks with reference counts: a block goes back to the free list when its last holder
+    (a request's table or a prefix-cache entry) lets it go."""
+
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
             raise ValueError(f"number of KV cache blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks with only {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert self._refs[b] > 0, f"block {b} is free: nothing to share"
+            self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for b in blocks:
+            assert self._refs[b] > 0, f"block {b} freed twice"
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
 
 
 class SlotAllocator:
@@ -47,9 +70,12 @@ class SlotAllocator:
 
 
 class CacheManager:
-    """Per request: a block table covering its computed tokens, and one recurrent-state slot."""
+    """Per request: a block table covering its computed tokens, and one recurrent-state slot. With
+    `prefix_caching`, prompt prefixes are kept for later prompts in the blocks and slots requests
+    leave free (`prefix_cache_min_tokens`: the shortest prefix kept)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, *, prefix_caching: bool = False,
+                 prefix_cache_min_tokens: int = 256):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -57,6 +83,8 @@ class CacheManager:
         self.slots = SlotAllocator(num_state_slots)
         self._tables: dict[str, list[int]] = {}
         self._slot_of: dict[str, int] = {}
+        self.prefix = PrefixCache(block_size, max(block_size, prefix_cache_min_tokens)) if prefix_caching else None
+        self.step = 0  # the plan being made (Scheduler.schedule sets it through begin_step)
 
     @property
     def num_blocks(self) -> int:
@@ -68,13 +96,32 @@ class CacheManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._slot_of
 
+    def _reclaim(self, num_blocks: int, num_slots: int, pinned: PrefixEntry | None = None) -> bool:
+        """Evict prefix-cache entries, least recently used first, until `num_blocks` blocks and
+        `num_slots` slots are free; whether they are."""
+        def short() -> bool:
+            return num_blocks > self.blocks.num_free or num_slots > self.slots.num_free
+
+        while short() and self.prefix is not None:
+            entry = self.prefix.evictable(self.step, pinned)
+            if entry is None:
+                break
+            self._evict(entry)
+        return not short()
+
+    def _evict(self, entry: PrefixEntry) -> None:
+        self.prefix.remove(entry)
+        self.blocks.free(entry.blocks)
+        self.slots.free(entry.slot)
+
     def allocate(self, request_id: str, total_tokens: int) -> bool:
-        """Grow the request's block table to cover `total_tokens` (taking a state slot on first use).
-        Returns False, changing nothing, when blocks or slots are short."""
+        """Grow the request's block table to cover `total_tokens` (taking a state slot on first use),
+        evicting prefix-cache entries where needed. Returns False, changing no request's cache, when
+        blocks or slots are short."""
         table = self._tables.get(request_id, [])
         extra = self.blocks_needed(total_tokens) - len(table)
         new_request = request_id not in self._slot_of
-        if extra > self.blocks.num_free or (new_request and self.slots.num_free == 0):
+        if not self._reclaim(extra, int(new_request)):
             return False
         if new_request:
             self._slot_of[request_id] = self.slots.allocate()
@@ -98,6 +145,75 @@ class CacheManager:
         copies = list(zip(src_table[:num_shared], dst_table[:num_shared]))
         return copies, (self._slot_of[src_id], self._slot_of[dst_id])
 
+    # ---- prefix caching ------------------------------------------------------------------
+    def begin_step(self, step: int) -> list[tuple[int, int]]:
+        """A new plan: the state copies (request slot -> entry slot) of the entries the last plan
+        made, to run before this step's forward (the chunks that ended at them have run by then)."""
+        self.step = step
+        return self.prefix.take_pending_copies() if self.prefix is not None else []
+
+    def prefix_hashes(self, token_ids: list[int], salt: str | None, known: list[int] | None) -> list[int]:
+        """Chained hashes of every full block of `token_ids` (`known`: a prefix of them, reused)."""
+        return chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size, salt, known)
+
+    def find_prefix(self, hashes: list[int], token_ids: list[int], salt: str | None, max_tokens: int) -> PrefixEntry | None:
+        if self.prefix is None:
+            return None
+        return self.prefix.find(hashes, token_ids, salt, max_tokens, self.step)
+
+    def allocate_from_prefix(self, request_id: str, entry: PrefixEntry, total_tokens: int) -> tuple[int, int] | None:
+        """Give `request_id` (no cache yet) the entry's blocks, shared, then blocks of its own up to
+        `total_tokens`, and a state slot. Returns the state copy (entry slot, request slot) to run
+        before the step's forward, or None, changing nothing, when blocks or slots are short."""
+        assert request_id not in self._slot_of, f"{request_id} already has a cache"
+        extra = self.blocks_needed(total_tokens) - len(entry.blocks)
+        if not self._reclaim(max(0, extra), 1, pinned=entry):
+            return None
+        self.blocks.share(entry.blocks)
+        self._tables[request_id] = list(entry.blocks) + self.blocks.allocate(max(0, extra))
+        self._slot_of[request_id] = self.slots.allocate()
+        self.prefix.touch(entry)
+        entry.hits += 1
+        return entry.slot, self._slot_of[request_id]
+
+    def holds_prefix(self, key: int) -> bool:
+        return self.prefix is not None and self.prefix.holds(key)
+
+    def keep_prefix(self, request_id: str, key: int, token_ids: list[int], salt: str | None,
+                    reserve_slots: int = 0) -> bool:
+        """Keep the request's first `len(token_ids)` tokens (a whole number of blocks, all computed
+        once this plan's step has run) as an entry: its blocks shared, its state copied by the next
+        plan into a slot of the entry's own (a free one, or the least recently used entry's), as long
+        as `reserve_slots` slots stay free or held by entries that can be evicted (requests waiting
+        for one come first: an entry cannot be evicted before its copy has run). Returns whether an
+        entry was made."""
+        num_tokens = len(token_ids)
+        assert self.prefix is not None and num_tokens % self.block_size == 0
+        if self.prefix.holds(key) or num_tokens < self.prefix.min_tokens:
+            return False
+        evictable = sum(1 for e in self.prefix.entries.values() if e.usable_from_step <= self.step)
+        if self.slots.num_free + evictable <= reserve_slots or not self._reclaim(0, 1):
+            return False
+        blocks = self._tables[request_id][: num_tokens // self.block_size]
+        self.blocks.share(blocks)
+        entry = PrefixEntry(key=key, num_tokens=num_tokens, token_ids=tuple(token_ids), salt=salt, blocks=blocks,
+                            slot=self.slots.allocate(), usable_from_step=self.step + 2)
+        self.prefix.touch(entry)
+        self.prefix.entries[key] = entry
+        self.prefix.pending_copies.append((self._slot_of[request_id], entry.slot))
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every entry (vLLM's reset_prefix_cache); False, dropping none, while a copy into one
+        is still pending."""
+        if self.prefix is None:
+            return True
+        if any(e.usable_from_step > self.step for e in self.prefix.entries.values()):
+            return False
+        for entry in list(self.prefix.entries.values()):
+            self._evict(entry)
+        return True
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:
@@ -113,5 +229,13 @@ class CacheManager:
         return self._slot_of[request_id]
 
     def usage(self) -> float:
-        """Fraction of KV blocks in use."""
-        return 1.0 - self.blocks.num_free / self.blocks.num_blocks
+        """Fraction of KV blocks in use by requests (blocks only prefix-cache entries hold can be
+        taken back at any time, so they count as free, as in vLLM)."""
+        used = self.blocks.num_blocks - self.blocks.num_free
+        if self.prefix is not None and self.prefix.entries:
+            held: dict[int, int] = {}
+            for entry in self.prefix.entries.values():
+                for b in entry.blocks:
+                    held[b] = held.get(b, 0) + 1
+            used -= sum(1 for b, n in held.items() if self.blocks.refs(b) == n)
+        return used / self.blocks.num_blocks

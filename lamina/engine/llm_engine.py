@@ -151,7 +151,10 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
             elif not args.enforce_eager and self.device.type == "cuda":
                 self._capture_multirank_graphs(max_num_seqs)
         self.num_replicas = self.plan.dp
-        self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs) for _ in range(self.num_replicas)]
+        self.prefix_caching = bool(args.enable_prefix_caching)
+        self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs, prefix_caching=self.prefix_caching,
+                                    prefix_cache_min_tokens=args.prefix_cache_min_tokens)
+                       for _ in range(self.num_replicas)]
         self.schedulers = [
             Scheduler(SchedulerConfig(max_num_seqs, max_batched, self.max_model_len, token_history_len=token_history_len), cache)
             for cache in self.caches
@@ -239,6 +242,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         params = params or self.default_sampling_params()
         text, token_ids = self.prepare_request_prompt(prompt, params.truncate_prompt_tokens)
         max_tokens = self.validate_request(token_ids, params)
+        cache_salt = self.prompt_cache_salt(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -251,7 +255,8 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
             children = []
             for i, child_id in enumerate(child_ids):
                 self._parent_of[child_id] = request_id
-                children.append(self._new_sequence(child_id, text, token_ids, child_params(params, i), max_tokens, replica))
+                children.append(self._new_sequence(child_id, text, token_ids, child_params(params, i), max_tokens, replica,
+                                                   cache_salt))
             if self.share_prompt_prefill:
                 self.schedulers[replica].add_group(children)
             else:
@@ -259,7 +264,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
                     self.schedulers[replica].add(child)
             return request_id
         replica = self._pick_replica()
-        self.schedulers[replica].add(self._new_sequence(request_id, text, token_ids, params, max_tokens, replica))
+        self.schedulers[replica].add(self._new_sequence(request_id, text, token_ids, params, max_tokens, replica, cache_salt))
         return request_id
 
     def _pick_replica(self) -> int:
@@ -267,12 +272,12 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         return min(range(self.num_replicas), key=lambda r: (self.schedulers[r].num_waiting + self.schedulers[r].num_running, r))
 
     def _new_sequence(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                      max_tokens: int, replica: int) -> Request:
+                      max_tokens: int, replica: int, cache_salt: str | None = None) -> Request:
         """The engine's bookkeeping of one sequence on `replica`; the caller hands it to the scheduler."""
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_index=next(self._arrivals), max_tokens=max_tokens, prompt=text,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
         )
         detok = (
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
@@ -653,7 +658,23 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
             spec_decode=state.spec if self.spec_config is not None else None,
             prompt_logprobs=state.prompt_logprobs,  # complete before the first token is reported
             prompt_logprob_ranks=state.prompt_logprob_ranks,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every kept prompt prefix (vLLM's; after a weight update). False when a prefix still
+        being copied could not be dropped (try again after a step)."""
+        return all([cache.reset_prefix_cache() for cache in self.caches])
+
+    @property
+    def num_prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return sum(s.num_prefix_queries for s in self.schedulers)
+
+    @property
+    def num_prefix_cache_hits(self) -> int:
+        """Prompt tokens served from kept prefixes (vLLM's prefix_cache_hits)."""
+        return sum(s.num_prefix_hits for s in self.schedulers)
 
     def shutdown(self) -> None:
         self._inflight = None

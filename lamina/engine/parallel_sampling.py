@@ -84,5 +84,5 @@ class ParentRequest:
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outputs, finished=finished, metrics=first.metrics, prompt_logprobs=first.prompt_logprobs,
             prompt_logprob_ranks=first.prompt_logprob_ranks,
-            spec_decode=first.spec_decode,
+            spec_decode=first.spec_decode, num_cached_tokens=first.num_cached_tokens,
         )

@@ -46,6 +46,12 @@ class Request:
     # drafts that step proposes, which the next step verifies without the host seeing them
     num_pending_tokens: int = 0
     num_pending_drafts: int = 0
+    # Prefix caching: vLLM's cache_salt (prefixes are shared only between requests with the same
+    # salt), the chained hashes of the full blocks of `all_token_ids` computed so far, and the
+    # prompt tokens the request started with from a kept prefix (None: it never started from one)
+    cache_salt: str | None = None
+    prefix_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -62,6 +62,15 @@ class RequestValidation:
             return None, _token_ids(prompt)
         raise TypeError(f"a prompt is a string, a token-id list or a dict, got {type(prompt).__name__}")
 
+    @staticmethod
+    def prompt_cache_salt(prompt) -> str | None:
+        """A dict prompt's `cache_salt` (vLLM's: kept prefixes are shared only between prompts with
+        the same salt), checked."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
     def prepare_request_prompt(self, prompt: str | list[int] | dict, keep: int | None) -> tuple[str | None, list[int]]:
         """`prepare_prompt`, then vLLM's truncate_prompt_tokens `keep`: only the last k tokens (-1: the
         last max_model_len; None: all) are kept; the text stays the prompt given (vLLM's output `prompt`)."""

@@ -29,6 +29,14 @@ whose step-N chunk samples carries that token as pending (`Request.num_pending_t
 the engine appends it. The next chunk then computes it as `PENDING_TOKEN_ID`, which the runner
 replaces on the device with the id step N sampled; a request whose pending tokens reach its
 `max_tokens` is not scheduled again, and a preempted one is not re-admitted before they arrive.
+
+Prefix caching (`CacheManager(prefix_caching=True)`, lamina/engine/prefix_cache.py): a request
+admitted without a cache starts at the longest kept prefix of its tokens (at most all but the last
+one it computes; never a request that wants prompt logprobs, which need every prompt position
+computed), sharing the prefix's KV blocks and copying its recurrent state. Prompt chunks cut short
+by the budget end on a block boundary, and a prompt's last chunk stops at the last block boundary
+before its end unless that prefix is kept already; each such chunk end (at least
+`prefix_cache_min_tokens`) is kept for later prompts.
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ class Scheduler:
         # Prompt sharing: source request id -> (source, siblings waiting for its prompt state)
         self._forks: dict[str, tuple[Request, list[Request]]] = {}
         self.num_forked = 0  # siblings that started from a copied prompt state
+        # Prefix caching: tokens looked up at admission and tokens found (vLLM's prefix_cache_queries / hits)
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -174,6 +185,89 @@ class Scheduler:
             self._release(released)
         return forks
 
+    # ---- prefix caching ------------------------------------------------------------------
+    def _hashes(self, request: Request, num_tokens: int) -> list[int]:
+        """Chained block hashes of the request's first `num_tokens` tokens (extended as it grows)."""
+        known = request.prefix_hashes
+        if len(known) < num_tokens // self.cache.block_size:
+            request.prefix_hashes = known = self.cache.prefix_hashes(
+                request.all_token_ids[:num_tokens], request.cache_salt, known)
+        return known
+
+    def _prefix_cut(self, request: Request, num_new: int) -> int:
+        """The chunk's size under prefix caching: a chunk the budget cuts short ends on a block
+        boundary, and a chunk that would reach the request's target stops at the last boundary
+        before it, where no prefix is kept yet (what is left runs next step)."""
+        if self.cache.prefix is None:
+            return num_new
+        size = self.cache.block_size
+        start = request.num_computed_tokens
+        end = start + num_new
+        target = self._target(request)
+        if end < target:
+            aligned = end // size * size
+            return aligned - start if aligned > start else num_new
+        last = min(target - 1, request.num_tokens) // size * size
+        if last <= start or last < self.cache.prefix.min_tokens:
+            return num_new
+        if self.cache.holds_prefix(self._hashes(request, last)[last // size - 1]):
+            return num_new
+        return last - start
+
+    def _keep_prefix(self, request: Request, chunk: ScheduledChunk) -> None:
+        """Keep the prefix a chunk ends (a block boundary inside the known tokens, nothing sampled)."""
+        end = chunk.end_position - chunk.num_draft_tokens
+        size = self.cache.block_size
+        if self.cache.prefix is None or chunk.sample or end % size or end > request.num_tokens or end == 0:
+            return
+        key = self._hashes(request, end)[end // size - 1]
+        # slots the waiting requests may take this step stay theirs
+        reserve = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        self.cache.keep_prefix(request.request_id, key, request.all_token_ids[:end], request.cache_salt, reserve)
+
+    def _start_from_prefix(self, request: Request, budget: int, plan: StepPlan) -> bool | None:
+        """Admission of a request without a cache under prefix caching: start it at the longest kept
+        prefix. True: admitted from one (its cache allocated, the state copy planned); False: no
+        prefix to start from; None: one was found but blocks or slots are short."""
+        if self.cache.prefix is None or request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
+            return False
+        target = self._target(request)
+        self.num_prefix_queries += target
+        max_tokens = min(target - 1, request.num_tokens)
+        entry = self.cache.find_prefix(self._hashes(request, max_tokens), request.all_token_ids, request.cache_salt,
+                                       max_tokens)
+        if entry is None:
+            return False
+        request.num_computed_tokens = entry.num_tokens
+        num_new = self._prefix_cut(request, min(target - entry.num_tokens, budget))
+        chunk = self._chunk_and_drafts(request, num_new, budget)
+        copy = None
+        if chunk is not None:
+            num_new, drafts = chunk
+            wanted = self._tokens_to_allocate(request, num_new + len(drafts), self._lookahead)
+            copy = self.cache.allocate_from_prefix(request.request_id, entry, wanted)
+        if copy is None:
+            request.num_computed_tokens = 0
+            self.num_prefix_queries -= target
+            return None
+        self.num_prefix_hits += entry.num_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = entry.num_tokens
+        plan.state_copies.append(copy)
+        self._admit(request, plan, num_new, drafts)
+        return True
+
+    def _admit(self, request: Request, plan: StepPlan, num_new: int, drafts: list[int]) -> None:
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_chunk(request, plan, num_new, drafts)
+
+    def _append_chunk(self, request: Request, plan: StepPlan, num_new: int, drafts: list[int]) -> None:
+        chunk = self._chunk(request, num_new, drafts)
+        plan.chunks.append(chunk)
+        self._keep_prefix(request, chunk)
+
     def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
@@ -260,8 +354,9 @@ class Scheduler:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, finished_request_ids=self._finished_since_last_plan)
         self._finished_since_last_plan = []
+        plan.state_copies += self.cache.begin_step(self._step_id)  # prefixes kept by the last plan
         budget = self.config.max_num_batched_tokens
-        lookahead = num_draft_tokens - 1
+        self._lookahead = lookahead = num_draft_tokens - 1
         forks = self._fork_ready()
 
         index = 0
@@ -271,7 +366,7 @@ class Scheduler:
             if num_new <= 0 or self._pending_at_limit(request):
                 index += 1
                 continue
-            chunk = self._chunk_and_drafts(request, num_new, budget)
+            chunk = self._chunk_and_drafts(request, self._prefix_cut(request, num_new), budget)
             if chunk is None:
                 index += 1
                 continue
@@ -286,7 +381,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            plan.chunks.append(self._chunk(request, num_new, drafts))
+            self._append_chunk(request, plan, num_new, drafts)
             budget -= num_new + len(drafts)
             index += 1
 
@@ -295,19 +390,20 @@ class Scheduler:
                 request = self.waiting[0]
                 if request.num_pending_tokens:
                     break  # preempted while its token was in flight: recompute once that token is known
-                num_new = min(self._target(request) - request.num_computed_tokens, budget)
-                chunk = self._chunk_and_drafts(request, num_new, budget)  # drafts: a preempted request's, kept
-                if chunk is None:
+                started = self._start_from_prefix(request, budget, plan)
+                if started is None:
                     break
-                num_new, drafts = chunk
-                wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
-                if not self.cache.allocate(request.request_id, wanted):
-                    break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                plan.chunks.append(self._chunk(request, num_new, drafts))
-                budget -= num_new + len(drafts)
+                if not started:
+                    num_new = self._prefix_cut(request, min(self._target(request) - request.num_computed_tokens, budget))
+                    chunk = self._chunk_and_drafts(request, num_new, budget)  # drafts: a preempted request's, kept
+                    if chunk is None:
+                        break
+                    num_new, drafts = chunk
+                    wanted = self._tokens_to_allocate(request, num_new + len(drafts), lookahead)
+                    if not self.cache.allocate(request.request_id, wanted):
+                        break
+                    self._admit(request, plan, num_new, drafts)
+                budget -= plan.chunks[-1].num_tokens
         # A sibling preempted in its own fork step starts over by itself: no copies for it.
         preempted = set(plan.preempted_request_ids)
         for request, block_copies, state_copy in forks:

@@ -45,6 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep prompt prefixes (KV blocks and a copy of the recurrent state at a block boundary) "
+                        "for later prompts that start with them; off unless given (vLLM's default is on)")
+    g.add_argument("--prefix-cache-min-tokens", type=int, default=256,
+                   help="the shortest prefix kept (each kept prefix costs its prompt one more step)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -143,6 +148,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+        prefix_cache_min_tokens=getattr(args, "prefix_cache_min_tokens", 256),
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
         override_generation_config=getattr(args, "override_generation_config", None),
         logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),

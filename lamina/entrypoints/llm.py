@@ -36,8 +36,10 @@ class LLM:
     `{"method": "mtp", "num_speculative_tokens": K}`, optionally `"policy": "auto"`),
     `generation_config`, `max_logprobs` (the most logprobs a request may ask a token, 20; -1: the
     vocabulary, which `SamplingParams(logprobs=-1)` asks); vLLM's `trust_remote_code`,
-    `disable_log_stats` (no effect), `enable_chunked_prefill` (False refused), `tokenizer_mode`
-    ("auto" / "hf") and `enable_prefix_caching` (True refused) are taken so vLLM scripts run, as are
+    `disable_log_stats` (no effect), `enable_chunked_prefill` (False refused) and `tokenizer_mode`
+    ("auto" / "hf") are taken so vLLM scripts run; `enable_prefix_caching` keeps prompt prefixes for
+    later prompts (off unless asked: lamina.engine.prefix_cache; a dict prompt's `cache_salt` keeps
+    requests with different salts apart); also taken are
     vLLM's options for what lamina does not have (`swap_space`, `compilation_config`, `enable_lora`,
     ...: lamina.vllm_compat), where they ask for nothing lamina lacks.
     """
@@ -78,9 +80,9 @@ class LLM:
         return beam_search(self, list(prompts), params)
 
     def reset_prefix_cache(self, device=None) -> bool:
-        """vLLM's: drop cached prompt prefixes (RL loops call it after a weight update). lamina keeps none
-        (no prefix caching: every prompt is computed in full), so there is nothing stale: True."""
-        return True
+        """vLLM's: drop the kept prompt prefixes (RL loops call it after a weight update); True when
+        none is left (always without prefix caching)."""
+        return self.engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (free the GPU's weights / KV cache between uses): lamina has none."""
@@ -221,7 +223,9 @@ class LLM:
         for prompt, params in zip(prompts, params_list):
             text, token_ids = engine.prepare_request_prompt(prompt, params.truncate_prompt_tokens)
             engine.validate_request(token_ids, params)
-            prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
+            salt = engine.prompt_cache_salt(prompt)
+            prepared.append(({"prompt": text, "prompt_token_ids": token_ids, **({"cache_salt": salt} if salt else {})},
+                             params))
         ids = [engine.add_request(p, params) for p, params in prepared]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

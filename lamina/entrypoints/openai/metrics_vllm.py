@@ -18,7 +18,7 @@ from lamina.engine.async_engine import AsyncEngine
 LABELS = ("model_name", "engine")
 ENGINE = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# vllm:cache_config_info's labels (vLLM's names); lamina has no prefix caching and no CPU blocks
+# vllm:cache_config_info's labels (vLLM's names); lamina has no CPU blocks
 CACHE_INFO_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
                      "num_gpu_blocks", "num_cpu_blocks")
 
@@ -75,6 +75,11 @@ class _EngineCollector(Collector):
                             getattr(llm, "num_prompt_tokens_processed", 0))
         yield self._counter("vllm:generation_tokens", "Tokens generated.",
                             getattr(llm, "num_generation_tokens_processed", 0))
+        if getattr(llm, "prefix_caching", False):
+            yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                llm.num_prefix_cache_queries)
+            yield self._counter("vllm:prefix_cache_hits", "Prompt tokens served from kept prefixes.",
+                                llm.num_prefix_cache_hits)
         steps = getattr(llm, "iteration_tokens", None)
         if steps is not None:
             h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens run by each engine step.", labels=LABELS)
@@ -85,7 +90,7 @@ class _EngineCollector(Collector):
         args = getattr(llm, "args", None)
         info.add_metric(self.labels + [
             str(getattr(args, "block_size", "")), str(getattr(args, "kv_cache_dtype", "auto")),  # as configured
-            "False", str(getattr(args, "gpu_memory_utilization", "")), str(getattr(llm, "num_kv_blocks", "")),
+            str(bool(getattr(llm, "prefix_caching", False))), str(getattr(args, "gpu_memory_utilization", "")), str(getattr(llm, "num_kv_blocks", "")),
             "None"], 1.0)
         yield info
         spec = getattr(llm, "spec_decode_metrics", None)

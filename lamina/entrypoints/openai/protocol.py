@@ -98,6 +98,9 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False  # vLLM's: refused (the server has no beam search), never silently sampled
     # vLLM's: the response id becomes `<prefix>-<request_id>` (an X-Request-Id header wins)
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's: with --enable-prefix-caching, kept prompt prefixes are shared only between requests
+    # with the same salt (tenants that must not learn of each other's prompts by timing)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's extra: the response carries `prompt_token_ids`, each choice its generated `token_ids`; always on
     # when the server runs without a tokenizer (completions: its text is empty then)
     return_token_ids: bool | None = None

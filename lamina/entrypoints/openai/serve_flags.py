@@ -46,9 +46,6 @@ def _template_kwargs(text: str) -> dict:
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vLLM compatibility (accepted; see docs/SERVING.md)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefix caching is not implemented: --no-enable-prefix-caching is accepted, "
-                        "--enable-prefix-caching refused")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted, no effect: lamina runs its own model code and reads configs with transformers")
     g.add_argument("--disable-log-requests", action="store_true",

@@ -85,7 +85,7 @@ class FrontendOptions:
     """vLLM's frontend flags that shape answers and logs (`lamina serve --help` names them)."""
 
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage whatever they ask
-    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (no cached tokens: the field stays out)
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (usage's cached prompt tokens)
     request_id_headers: bool = False  # --enable-request-id-headers: every answer carries X-Request-Id (app.py)
     response_role: str = "assistant"  # --response-role: the answer's role when add_generation_prompt
     log_requests: bool = False  # --enable-log-requests: each request's prompt and parameters logged
@@ -345,12 +345,13 @@ class OpenAIServing:
                     prompt if prompt is None or cut is None else prompt[:cut], params, shown_ids,
                     "" if len(shown_ids) == len(token_ids) else f" (first {len(shown_ids)} of {len(token_ids)})")
 
-    def submit(self, items: Sequence[tuple[str, list[int], SamplingParams, str | None]]) -> list[RequestStream]:
+    def submit(self, items: Sequence[tuple[str, list[int], SamplingParams, str | None]],
+               cache_salt: str | None = None) -> list[RequestStream]:
         """Queue (request_id, token_ids, params, prompt_text) items, all or none."""
         streams: list[RequestStream] = []
         try:
             for request_id, token_ids, params, text in items:
-                streams.append(self.async_engine.add_request(request_id, token_ids, params, text))
+                streams.append(self.async_engine.add_request(request_id, token_ids, params, text, cache_salt=cache_salt))
         except (EngineOverloadedError, EngineDrainingError, EngineDeadError) as e:
             for stream in streams:
                 self.async_engine.abort(stream.request_id)
@@ -485,11 +486,13 @@ class OpenAIServing:
             field.append(item)
         return field
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                  "total_tokens": prompt_tokens + completion_tokens}
-        # --enable-prompt-tokens-details: vLLM adds prompt_tokens_details when some prompt tokens came from
-        # its prefix cache; lamina has none, so, as vLLM's answer then, the field stays out
+        # --enable-prompt-tokens-details: as vLLM, prompt_tokens_details only when some prompt tokens
+        # came from kept prefixes (--enable-prefix-caching)
+        if self.frontend.prompt_tokens_details and cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
 
     @staticmethod

@@ -130,7 +130,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.validate_prompt(token_ids, params, "messages")
     request_id, engine_id = serving.request_ids("chatcmpl", req, raw)
     serving.log_request(request_id, None, token_ids, params)
-    [stream] = serving.submit([(engine_id, token_ids, params, None)])
+    [stream] = serving.submit([(engine_id, token_ids, params, None)], cache_salt=req.cache_salt)
     created = int(time.time())
     # vLLM's role rule: the server's response role after a generation prompt, else the last message's
     role = serving.frontend.response_role if req.add_generation_prompt else messages[-1].get("role", "assistant")
@@ -175,7 +175,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     body = {
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": choices,
-        "usage": serving.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
+        "usage": serving.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
+                               output.num_cached_tokens),
         "system_fingerprint": None,
     }
     if req.prompt_logprobs is not None:  # vLLM's field: the templated prompt's tokens
@@ -265,7 +266,8 @@ async def _stream(serving: OpenAIServing, stream, params, raw: Request, request_
                         choice["stop_reason"] = completion.stop_reason
                     yield chunk([choice])
         if include_usage and final is not None:
-            yield chunk([], serving.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)))
+            yield chunk([], serving.usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
+                                          final.num_cached_tokens))
         outcome = "success"
         if final is not None:
             serving.record_finished(arrival, [final])

@@ -179,7 +179,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
                   else "" for text, ids in prepared]
     choices = [[_Choice(serving, req, i * n + j, echo_texts[i], prepared[i][1], serving.holdback(items[i][2]),
                         not echo_only) for j in range(n)] for i in range(len(prepared))]
-    streams = serving.submit(items)
+    streams = serving.submit(items, cache_salt=req.cache_salt)
     created = int(time.time())
 
     if req.stream:
@@ -216,7 +216,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     serving.record(ENDPOINT, arrival, outputs)
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": body_choices,
-        "usage": serving.usage(prompt_tokens, completion_tokens), "system_fingerprint": None,
+        "usage": serving.usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in outputs)),
+        "system_fingerprint": None,
     })
 
 
@@ -296,7 +297,7 @@ async def _stream(serving: OpenAIServing, streams, choices: list[list[_Choice]],
         if include_usage:
             prompt_tokens = sum(len(o.prompt_token_ids) for o in finals if o)
             completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals if o for c in o.outputs)
-            yield chunk([], serving.usage(prompt_tokens, completion_tokens))
+            yield chunk([], serving.usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in finals if o)))
         outcome = "success"
         serving.record_finished(arrival, [o for o in finals if o])
         yield sse("[DONE]")

@@ -1,0 +1,289 @@
+"""Prefix caching (`enable_prefix_caching`, lamina/engine/prefix_cache.py): a prompt that starts with
+a kept prefix starts at its end, sharing its KV blocks and copying its recurrent state, and computes
+exactly what it computes without the cache (float32 CPU: chunking does not change the references'
+arithmetic), in every family, with MTP, and on every rank of a parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.engine.cache_manager import CacheManager
+from lamina.engine.request import Request, RequestStatus
+from lamina.engine.scheduler import Scheduler, SchedulerConfig
+from tests import tiny_checkpoints as tc
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False, block_size=4,
+              max_num_batched_tokens=8)
+CACHING = dict(enable_prefix_caching=True, prefix_cache_min_tokens=4)
+SYSTEM = [(11 * i + 5) % 997 for i in range(18)]  # a shared start: 4 whole blocks and 2 tokens
+FIRST = SYSTEM + [3, 1, 4]
+SECOND = SYSTEM + [2, 7, 1, 8, 2, 8]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def qwen4_exp_dir(tmp_path_factory):
+    return tc.make_qwen4_exp(tmp_path_factory.mktemp("q4_prefix") / "ckpt")
+
+
+def rounds(llm, prompt_rounds, params):
+    """Each round's prompts, generated together; [(tokens, cumulative logprob, cached tokens)]."""
+    out = []
+    for prompts in prompt_rounds:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        out.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.num_cached_tokens) for o in outs])
+        assert llm.engine.cache_usage() == 0.0 and not llm.engine.has_unfinished_requests()
+    return out
+
+
+def assert_same_tokens(got, expected):
+    for round_got, round_expected in zip(got, expected, strict=True):
+        for (tokens, logprob, _), (ref_tokens, ref_logprob, _) in zip(round_got, round_expected, strict=True):
+            assert tokens == ref_tokens
+            assert (logprob is None) == (ref_logprob is None)
+            if logprob is not None:
+                assert logprob == pytest.approx(ref_logprob, abs=1e-4)
+
+
+# A first round keeps FIRST's prefixes; the second starts from them: the same prompt again, a longer
+# conversation (FIRST, its answer, more), a prompt sharing only SYSTEM's blocks, and an unrelated one.
+def prompt_rounds(first_answer: list[int]) -> list[list[list[int]]]:
+    return [[FIRST], [FIRST, FIRST + first_answer + [9, 9, 9, 9, 9], SECOND, [5, 6, 7, 8, 9, 10]]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "qwen4_exp"])
+def test_tokens_equal_the_uncached_engine(arch, request):
+    path = str(request.getfixturevalue(f"{arch}_dir"))
+    with LLM(path, **ENGINE) as plain:
+        answer = plain.generate({"prompt_token_ids": FIRST}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        expected = {name: rounds(plain, prompt_rounds(answer), params) for name, params in
+                    (("greedy", GREEDY), ("seeded", SEEDED))}
+    with LLM(path, **ENGINE, **CACHING) as cached:
+        for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            assert cached.reset_prefix_cache()
+            got = rounds(cached, prompt_rounds(answer), params)
+            assert_same_tokens(got, expected[name])
+            first, second = got
+            assert first[0][2] == 0  # nothing kept yet
+            cached_tokens = [c for _, _, c in second]
+            # the same prompt: all but its last block boundary's tail; the conversation: FIRST's last
+            # boundary at least; SECOND: SYSTEM's 4 whole blocks; the unrelated prompt: nothing
+            assert cached_tokens[0] == 20 and cached_tokens[1] >= 20 and cached_tokens[2] == 16
+            assert cached_tokens[3] == 0
+        engine = cached.engine
+        assert engine.num_prefix_cache_hits > 0 and engine.num_prefix_cache_queries > engine.num_prefix_cache_hits
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_with_mtp_speculative_decoding(qwen3_next_dir, tmp_path, async_scheduling):
+    """The MTP drafter's paged cache lives in the same blocks: shared with the prefix too; with
+    asynchronous scheduling the state copies are planned while the chunk that ends there runs."""
+    import shutil
+
+    path = str(tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "ckpt")))
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "async_scheduling": async_scheduling}
+    with LLM(path, **ENGINE, **spec) as plain:
+        answer = plain.generate({"prompt_token_ids": FIRST}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        expected = [rounds(plain, prompt_rounds(answer), p) for p in (GREEDY, SEEDED)]
+    with LLM(path, **ENGINE, **CACHING, **spec) as cached:
+        for params, ref in zip((GREEDY, SEEDED), expected):
+            cached.reset_prefix_cache()
+            got = rounds(cached, prompt_rounds(answer), params)
+            assert_same_tokens(got, ref)
+            assert [c for _, _, c in got[1]][:3] == [20, got[1][1][2], 16] and got[1][1][2] >= 20
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"])
+def test_parallel_layout_gives_single_rank_tokens(qwen3_next_dir, layout):
+    """Every rank copies the kept states (its own layers' slots) before its forward."""
+    with LLM(str(qwen3_next_dir), **ENGINE) as plain:
+        answer = plain.generate({"prompt_token_ids": FIRST}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        expected = rounds(plain, prompt_rounds(answer), SEEDED)
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING, **layout) as cached:
+        got = rounds(cached, prompt_rounds(answer), SEEDED)
+    assert_same_tokens(got, expected)
+    assert got[1][0][2] == 20
+
+
+def test_prompt_logprobs_requests_compute_every_position(qwen3_next_dir):
+    """A request asking prompt logprobs never starts from a kept prefix (it needs every position)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    with LLM(str(qwen3_next_dir), **ENGINE) as plain:
+        expected = plain.generate({"prompt_token_ids": FIRST}, params, use_tqdm=False)[0]
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING) as cached:
+        cached.generate({"prompt_token_ids": FIRST}, GREEDY, use_tqdm=False)
+        got = cached.generate({"prompt_token_ids": FIRST}, params, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    for a, b in zip(got.prompt_logprobs, expected.prompt_logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert {t: lp.logprob for t, lp in a.items()} == pytest.approx({t: lp.logprob for t, lp in b.items()}, abs=1e-5)
+
+
+def test_cache_salt_keeps_requests_apart(qwen3_next_dir):
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING) as llm:
+        def cached(salt):
+            prompt = {"prompt_token_ids": FIRST} if salt is None else {"prompt_token_ids": FIRST, "cache_salt": salt}
+            return llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens
+
+        assert [cached("a"), cached("a"), cached("b"), cached(None), cached(None), cached("b")] == [0, 20, 0, 0, 20, 20]
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt_token_ids": FIRST, "cache_salt": 3}, GREEDY, use_tqdm=False)
+
+
+def test_tiny_cache_evicts_and_preempts(qwen3_next_dir):
+    """Kept prefixes give their blocks and slots back to requests that need them: with a cache
+    of 12 blocks and 2 slots, requests preempt each other and evict entries, tokens unchanged."""
+    prompts = [FIRST, SECOND, FIRST + [1, 2, 3, 4], SECOND[:14]]
+    small = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=12, max_model_len=48)
+    with LLM(str(qwen3_next_dir), **small) as plain:
+        expected = rounds(plain, [prompts, prompts[::-1]], GREEDY)
+    with LLM(str(qwen3_next_dir), **small, **CACHING) as cached:
+        got = rounds(cached, [prompts, prompts[::-1]], GREEDY)
+        cache = cached.engine.cache
+        assert cached.engine.scheduler.num_preemptions > 0 or cache.prefix.entries
+        assert cache.slots.num_free + len(cache.prefix.entries) == cache.slots.num_slots
+    assert_same_tokens(got, expected)
+
+
+# ---- scheduler and cache (no model) -----------------------------------------------------------------
+def _request(rid: str, tokens: list[int], **params) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=3, **params),
+                   arrival_index=0, max_tokens=3)
+
+
+def _scheduler(num_blocks=32, max_num_seqs=4, budget=64, min_tokens=4) -> Scheduler:
+    cache = CacheManager(num_blocks, 4, max_num_seqs, prefix_caching=True, prefix_cache_min_tokens=min_tokens)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 128), cache)
+
+
+def _run(sched: Scheduler, plan) -> None:
+    sched.on_step_done(plan)
+    for chunk in plan.chunks:
+        if chunk.sample:
+            next(r for r in sched.running if r.request_id == chunk.request_id).append_output(5)
+
+
+def test_last_chunk_stops_at_the_last_block_boundary():
+    sched = _scheduler()
+    a = _request("a", range(1, 23))  # 22 tokens: boundary 20
+    sched.add(a)
+    plan = sched.schedule()
+    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(0, 20, False)]
+    slot = sched.cache.state_slot("a")
+    entry = next(iter(sched.cache.prefix.entries.values()))
+    assert (entry.num_tokens, entry.blocks) == (20, sched.cache.block_table("a")[:5])
+    assert all(sched.cache.blocks.refs(b) == 2 for b in entry.blocks)
+    _run(sched, plan)
+    plan = sched.schedule()  # the rest samples; the state copy runs before this step's forward
+    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(20, 2, True)]
+    assert plan.state_copies == [(slot, entry.slot)]
+    _run(sched, plan)
+    # the same prompt again: not before the copy has run (the plan after it), then from 20
+    b = _request("b", range(1, 23))
+    sched.add(b)
+    plan = sched.schedule()
+    assert (b.num_computed_tokens, b.num_cached_tokens) == (20, 20)
+    assert plan.state_copies == [(entry.slot, sched.cache.state_slot("b"))]
+    assert sched.cache.block_table("b")[:5] == entry.blocks
+    assert [(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks][-1] == ("b", 20, 2)
+
+
+def test_entry_is_not_served_or_evicted_before_its_copy_ran():
+    sched = _scheduler(max_num_seqs=3)
+    sched.add(_request("a", range(1, 10)))  # boundary 8
+    plan = sched.schedule()
+    entry = next(iter(sched.cache.prefix.entries.values()))
+    assert entry.usable_from_step == plan.step_id + 2
+    sched.add(_request("b", range(1, 10)))
+    _run(sched, plan)
+    plan = sched.schedule()  # b may not start from it yet: the copy is only planned now
+    b_chunk = next(c for c in plan.chunks if c.request_id == "b")
+    assert b_chunk.start_position == 0 and sched.cache.prefix.evictable(plan.step_id) is None
+
+
+def test_budget_cut_chunks_end_on_block_boundaries_and_short_prefixes_are_not_kept():
+    sched = _scheduler(budget=10, min_tokens=12)
+    a = _request("a", range(1, 31))
+    sched.add(a)
+    ends = []
+    while True:
+        plan = sched.schedule()
+        if plan.chunks[0].sample:
+            break
+        ends.append(plan.chunks[0].end_position)
+        _run(sched, plan)
+    assert ends == [8, 16, 24, 28]  # 10-token budget cut to 8; 28: the last boundary before 30
+    assert sorted(e.num_tokens for e in sched.cache.prefix.entries.values()) == [16, 24, 28]  # 8 < 12: not kept
+
+
+def test_prompt_logprobs_request_does_not_start_from_a_prefix():
+    sched = _scheduler()
+    sched.add(_request("a", range(1, 10)))
+    for _ in range(3):
+        _run(sched, sched.schedule())
+    sched.add(_request("b", range(1, 10), prompt_logprobs=1))
+    plan = sched.schedule()
+    assert next(c for c in plan.chunks if c.request_id == "b").start_position == 0
+
+
+def test_requests_evict_least_recently_used_entries():
+    sched = _scheduler(num_blocks=8, max_num_seqs=3, min_tokens=8)
+    for rid, first in (("a", 100), ("b", 200)):
+        r = _request(rid, range(first, first + 9))
+        sched.add(r)
+        for _ in range(3):
+            _run(sched, sched.schedule())
+        sched.finish(r, RequestStatus.FINISHED_STOPPED)
+    cache = sched.cache
+    assert len(cache.prefix.entries) == 2 and cache.slots.num_free == 1 and cache.usage() == 0.0
+    sched.add(_request("x", range(400, 403)))  # takes the free slot (too short to be kept)
+    sched.schedule()
+    c = _request("c", range(300, 307))  # needs a slot: a's entry (least recently used) goes; c too short to keep
+    sched.add(c)
+    sched.schedule()
+    assert sorted(e.token_ids[0] for e in cache.prefix.entries.values()) == [200]
+    cache.reset_prefix_cache()
+    in_use = len(cache.block_table("c")) + len(cache.block_table("x"))
+    assert not cache.prefix.entries and cache.blocks.num_free == cache.num_blocks - in_use
+
+
+# ---- server --------------------------------------------------------------------------------------
+def test_server_reports_cached_tokens_and_separates_salts(qwen3_next_dir):
+    """--enable-prefix-caching --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    as vLLM's (only when some came from kept prefixes); a request's cache_salt keeps it apart;
+    /metrics counts the lookups and hits."""
+    import httpx
+
+    from lamina.entrypoints.openai.serving import FrontendOptions
+    from tests.server_harness import MODEL_NAME, RunningServer
+
+    body = {"model": MODEL_NAME, "prompt": FIRST, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING) as llm, \
+            RunningServer(llm.engine, frontend=FrontendOptions(prompt_tokens_details=True)) as srv:
+        def usage(extra=None, stream=False):
+            url = f"{srv.base_url}/completions"
+            if not stream:
+                return httpx.post(url, json=body | (extra or {}), timeout=60).json()["usage"]
+            text = httpx.post(url, json=body | (extra or {}) | {"stream": True, "stream_options": {"include_usage": True}},
+                              timeout=60).text
+            return json.loads([line for line in text.splitlines() if line.startswith("data: {")][-1][6:])["usage"]
+
+        first = usage()
+        assert "prompt_tokens_details" not in first
+        assert usage()["prompt_tokens_details"] == {"cached_tokens": 20}
+        assert usage(stream=True)["prompt_tokens_details"] == {"cached_tokens": 20}
+        assert "prompt_tokens_details" not in usage({"cache_salt": "tenant-a"})
+        assert usage({"cache_salt": "tenant-a"})["prompt_tokens_details"] == {"cached_tokens": 20}
+        bad = httpx.post(f"{srv.base_url}/completions", json=body | {"cache_salt": ""}, timeout=60)
+        assert bad.status_code == 400
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=60).text
+        hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+        assert hits and float(hits[0].split()[-1]) == 60.0
+        assert 'enable_prefix_caching="True"' in metrics
