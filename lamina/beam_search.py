@@ -7,8 +7,10 @@ EOS (vLLM's `get_beam_search_score`). A beam that picks an EOS token (unless `ig
 after `max_tokens` steps the complete and the live beams compete, the best beam_width are returned,
 best first, each with its text decoded from all its tokens (prompt included), as vLLM's.
 
-lamina has no prefix caching, so every step computes each beam's whole sequence again: the cost grows
-with max_tokens x beam_width x length (vLLM reuses the shared prefixes' KV cache).
+Every step submits each beam's whole sequence: without prefix caching it is computed again, the cost
+growing with max_tokens x beam_width x length; with `enable_prefix_caching` a beam starts from the
+longest kept block-aligned prefix of it (its prompt's, or its parent beam's at an earlier step),
+as vLLM reuses the shared prefixes' KV cache.
 """
 
 from __future__ import annotations

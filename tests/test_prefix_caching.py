@@ -287,3 +287,40 @@ def test_server_reports_cached_tokens_and_separates_salts(qwen3_next_dir):
         hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
         assert hits and float(hits[0].split()[-1]) == 60.0
         assert 'enable_prefix_caching="True"' in metrics
+
+
+def test_usage_counts_blocks_requests_hold():
+    """usage(): blocks some request's table holds, once however many share it; blocks only entries
+    hold count as free (they are given back on demand)."""
+    sched = _scheduler(num_blocks=16)
+    a = _request("a", range(1, 10))
+    sched.add(a)
+    for _ in range(2):
+        _run(sched, sched.schedule())
+    cache = sched.cache
+    assert cache.usage() == len(cache.block_table("a")) / 16
+    b = _request("b", range(1, 10))
+    sched.add(b)
+    sched.schedule()  # b shares a's first two blocks
+    shared = set(cache.block_table("a")) | set(cache.block_table("b"))
+    assert cache.usage() == len(shared) / 16 < (len(cache.block_table("a")) + len(cache.block_table("b"))) / 16
+    sched.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert cache.usage() == len(cache.block_table("b")) / 16
+    sched.finish(b, RequestStatus.FINISHED_STOPPED)
+    assert cache.usage() == 0.0 and cache.prefix.entries
+
+
+def test_beam_search_starts_beams_from_kept_prefixes(qwen3_next_dir):
+    """Each beam search step submits every beam's whole sequence: with prefix caching they start
+    from the prefixes earlier steps kept, and the beams are the uncached engine's."""
+    from lamina.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": FIRST}
+    with LLM(str(qwen3_next_dir), **ENGINE) as plain:
+        [expected] = plain.beam_search([prompt], params)
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING) as cached:
+        [got] = cached.beam_search([prompt], params)
+        assert cached.engine.num_prefix_cache_hits >= 20 * 2 * 2  # every later step's beams, from 20 tokens on
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
+    assert [s.cum_logprob for s in got.sequences] == pytest.approx([s.cum_logprob for s in expected.sequences], abs=1e-4)

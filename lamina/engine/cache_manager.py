@@ -84,6 +84,9 @@ class CacheManager:
         self._tables: dict[str, list[int]] = {}
         self._slot_of: dict[str, int] = {}
         self.prefix = PrefixCache(block_size, max(block_size, prefix_cache_min_tokens)) if prefix_caching else None
+        # How many request tables hold each block, and how many blocks some table holds (usage())
+        self._table_refs = [0] * num_blocks
+        self._blocks_in_tables = 0
         self.step = 0  # the plan being made (Scheduler.schedule sets it through begin_step)
 
     @property
@@ -127,7 +130,9 @@ class CacheManager:
             self._slot_of[request_id] = self.slots.allocate()
             self._tables[request_id] = table
         if extra > 0:
-            table.extend(self.blocks.allocate(extra))
+            blocks = self.blocks.allocate(extra)
+            self._enter_tables(blocks)
+            table.extend(blocks)
         return True
 
     def fork(self, src_id: str, dst_id: str, shared_tokens: int, total_tokens: int):
@@ -170,7 +175,8 @@ class CacheManager:
         if not self._reclaim(max(0, extra), 1, pinned=entry):
             return None
         self.blocks.share(entry.blocks)
-        self._tables[request_id] = list(entry.blocks) + self.blocks.allocate(max(0, extra))
+        self._tables[request_id] = table = list(entry.blocks) + self.blocks.allocate(max(0, extra))
+        self._enter_tables(table)
         self._slot_of[request_id] = self.slots.allocate()
         self.prefix.touch(entry)
         entry.hits += 1
@@ -218,6 +224,9 @@ class CacheManager:
         table = self._tables.pop(request_id, None)
         if table:
             self.blocks.free(table)
+            for b in table:
+                self._table_refs[b] -= 1
+                self._blocks_in_tables -= self._table_refs[b] == 0
         slot = self._slot_of.pop(request_id, None)
         if slot is not None:
             self.slots.free(slot)
@@ -228,14 +237,12 @@ class CacheManager:
     def state_slot(self, request_id: str) -> int:
         return self._slot_of[request_id]
 
+    def _enter_tables(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._blocks_in_tables += self._table_refs[b] == 0
+            self._table_refs[b] += 1
+
     def usage(self) -> float:
         """Fraction of KV blocks in use by requests (blocks only prefix-cache entries hold can be
         taken back at any time, so they count as free, as in vLLM)."""
-        used = self.blocks.num_blocks - self.blocks.num_free
-        if self.prefix is not None and self.prefix.entries:
-            held: dict[int, int] = {}
-            for entry in self.prefix.entries.values():
-                for b in entry.blocks:
-                    held[b] = held.get(b, 0) + 1
-            used -= sum(1 for b, n in held.items() if self.blocks.refs(b) == n)
-        return used / self.blocks.num_blocks
+        return self._blocks_in_tables / self.blocks.num_blocks

@@ -67,8 +67,8 @@ class LLM:
                     concurrency_limit: int | None = None):
         """vLLM's beam search (lamina.beam_search): `prompts` a list of TokensPrompt / TextPrompt dicts (or
         strings), `params` a BeamSearchParams; returns a BeamSearchOutput per prompt, its beams best
-        first. Every step runs each live beam's whole sequence again (no prefix caching): for short
-        outputs. `lora_request` is refused (no LoRA adapters); all beams of a step run as one batch
+        first. Every step runs each live beam's whole sequence again, from a kept prefix where
+        `enable_prefix_caching` is on (else in full: for short outputs). `lora_request` is refused (no LoRA adapters); all beams of a step run as one batch
         (`concurrency_limit`, vLLM's bound on prompts per batch, has no effect)."""
         from lamina.beam_search import BeamSearchParams, beam_search
 
