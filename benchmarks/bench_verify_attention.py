@@ -12,7 +12,11 @@ Run it from an earlier tree too (`cd .baseline && python ../benchmarks/bench_ver
     python benchmarks/bench_verify_attention.py --label new --out bench_verify_attention_new.json   # ~1 min
     python benchmarks/bench_verify_attention.py --queries 2 4 --block-n 32 64 --stages 1 2 3 --out sweep.json
 
-`--block-n` / `--stages` time this tree's kernel at those launch parameters (0: its default).
+`--block-n` / `--stages` time this tree's kernel at those launch parameters (0: its default);
+`--row-split programs batched` its two ways past 32 query rows a program (session 41).
+`--q-heads` sets the query heads (over the 2 KV heads: 32 is 16 query heads a KV head).
+
+    python benchmarks/bench_verify_attention.py --q-heads 32 --queries 1 3 4 --context 4096 16384
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from lamina.kernels.triton_decode import paged_decode_attention  # noqa: E402
 from lamina.kernels.triton_verify import paged_verify_attention  # noqa: E402
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from bench_decode_attention_kv import HEAD_DIM, KV_HEADS, LAYERS, make_case  # noqa: E402 (this script's folder)
+from bench_decode_attention_kv import HEAD_DIM, HEADS, KV_HEADS, LAYERS, make_case  # noqa: E402 (this script's folder)
 from graph_timing import time_graph  # noqa: E402
 
 def main() -> None:
@@ -44,6 +48,10 @@ def main() -> None:
                         help="keys a loop iteration (0: the kernel's default); other values need this tree's kernel")
     parser.add_argument("--stages", type=int, nargs="+", default=[0],
                         help="software-pipeline stages (0: the kernel's default); other values need this tree's kernel")
+    parser.add_argument("--row-split", nargs="+", default=[""],
+                        help="programs / batched: past 32 query rows (''; the default); other values need this tree's kernel")
+    parser.add_argument("--q-heads", type=int, default=HEADS,
+                        help=f"query heads (over {KV_HEADS} KV heads; default {HEADS}, the 35B model's)")
     parser.add_argument("--out", default="bench_verify_attention.json")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -52,9 +60,13 @@ def main() -> None:
     for batch, context, queries in itertools.product(args.batch, args.context, args.queries):
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             caches, block_tables, seq_lens, q, gate = make_case(batch, context, cache_dtype, dev, queries)
+            if args.q_heads != HEADS:  # other queries and gates, the same caches
+                gen = torch.Generator(device=dev).manual_seed(1)
+                q, gate = (torch.randn(batch * queries, args.q_heads, HEAD_DIM, device=dev, generator=gen)
+                           .to(torch.bfloat16) for _ in range(2))
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
-            for block_n, stages in itertools.product(args.block_n, args.stages):
-                options = {k: v for k, v in (("block_n", block_n), ("num_stages", stages)) if v}
+            for block_n, stages, row_split in itertools.product(args.block_n, args.stages, args.row_split):
+                options = {k: v for k, v in (("block_n", block_n), ("num_stages", stages), ("row_split", row_split)) if v}
                 if options:  # this tree's kernel, Q rows a program (session 40)
                     def call(layer):  # noqa: B023 (timed in this iteration)
                         return paged_decode_attention(q, *caches[layer], block_tables, seq_lens, scale, gate=gate,
@@ -65,8 +77,9 @@ def main() -> None:
                 else:
                     def call(layer):  # noqa: B023
                         return paged_verify_attention(q, *caches[layer], block_tables, seq_lens, scale, queries, gate=gate)
-                case = dict(label=args.label, batch=batch, context=context, queries=queries, cache=str(cache_dtype),
-                            block_n=block_n, stages=stages)
+                case = dict(label=args.label, q_heads=args.q_heads, kv_heads=KV_HEADS, batch=batch, context=context,
+                            queries=queries, cache=str(cache_dtype),
+                            block_n=block_n, stages=stages, **({"row_split": row_split} if row_split else {}))
                 try:
                     call(0)
                     us = time_graph(call, LAYERS)
@@ -75,11 +88,12 @@ def main() -> None:
                 else:
                     rows.append(dict(case, us=round(us, 2), kv_bytes=kv_bytes, tb_per_s=round(kv_bytes / us / 1e6, 3)))
                 print(rows[-1], flush=True)
+                # rewritten after every case: a run cut by its time limit keeps the cases it timed
+                Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label,
+                                                      "gpu": torch.cuda.get_device_name(), "layers": LAYERS,
+                                                      "rows": rows}, indent=1))
             del caches
             torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label,
-                                          "gpu": torch.cuda.get_device_name(), "layers": LAYERS, "rows": rows},
-                                         indent=1))
 
 
 if __name__ == "__main__":

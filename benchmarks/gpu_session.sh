@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -778,6 +778,64 @@ json.dump({f.split('/')[-1][:-5]: json.load(open(f)) for f in sorted(glob.glob('
       timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_fp8_kv_cache_kernels.py tests/test_triton_kernels.py \
         -k "fp8_caches or writers or stored_values or real_width" > $OUT/s37b_kernels.txt 2>&1
       tail -3 $OUT/s37b_kernels.txt ;;
+    s41v)  # session 41: verification attention in row tiles of <= 32 rows (every row = plain decode bit for bit).
+      # The new tree is .baseline (git archive HEAD, carried) with this session's files laid over it, so that other
+      # uncommitted work in the checkout does not ride along. Its GPU tests (rows equal the one-token kernel: GROUP 8
+      # at Q = 2 / 4 / 5, GROUP 16 at Q = 3 / 4, bf16 / FP8 caches; then the decode / verify kernels against the
+      # reference), the kernel timed against .baseline at GROUP 8 and 16, the per-kernel profile of an MTP K = 2 step
+      N=/tmp/s41new; rm -rf $N && cp -r .baseline $N
+      cp lamina/kernels/triton_decode.py $N/lamina/kernels/ && cp tests/test_triton_verify_kernels.py $N/tests/
+      cp benchmarks/bench_verify_attention.py benchmarks/profile_decode.py $N/benchmarks/
+      (cd $N && export PYTHONPATH=/tmp/site:$N
+       timeout 90 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_triton_verify_kernels.py > $OUT/s41_verify_tests.txt 2>&1
+       timeout 80 python3 -m pytest -v -p no:cacheprovider tests/test_triton_verify_kernels.py tests/test_fp8_kv_cache_kernels.py \
+         tests/test_triton_kernels.py -m "not gpu" -k "paged_decode or paged_verify or one_token or decode_prefill_and_verify" \
+         >> $OUT/s41_verify_tests.txt 2>&1)
+      grep -E "FAILED|ERROR|passed|failed" $OUT/s41_verify_tests.txt | tail -12
+      for g in "g8 --queries 1 2 4 5" "g16 --queries 1 3 4 --q-heads 32"; do for tree in new base; do
+        d=$N; [ $tree = base ] && d=$PWD/.baseline
+        (cd $d && PYTHONPATH=/tmp/site timeout 80 python3 $N/benchmarks/bench_verify_attention.py --batch 1 16 --context 4096 \
+          16384 ${g#* } --label $tree --out $OUT/verify_attention_${g%% *}_${tree}_s41.json 2>&1 | grep -c "'us'")
+      done; done
+      python3 -c "
+import json
+for g in ('g8', 'g16'):
+    base, new = (json.load(open(f'$OUT/verify_attention_{g}_{t}_s41.json'))['rows'] for t in ('base', 'new'))
+    key = lambda r: (r['batch'], r['context'], r['queries'], r['cache'][-6:])
+    b = {key(r): r.get('us', r.get('error', '')[:60]) for r in base}
+    for r in new: print(g, *key(r), b.get(key(r)), r.get('us', r.get('error', '')[:60]))"
+      (cd $N && PYTHONPATH=/tmp/site:$N LAMINA_GDN_PREFILL=reference timeout 170 python3 benchmarks/profile_decode.py \
+        --context 16384 --speculative-tokens 2 --gpu-memory-utilization 0.95 --out $OUT/profile_mtp2_16k_s41.json \
+        > /tmp/s41_profile.txt 2>&1 || tail -20 /tmp/s41_profile.txt)
+      python3 -c "
+import json; d=json.load(open('$OUT/profile_mtp2_16k_s41.json'))
+print({k: d.get(k) for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step','cuda_graphs')})
+for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:100])" ;;
+    s41w)  # session 41, second call: past 32 query rows, ROW_SPLIT "programs" (row-tile programs) against "batched"
+      # (one program, batched dots: mma.sync, the keys read once), in the tree of part s41v (.baseline + this
+      # session's files): rows equal to the one-token kernel both ways (GPU, bf16 / FP8), then the kernel timed both
+      # ways and in .baseline (one 2D dot, wgmma from 64 rows) at GROUP 8, Q = 5 and GROUP 16, Q = 3 / 4
+      N=/tmp/s41new; rm -rf $N && cp -r .baseline $N
+      cp lamina/kernels/triton_decode.py $N/lamina/kernels/ && cp tests/test_triton_verify_kernels.py $N/tests/
+      cp benchmarks/bench_verify_attention.py benchmarks/profile_decode.py $N/benchmarks/
+      (cd $N && export PYTHONPATH=/tmp/site:$N
+       timeout 100 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_triton_verify_kernels.py \
+         -k "equals_decode_rows and (programs or batched)" > $OUT/s41w_tests.txt 2>&1
+       timeout 25 python3 -m pytest -v -p no:cacheprovider tests/test_triton_verify_kernels.py -k past_one_row_tile \
+         >> $OUT/s41w_tests.txt 2>&1)
+      grep -E "FAILED|ERROR|passed|failed" $OUT/s41w_tests.txt | tail -12
+      for g in "g8 --queries 5" "g16 --queries 3 4 --q-heads 32"; do for tree in new base; do
+        d=$N; r="--row-split programs batched"; [ $tree = base ] && d=$PWD/.baseline && r=
+        (cd $d && PYTHONPATH=/tmp/site timeout 45 python3 $N/benchmarks/bench_verify_attention.py --batch 1 16 --context 4096 \
+          16384 ${g#* } $r --label $tree --out $OUT/verify_attention_split_${g%% *}_${tree}_s41.json 2>&1 | grep -c "'us'")
+      done; done
+      python3 -c "
+import json
+for g in ('g8', 'g16'):
+    base, new = (json.load(open(f'$OUT/verify_attention_split_{g}_{t}_s41.json'))['rows'] for t in ('base', 'new'))
+    key = lambda r: (r['batch'], r['context'], r['queries'], r['cache'][-6:])
+    b = {key(r): r.get('us', r.get('error', '')[:60]) for r in base}
+    for r in new: print(g, *key(r), r.get('row_split'), b.get(key(r)), r.get('us', r.get('error', '')[:60]))" ;;
     s40a)  # session 40: MTP verification attention on the split decode kernel: its GPU tests (rows equal the one-token
       # kernel bit for bit, bf16 / FP8 caches), timed against the tree before (.baseline, d678534^: one program per
       # (request, KV head), 32 keys a block), then the engine's GPU tests (graphs, MTP) on the retuned attention

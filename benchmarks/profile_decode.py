@@ -2,6 +2,7 @@
 GPU kernel time per step, kernel launches per step, and the top kernels.
 
     python benchmarks/profile_decode.py --batch 1 [--enforce-eager] [--out profile.json]
+    python benchmarks/profile_decode.py --context 16384 --speculative-tokens 2  # MTP K = 2 steps at 16k context
     python benchmarks/profile_decode.py --prefill-len 8192 [--out profile.json]   # one prefill step instead
     python benchmarks/profile_decode.py --prefill-len 16384 --chunk 2048 --steps 1  # a prompt in 2k chunks
     python benchmarks/profile_decode.py --prefill-len 1024 --prompts 8  # eight 1k prompts in one step (offline throughput's)
@@ -37,20 +38,28 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1,
                     help="with --prefill-len: this many prompts prefilled together (one step of --prefill-len x --prompts tokens)")
     ap.add_argument("--quantization", default=None, help="fp8: the dummy weights in block FP8 (experts stay FP8)")
+    ap.add_argument("--context", type=int, default=128, help="decode: prompt tokens of each request")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="decode: MTP with this many drafts a step (one MTP layer; dummy weights reject every draft)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prefill_len:
         profile_prefill(args)
         return
     path = preset_dir("qwen3.5-35b-a3b", args.layers)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=512,
+    extra = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    if args.speculative_tokens:
+        extra.update(hf_overrides={"mtp_num_hidden_layers": 1},
+                   speculative_config={"method": "mtp", "num_speculative_tokens": args.speculative_tokens})
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=args.context + 384,
               max_num_seqs=max(args.batch, 1), show_progress=False, enforce_eager=args.enforce_eager,
-              quantization=args.quantization)
+              quantization=args.quantization, **extra)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request({"prompt_token_ids": [(i * 7919 + j) % 200000 for j in range(128)]}, params)
-    for _ in range(4):  # prefill + warm decode steps
+        engine.add_request({"prompt_token_ids": [(i * 7919 + j) % 200000 for j in range(args.context)]}, params)
+    for _ in range(3 + -(-args.context * args.batch // 2048)):  # the prefill (in chunks of at least 2048) + warm decode steps
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -66,7 +75,8 @@ def main() -> None:
         by_name.setdefault(e.name, []).append(e.device_time)
     top = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in by_name.items()), reverse=True)[:60]
     result = {
-        "batch": args.batch, "layers": args.layers, "cuda_graphs": engine.cuda_graphs,
+        "command": " ".join(sys.argv), "batch": args.batch, "context": args.context,
+        "speculative_tokens": args.speculative_tokens, "layers": args.layers, "cuda_graphs": engine.cuda_graphs,
         "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu_us / 1e3,
         "kernels_per_step": len(kernels) / args.steps,
         "top_kernels": [{"us_per_step": t, "calls_per_step": n, "name": k[:120]} for t, n, k in top],

@@ -5,9 +5,9 @@ on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes
 
 - `paged_decode_attention`: one query per request (or Q consecutive ones, causal inside the Q:
   MTP verification) over its paged K/V (block tables, `seq_lens` read on the device), all query
-  heads of a KV head in one program (GQA), online softmax, the key blocks split over
-  ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter) whose
-  partials the last one combines. Reference: `paged_attention` with `max_query_len == Q`.
+  heads of a KV head in one program (GQA; Q queries past ROW_TILE rows: see ROW_SPLIT), online
+  softmax, the key blocks split over ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under
+  Triton's interpreter) whose partials the last one combines. Reference: `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
   written back to the state pool at the request's slot (float32, or `mamba_ssm_cache_dtype`'s
   dtype: read into float32, rounded on store). Reference: `recurrent_gated_delta_rule_step`.
@@ -63,6 +63,25 @@ ATTENTION_WARPS = 8
 GDR_WARPS = 4
 CONV_WARPS = 8
 
+# Query rows (query token x query head of the KV head) past which Q queries (MTP verification) no
+# longer share one plain 2D dot. The one-token kernel holds GROUP rows (padded to 16); on Hopper a
+# dot of up to 32 rows runs the one-token kernel's mma.sync instructions with the same warp layout
+# (8 warps across the keys), so each row sums in the same order, while from 64 rows Triton takes
+# Hopper's wgmma path, whose rounding differs (up to 1e-3, session 40). Past ROW_TILE rows, ROW_SPLIT:
+# - "programs" (the default): a (request, KV head) takes ceil(Q / (ROW_TILE // GROUP)) programs (row
+#   tiles) of whole query tokens, each at most 32 rows, with its own partials and ticket; each tile
+#   reads the keys (an H100 measured every row equal to plain decode, GROUP 8 at Q = 5 and GROUP 16
+#   at Q = 3 / 4, bf16 and FP8 caches; faster than one 64-row tile at batch 1, slower at batch 16:
+#   docs/PERFORMANCE.md, session 41);
+# - "batched": one program keeps every row and runs its two dots as [1, R, D] x [1, D, N] batched
+#   dots, which Triton lowers to mma.sync (no wgmma for batched dots; the key dot with the
+#   one-token kernel's warp layout), the keys read once. Not yet run on a GPU (benchmarks/
+#   gpu_session.sh s41w times it and tests its rows); a benchmark option until then.
+# A GROUP above 32 (no Qwen model) takes "programs" with one query token a tile: the one-token
+# kernel's own GROUP-row tile (equal on an H100 at GROUP 64, bf16).
+ROW_TILE = 32
+ROW_SPLIT = "programs"
+
 
 # The block table's row stride follows the width of the table it is given: the decode graphs' fixed
 # one, or a mixed step's (paged_attention's groups of decodes). Unspecialised, one compile serves
@@ -75,24 +94,33 @@ def _paged_decode_attention_kernel(
     stride_bt, stride_gt, stride_gh, stride_ot, stride_oh,
     QUERIES: tl.constexpr, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, TILE_Q: tl.constexpr, TILES: tl.constexpr,
+    BATCHED_DOT: tl.constexpr,
 ):
     wait_for_producer(PDL)
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if TILES == 1:  # every query row in one program (the one-token kernel; Q x GROUP <= ROW_TILE; "batched")
+        kv_head = tl.program_id(1)
+        first_tok = 0
+    else:  # program_id(1) = kv_head * TILES + tile; the tile holds query tokens tile * TILE_Q ..
+        kv_head = tl.program_id(1) // TILES
+        first_tok = (tl.program_id(1) % TILES) * TILE_Q
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     num_parts = tl.minimum(num_blocks, SPLITS)  # programs with at least one key block
     if split >= num_parts:
         return
-    offs_r = tl.arange(0, ROWS_PAD)  # row r: query token r // GROUP of the request, head r % GROUP of this KV head
+    offs_r = tl.arange(0, ROWS_PAD)  # row r: query token first_tok + r // GROUP of the request, head r % GROUP of this KV head
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    tok = offs_r // GROUP
+    tok = first_tok + offs_r // GROUP
     heads = kv_head * GROUP + offs_r % GROUP
     tokens = req * QUERIES + tok  # [R] flat token of each row
-    r_ok = offs_r < QUERIES * GROUP
+    if TILES == 1:
+        r_ok = offs_r < QUERIES * GROUP
+    else:  # the tile's own tokens (the last tile may hold fewer)
+        r_ok = (offs_r < TILE_Q * GROUP) & (tok < QUERIES)
     d_ok = offs_d < HEAD_DIM
     rd_ok = r_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -108,7 +136,11 @@ def _paged_decode_attention_kernel(
         row = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
+        if BATCHED_DOT:  # past ROW_TILE rows: a batched dot keeps the one-token kernel's mma.sync (ROW_SPLIT)
+            s = tl.reshape(tl.dot(tl.reshape(q, [1, ROWS_PAD, BLOCK_D]), tl.reshape(tl.trans(k), [1, BLOCK_D, BLOCK_N]),
+                                  input_precision=PRECISION), [ROWS_PAD, BLOCK_N]) * scale  # [R, N]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
         if QUERIES == 1:
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -122,12 +154,18 @@ def _paged_decode_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if BATCHED_DOT:
+            pv = tl.dot(tl.reshape(p.to(v.dtype), [1, ROWS_PAD, BLOCK_N]), tl.reshape(v, [1, BLOCK_N, BLOCK_D]),
+                        input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.reshape(pv, [ROWS_PAD, BLOCK_D])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS > 1:
         # This program's partial (running max, sum, unnormalised output) for the last program of the
-        # (request, KV head) to combine, in split order: deterministic.
-        head_index = req * tl.num_programs(1) + kv_head
+        # (request, KV head, row tile) to combine, in split order: deterministic. Each row tile has
+        # its own partials and ticket, and combines its own rows.
+        head_index = req * tl.num_programs(1) + tl.program_id(1)
         acc_base = part_acc_ptr + head_index * SPLITS * ROWS_PAD * BLOCK_D  # [SPLITS, R, D] float32
         ml_base = part_ml_ptr + head_index * SPLITS * 2 * ROWS_PAD  # [SPLITS, 2, R] float32
         tl.store(acc_base + split * ROWS_PAD * BLOCK_D + offs_r[:, None] * BLOCK_D + offs_d[None, :], acc,
@@ -183,6 +221,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int | None = None,
     num_warps: int | None = None, block_n: int | None = None, num_stages: int | None = None, queries: int = 1,
+    row_split: str | None = None,
 ) -> torch.Tensor:
     """q `[B*Q, Hq, D]` (Q = `queries` consecutive query tokens per request, request-major, at
     positions seq_lens[b] - Q .. seq_lens[b] - 1, causal inside the Q; unit last stride); caches
@@ -191,11 +230,12 @@ def paged_decode_attention(
     `splits` (a power of two): programs per (request, KV head), by default ATTENTION_SPLITS
     (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`, `block_n` (keys a loop
     iteration) and `num_stages` override ATTENTION_WARPS, DECODE_ATTENTION_BLOCK_N and the stages
-    (FP8_CACHE_STAGES over an FP8 cache, else Triton's default) (benchmarks). Each query row runs the
-    one-token computation at its own position: the same blocks in the same programs, the keys past
-    it adding exactly zero (equal to the one-token kernel bit for bit on an H100 while Q x group <= 32
-    rows; larger tiles take other MMA instructions and agree within rounding). Returns `[B*Q, Hq, D]`
-    in q's dtype."""
+    (FP8_CACHE_STAGES over an FP8 cache, else Triton's default), `row_split` ROW_SPLIT (benchmarks).
+    Each query row runs the one-token computation at its own position: the same blocks in the same
+    programs, the keys past it adding exactly zero, its dots in the one-token kernel's MMA
+    instructions past ROW_TILE rows too (ROW_SPLIT), so every row equals the one-token kernel's bit
+    for bit (measured on an H100 at 8 and 16 query heads a KV head, Q up to 5, ROW_SPLIT "programs").
+    Returns `[B*Q, Hq, D]` in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     bsz = num_tokens // queries
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -210,25 +250,33 @@ def paged_decode_attention(
         return out
     gated = gate is not None
     gate = gate if gated else q
-    rows_pad, block_d = max(16, triton.next_power_of_2(queries * group)), triton.next_power_of_2(head_dim)
+    row_split = row_split or ROW_SPLIT
+    if row_split not in ("programs", "batched"):
+        raise ValueError(f"paged_decode_attention: row_split = {row_split!r} must be 'programs' or 'batched'")
+    batched = queries * group > ROW_TILE and row_split == "batched" and group <= ROW_TILE
+    # query tokens a row tile ("programs" past ROW_TILE rows; else all of them: one tile)
+    tile_q = queries if batched else min(queries, max(1, ROW_TILE // group))
+    tiles = triton.cdiv(queries, tile_q)
+    rows_pad, block_d = max(16, triton.next_power_of_2(tile_q * group)), triton.next_power_of_2(head_dim)
+    programs = bsz * num_kv_heads * tiles  # (request, KV head, row tile)s, each over `splits` programs
     if splits > 1:
         from lamina.kernels.triton_moe_gemv import _tickets
 
-        part_acc = torch.empty(bsz * num_kv_heads * splits * rows_pad * block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(bsz * num_kv_heads * splits * 2 * rows_pad, dtype=torch.float32, device=q.device)
-        tickets = _tickets(q.device, bsz * num_kv_heads)
+        part_acc = torch.empty(programs * splits * rows_pad * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(programs * splits * 2 * rows_pad, dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, programs)
     else:
         part_acc = part_ml = tickets = out  # unused
     if num_stages is None and k_cache.dtype in FP8_DTYPES:
         num_stages = FP8_CACHE_STAGES
-    _paged_decode_attention_kernel[(bsz, num_kv_heads, splits)](
+    _paged_decode_attention_kernel[(bsz, num_kv_heads * tiles, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, gate, out, scale, part_acc, part_ml, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), gate.stride(0), gate.stride(1),
         out.stride(0), out.stride(1),
         QUERIES=queries, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or DECODE_ATTENTION_BLOCK_N,
-        PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits,
+        PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits, TILE_Q=tile_q, TILES=tiles, BATCHED_DOT=batched,
         **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS, **FP_FUSION,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
