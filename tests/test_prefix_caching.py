@@ -324,3 +324,32 @@ def test_beam_search_starts_beams_from_kept_prefixes(qwen3_next_dir):
         assert cached.engine.num_prefix_cache_hits >= 20 * 2 * 2  # every later step's beams, from 20 tokens on
     assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
     assert [s.cum_logprob for s in got.sequences] == pytest.approx([s.cum_logprob for s in expected.sequences], abs=1e-4)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp2"])
+def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, tmp_path, mtp):
+    """On CUDA (bf16, decode graphs, asynchronous scheduling): a prompt's first run computes [0, P)
+    and [P, N) (its last chunk cut at the boundary); run again it starts at P from the kept prefix
+    (shared blocks, the copied state): its tokens and logprobs are the first run's, bit for bit. A
+    prompt sharing only the system part starts from its 16 tokens. (Exactness against the uncached
+    engine is the CPU tests': in bf16 a chunk boundary moves the rounding.)"""
+    import shutil
+
+    path = str(tc.add_mtp_weights(shutil.copytree(qwen3_next_dir, tmp_path / "ckpt")) if mtp else qwen3_next_dir)
+    gpu = dict(device="cuda", dtype="bfloat16", max_model_len=128, show_progress=False)
+    if mtp:
+        gpu["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    with LLM(path, **gpu, **CACHING) as llm:
+        assert llm.engine.cuda_graphs
+        first, again = (llm.generate({"prompt_token_ids": FIRST}, params, use_tqdm=False)[0] for _ in range(2))
+        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 20)
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert again.outputs[0].cumulative_logprob == first.outputs[0].cumulative_logprob
+        assert [{t: lp.logprob for t, lp in d.items()} for d in again.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in first.outputs[0].logprobs]
+        longer = llm.generate({"prompt_token_ids": SECOND}, GREEDY, use_tqdm=False)[0]
+        assert longer.num_cached_tokens == 16 and len(longer.outputs[0].token_ids) == GREEDY.max_tokens
+        assert llm.engine.cache_usage() == 0.0

@@ -7,7 +7,8 @@ here calls the one-token kernels of `lamina.kernels.triton_decode` unchanged.
 - `paged_verify_attention`: the Q queries of a request (positions seq_len - Q .. seq_len - 1)
   over its paged K/V, causal inside the Q: the decode kernel with Q query rows per program (its
   key splits, block size and FP8 stages), each row computed as the one-token kernel computes its
-  position (bit for bit on an H100 while Q x query heads per KV head <= 32). Reference:
+  position (bit for bit on an H100 for every Q: past 32 rows a request's rows run in programs of at
+  most 32, whole query tokens each). Reference:
   `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_verify`: Q delta-rule steps per request on the device, from the state at the
   request's slot; the state after the last token is written back to the slot, and with `capture`
