@@ -353,3 +353,17 @@ def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, t
         longer = llm.generate({"prompt_token_ids": SECOND}, GREEDY, use_tqdm=False)[0]
         assert longer.num_cached_tokens == 16 and len(longer.outputs[0].token_ids) == GREEDY.max_tokens
         assert llm.engine.cache_usage() == 0.0
+
+
+def test_reset_drops_entries_and_their_unplanned_copies():
+    sched = _scheduler()
+    a = _request("a", range(1, 10))
+    sched.add(a)
+    sched.schedule()  # a's first 8 tokens kept; the copy into the entry's slot is planned by the next plan
+    cache = sched.cache
+    assert cache.prefix.entries and cache.prefix.pending_copies
+    assert cache.reset_prefix_cache()
+    assert not cache.prefix.entries and not cache.prefix.pending_copies
+    assert cache.slots.num_free == cache.slots.num_slots - 1  # a's own slot only
+    assert all(cache.blocks.refs(b) == 1 for b in cache.block_table("a"))
+    assert not sched.schedule().state_copies

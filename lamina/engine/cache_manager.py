@@ -210,14 +210,12 @@ class CacheManager:
         return True
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every entry (vLLM's reset_prefix_cache); False, dropping none, while a copy into one
-        is still pending."""
-        if self.prefix is None:
-            return True
-        if any(e.usable_from_step > self.step for e in self.prefix.entries.values()):
-            return False
-        for entry in list(self.prefix.entries.values()):
-            self._evict(entry)
+        """Drop every entry (vLLM's reset_prefix_cache), between plans: copies into entries not yet
+        planned are dropped with them; those planned already have run before any later plan's."""
+        if self.prefix is not None:
+            self.prefix.pending_copies.clear()
+            for entry in list(self.prefix.entries.values()):
+                self._evict(entry)
         return True
 
     def free(self, request_id: str) -> None:

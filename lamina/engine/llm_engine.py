@@ -662,8 +662,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every kept prompt prefix (vLLM's; after a weight update). False when a prefix still
-        being copied could not be dropped (try again after a step)."""
+        """Drop every kept prompt prefix (vLLM's; after a weight update); True."""
         return all([cache.reset_prefix_cache() for cache in self.caches])
 
     @property
