@@ -9,9 +9,9 @@ the "off" samples every entry is dropped (`reset_prefix_cache`) and the cache ma
 is detached, so those prompts run exactly as with `enable_prefix_caching` off (no chunk cut at a
 block boundary, nothing kept, nothing looked up); it is attached again for the "on" samples. Each
 sample is one request of `max_tokens=1`, stepped alone until done: its TTFT.
-- off_new / on_new: a fresh random prompt (on: computed in two steps, the last block's tokens in
-  the second, and its prefix kept);
-- on_same: the on_new prompt again (starts from the kept prefix, computes the last block);
+- off_new / on_new: a fresh random prompt (on: all but its last token in one step, kept, then the
+  last token in a one-token step);
+- on_same: the on_new prompt again (starts from the kept prefix: one token, a decode graph's step);
 - on_turn: the on_new prompt plus `turn_len` new tokens (starts from the same prefix);
 - off_turn: the same kind of prompt with the cache off (computed in full).
 """

@@ -116,8 +116,8 @@ class EngineArgs:
     # AutoTokenizer); download_dir: where a MODEL given as a Hub id is fetched (default: the HF cache)
     trust_remote_code: bool = False
     # vLLM's name: keep prompt prefixes for later prompts (lamina/engine/prefix_cache.py); None = off
-    # (vLLM's default is on). prefix_cache_min_tokens (lamina's): the shortest prefix kept, a
-    # multiple of block_size after rounding up (each kept prefix costs its prompt one more step)
+    # (vLLM's default is on). prefix_cache_min_tokens (lamina's): the shortest prefix kept (keeping a
+    # prompt's prefix costs it a one-token step before its first token)
     enable_prefix_caching: bool | None = None
     prefix_cache_min_tokens: int = 256
     enable_chunked_prefill: bool | None = None

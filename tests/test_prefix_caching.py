@@ -51,9 +51,12 @@ def assert_same_tokens(got, expected):
 
 
 # A first round keeps FIRST's prefixes; the second starts from them: the same prompt again, a longer
-# conversation (FIRST, its answer, more), a prompt sharing only SYSTEM's blocks, and an unrelated one.
+# conversation (FIRST, its answer, more), a prompt sharing only SYSTEM's blocks, and an unrelated one;
+# the third repeats the conversation and SECOND (from the prefixes the second round kept one token
+# short of their ends, inside a block: shared blocks and a copied partial one).
 def prompt_rounds(first_answer: list[int]) -> list[list[list[int]]]:
-    return [[FIRST], [FIRST, FIRST + first_answer + [9, 9, 9, 9, 9], SECOND, [5, 6, 7, 8, 9, 10]]]
+    turn = FIRST + first_answer + [9, 9, 9, 9, 9]
+    return [[FIRST], [FIRST, turn, SECOND, [5, 6, 7, 8, 9, 10]], [turn, SECOND]]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "qwen4_exp"])
@@ -68,13 +71,14 @@ def test_tokens_equal_the_uncached_engine(arch, request):
             assert cached.reset_prefix_cache()
             got = rounds(cached, prompt_rounds(answer), params)
             assert_same_tokens(got, expected[name])
-            first, second = got
+            first, second, third = got
             assert first[0][2] == 0  # nothing kept yet
             cached_tokens = [c for _, _, c in second]
             # the same prompt: all but its last block boundary's tail; the conversation: FIRST's last
             # boundary at least; SECOND: SYSTEM's 4 whole blocks; the unrelated prompt: nothing
             assert cached_tokens[0] == 20 and cached_tokens[1] >= 20 and cached_tokens[2] == 16
             assert cached_tokens[3] == 0
+            assert [c for _, _, c in third] == [len(FIRST) + len(answer) + 4, len(SECOND) - 1]
         engine = cached.engine
         assert engine.num_prefix_cache_hits > 0 and engine.num_prefix_cache_queries > engine.num_prefix_cache_hits
 
@@ -148,7 +152,7 @@ def test_tiny_cache_evicts_and_preempts(qwen3_next_dir):
         got = rounds(cached, [prompts, prompts[::-1]], GREEDY)
         cache = cached.engine.cache
         assert cached.engine.scheduler.num_preemptions > 0 or cache.prefix.entries
-        assert cache.slots.num_free + len(cache.prefix.entries) == cache.slots.num_slots
+        assert cache.slots.num_free + len(cache.prefix.all_entries()) == cache.slots.num_slots
     assert_same_tokens(got, expected)
 
 
@@ -170,36 +174,37 @@ def _run(sched: Scheduler, plan) -> None:
             next(r for r in sched.running if r.request_id == chunk.request_id).append_output(5)
 
 
-def test_last_chunk_stops_at_the_last_block_boundary():
+def test_last_chunk_stops_one_token_short():
     sched = _scheduler()
-    a = _request("a", range(1, 23))  # 22 tokens: boundary 20
+    a = _request("a", range(1, 23))  # 22 tokens
     sched.add(a)
     plan = sched.schedule()
-    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(0, 20, False)]
-    slot = sched.cache.state_slot("a")
-    entry = next(iter(sched.cache.prefix.entries.values()))
-    assert (entry.num_tokens, entry.blocks) == (20, sched.cache.block_table("a")[:5])
-    assert all(sched.cache.blocks.refs(b) == 2 for b in entry.blocks)
+    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(0, 21, False)]
+    slot, table = sched.cache.state_slot("a"), sched.cache.block_table("a")
+    [entry] = sched.cache.prefix.all_entries()
+    assert entry.num_tokens == 21 and entry.blocks[:5] == table[:5] and entry.blocks[5] not in table
+    assert all(sched.cache.blocks.refs(b) == 2 for b in table[:5]) and sched.cache.blocks.refs(table[5]) == 1
     _run(sched, plan)
-    plan = sched.schedule()  # the rest samples; the state copy runs before this step's forward
-    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(20, 2, True)]
-    assert plan.state_copies == [(slot, entry.slot)]
+    plan = sched.schedule()  # the last token samples; the copies run before this step's forward
+    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(21, 1, True)]
+    assert plan.state_copies == [(slot, entry.slot)] and plan.block_copies == [(table[5], entry.blocks[5])]
     _run(sched, plan)
-    # the same prompt again: not before the copy has run (the plan after it), then from 20
+    # the same prompt again: not before the copies have run (the plan after them), then from 21
     b = _request("b", range(1, 23))
     sched.add(b)
     plan = sched.schedule()
-    assert (b.num_computed_tokens, b.num_cached_tokens) == (20, 20)
+    b_table = sched.cache.block_table("b")
+    assert (b.num_computed_tokens, b.num_cached_tokens) == (21, 21)
     assert plan.state_copies == [(entry.slot, sched.cache.state_slot("b"))]
-    assert sched.cache.block_table("b")[:5] == entry.blocks
-    assert [(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks][-1] == ("b", 20, 2)
+    assert plan.block_copies == [(entry.blocks[5], b_table[5])] and b_table[:5] == entry.blocks[:5]
+    assert [(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks][-1] == ("b", 21, 1)
 
 
 def test_entry_is_not_served_or_evicted_before_its_copy_ran():
     sched = _scheduler(max_num_seqs=3)
     sched.add(_request("a", range(1, 10)))  # boundary 8
     plan = sched.schedule()
-    entry = next(iter(sched.cache.prefix.entries.values()))
+    [entry] = sched.cache.prefix.all_entries()
     assert entry.usable_from_step == plan.step_id + 2
     sched.add(_request("b", range(1, 10)))
     _run(sched, plan)
@@ -219,8 +224,8 @@ def test_budget_cut_chunks_end_on_block_boundaries_and_short_prefixes_are_not_ke
             break
         ends.append(plan.chunks[0].end_position)
         _run(sched, plan)
-    assert ends == [8, 16, 24, 28]  # 10-token budget cut to 8; 28: the last boundary before 30
-    assert sorted(e.num_tokens for e in sched.cache.prefix.entries.values()) == [16, 24, 28]  # 8 < 12: not kept
+    assert ends == [8, 16, 24, 29]  # a 10-token budget cut to 8; 29: one token short of 30
+    assert sorted(e.num_tokens for e in sched.cache.prefix.all_entries()) == [16, 24, 29]  # 8 < 12: not kept
 
 
 def test_prompt_logprobs_request_does_not_start_from_a_prefix():
@@ -248,7 +253,7 @@ def test_requests_evict_least_recently_used_entries():
     c = _request("c", range(300, 307))  # needs a slot: a's entry (least recently used) goes; c too short to keep
     sched.add(c)
     sched.schedule()
-    assert sorted(e.token_ids[0] for e in cache.prefix.entries.values()) == [200]
+    assert sorted(e.token_ids[0] for e in cache.prefix.all_entries()) == [200]
     cache.reset_prefix_cache()
     in_use = len(cache.block_table("c")) + len(cache.block_table("x"))
     assert not cache.prefix.entries and cache.blocks.num_free == cache.num_blocks - in_use
@@ -332,8 +337,8 @@ def test_beam_search_starts_beams_from_kept_prefixes(qwen3_next_dir):
 def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, tmp_path, mtp):
     """On CUDA (bf16, decode graphs, asynchronous scheduling): a prompt's first run computes [0, P)
     and [P, N) (its last chunk cut at the boundary); run again it starts at P from the kept prefix
-    (shared blocks, the copied state): its tokens and logprobs are the first run's, bit for bit. A
-    prompt sharing only the system part starts from its 16 tokens. (Exactness against the uncached
+    (shared blocks, the copied partial block and state): its tokens and logprobs are the first run's,
+    bit for bit. The conversation's next turn starts there too. (Exactness against the uncached
     engine is the CPU tests': in bf16 a chunk boundary moves the rounding.)"""
     import shutil
 
@@ -350,8 +355,9 @@ def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, t
         assert again.outputs[0].cumulative_logprob == first.outputs[0].cumulative_logprob
         assert [{t: lp.logprob for t, lp in d.items()} for d in again.outputs[0].logprobs] == \
                [{t: lp.logprob for t, lp in d.items()} for d in first.outputs[0].logprobs]
-        longer = llm.generate({"prompt_token_ids": SECOND}, GREEDY, use_tqdm=False)[0]
-        assert longer.num_cached_tokens == 16 and len(longer.outputs[0].token_ids) == GREEDY.max_tokens
+        turn = FIRST + list(first.outputs[0].token_ids) + [9, 9, 9, 9, 9]
+        longer = llm.generate({"prompt_token_ids": turn}, GREEDY, use_tqdm=False)[0]
+        assert longer.num_cached_tokens == 20 and len(longer.outputs[0].token_ids) == GREEDY.max_tokens
         assert llm.engine.cache_usage() == 0.0
 
 
@@ -361,9 +367,9 @@ def test_reset_drops_entries_and_their_unplanned_copies():
     sched.add(a)
     sched.schedule()  # a's first 8 tokens kept; the copy into the entry's slot is planned by the next plan
     cache = sched.cache
-    assert cache.prefix.entries and cache.prefix.pending_copies
+    assert cache.prefix.entries and cache.prefix.pending_state_copies
     assert cache.reset_prefix_cache()
-    assert not cache.prefix.entries and not cache.prefix.pending_copies
+    assert not cache.prefix.entries and not cache.prefix.pending_state_copies
     assert cache.slots.num_free == cache.slots.num_slots - 1  # a's own slot only
     assert all(cache.blocks.refs(b) == 1 for b in cache.block_table("a"))
     assert not sched.schedule().state_copies

@@ -151,11 +151,12 @@ class CacheManager:
         return copies, (self._slot_of[src_id], self._slot_of[dst_id])
 
     # ---- prefix caching ------------------------------------------------------------------
-    def begin_step(self, step: int) -> list[tuple[int, int]]:
-        """A new plan: the state copies (request slot -> entry slot) of the entries the last plan
-        made, to run before this step's forward (the chunks that ended at them have run by then)."""
+    def begin_step(self, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """A new plan: the copies into the entries the last plan made, (state copies (request slot
+        -> entry slot), block copies (request block -> entry block)), to run before this step's
+        forward (the chunks that ended at them have run by then, nothing has written past them)."""
         self.step = step
-        return self.prefix.take_pending_copies() if self.prefix is not None else []
+        return self.prefix.take_pending_copies() if self.prefix is not None else ([], [])
 
     def prefix_hashes(self, token_ids: list[int], salt: str | None, known: list[int] | None) -> list[int]:
         """Chained hashes of every full block of `token_ids` (`known`: a prefix of them, reused)."""
@@ -166,55 +167,64 @@ class CacheManager:
             return None
         return self.prefix.find(hashes, token_ids, salt, max_tokens, self.step)
 
-    def allocate_from_prefix(self, request_id: str, entry: PrefixEntry, total_tokens: int) -> tuple[int, int] | None:
-        """Give `request_id` (no cache yet) the entry's blocks, shared, then blocks of its own up to
-        `total_tokens`, and a state slot. Returns the state copy (entry slot, request slot) to run
+    def allocate_from_prefix(self, request_id: str, entry: PrefixEntry, total_tokens: int):
+        """Give `request_id` (no cache yet) the entry's full blocks, shared, then blocks of its own up
+        to `total_tokens` (the first holding a copy of the entry's partial last block, if it has one),
+        and a state slot. Returns (the state copy (entry slot, request slot), the block copies) to run
         before the step's forward, or None, changing nothing, when blocks or slots are short."""
         assert request_id not in self._slot_of, f"{request_id} already has a cache"
-        extra = self.blocks_needed(total_tokens) - len(entry.blocks)
+        full = entry.num_tokens // self.block_size
+        extra = self.blocks_needed(total_tokens) - full
         if not self._reclaim(max(0, extra), 1, pinned=entry):
             return None
-        self.blocks.share(entry.blocks)
-        self._tables[request_id] = table = list(entry.blocks) + self.blocks.allocate(max(0, extra))
+        shared = entry.blocks[:full]
+        self.blocks.share(shared)
+        self._tables[request_id] = table = shared + self.blocks.allocate(max(0, extra))
         self._enter_tables(table)
         self._slot_of[request_id] = self.slots.allocate()
         self.prefix.touch(entry)
         entry.hits += 1
-        return entry.slot, self._slot_of[request_id]
+        block_copies = [(entry.blocks[full], table[full])] if len(entry.blocks) > full else []
+        return (entry.slot, self._slot_of[request_id]), block_copies
 
-    def holds_prefix(self, key: int) -> bool:
-        return self.prefix is not None and self.prefix.holds(key)
+    def holds_prefix(self, key: int, token_ids: list[int], salt: str | None) -> bool:
+        return self.prefix is not None and self.prefix.holds(key, token_ids, salt)
 
     def keep_prefix(self, request_id: str, key: int, token_ids: list[int], salt: str | None,
                     reserve_slots: int = 0) -> bool:
-        """Keep the request's first `len(token_ids)` tokens (a whole number of blocks, all computed
-        once this plan's step has run) as an entry: its blocks shared, its state copied by the next
-        plan into a slot of the entry's own (a free one, or the least recently used entry's), as long
-        as `reserve_slots` slots stay free or held by entries that can be evicted (requests waiting
-        for one come first: an entry cannot be evicted before its copy has run). Returns whether an
-        entry was made."""
+        """Keep the request's first P = `len(token_ids)` tokens (all computed once this plan's step
+        has run) as an entry: its full blocks shared; a partial last block and the state copied by
+        the next plan into a block and a slot of the entry's own (free ones, or the least recently
+        used entries'), as long as `reserve_slots` slots stay free or held by entries that can be
+        evicted (requests waiting for one come first: an entry cannot be evicted before its copies
+        have run). Returns whether an entry was made."""
         num_tokens = len(token_ids)
-        assert self.prefix is not None and num_tokens % self.block_size == 0
-        if self.prefix.holds(key) or num_tokens < self.prefix.min_tokens:
+        assert self.prefix is not None
+        full, partial = divmod(num_tokens, self.block_size)
+        if num_tokens < self.prefix.min_tokens or self.prefix.holds(key, token_ids, salt):
             return False
-        evictable = sum(1 for e in self.prefix.entries.values() if e.usable_from_step <= self.step)
-        if self.slots.num_free + evictable <= reserve_slots or not self._reclaim(0, 1):
+        evictable = sum(1 for e in self.prefix.all_entries() if e.usable_from_step <= self.step)
+        if self.slots.num_free + evictable <= reserve_slots or not self._reclaim(int(partial > 0), 1):
             return False
-        blocks = self._tables[request_id][: num_tokens // self.block_size]
+        table = self._tables[request_id]
+        blocks = table[:full]
         self.blocks.share(blocks)
+        if partial:
+            own = self.blocks.allocate(1)
+            self.prefix.pending_block_copies.append((table[full], own[0]))
+            blocks = blocks + own
         entry = PrefixEntry(key=key, num_tokens=num_tokens, token_ids=tuple(token_ids), salt=salt, blocks=blocks,
                             slot=self.slots.allocate(), usable_from_step=self.step + 2)
-        self.prefix.touch(entry)
-        self.prefix.entries[key] = entry
-        self.prefix.pending_copies.append((self._slot_of[request_id], entry.slot))
+        self.prefix.add(entry)
+        self.prefix.pending_state_copies.append((self._slot_of[request_id], entry.slot))
         return True
 
     def reset_prefix_cache(self) -> bool:
         """Drop every entry (vLLM's reset_prefix_cache), between plans: copies into entries not yet
         planned are dropped with them; those planned already have run before any later plan's."""
         if self.prefix is not None:
-            self.prefix.pending_copies.clear()
-            for entry in list(self.prefix.entries.values()):
+            self.prefix.take_pending_copies()
+            for entry in self.prefix.all_entries():
                 self._evict(entry)
         return True
 

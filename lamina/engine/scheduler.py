@@ -33,9 +33,10 @@ replaces on the device with the id step N sampled; a request whose pending token
 Prefix caching (`CacheManager(prefix_caching=True)`, lamina/engine/prefix_cache.py): a request
 admitted without a cache starts at the longest kept prefix of its tokens (at most all but the last
 one it computes; never a request that wants prompt logprobs, which need every prompt position
-computed), sharing the prefix's KV blocks and copying its recurrent state. Prompt chunks cut short
-by the budget end on a block boundary, and a prompt's last chunk stops at the last block boundary
-before its end unless that prefix is kept already; each such chunk end (at least
+computed), sharing the prefix's full KV blocks and copying its partial last block and recurrent
+state. Prompt chunks cut short by the budget end on a block boundary, and a chunk that would sample
+a request's next token stops one token short unless that prefix is kept already (the last token
+then samples in a one-token step); each chunk end that samples nothing (at least
 `prefix_cache_min_tokens`) is kept for later prompts.
 """
 
@@ -194,36 +195,42 @@ class Scheduler:
                 request.all_token_ids[:num_tokens], request.cache_salt, known)
         return known
 
+    def _prefix_key(self, request: Request, num_tokens: int) -> int:
+        return self.cache.prefix.key_of(self._hashes(request, num_tokens), num_tokens, self.cache.block_size,
+                                        request.cache_salt)
+
     def _prefix_cut(self, request: Request, num_new: int) -> int:
         """The chunk's size under prefix caching: a chunk the budget cuts short ends on a block
-        boundary, and a chunk that would reach the request's target stops at the last boundary
-        before it, where no prefix is kept yet (what is left runs next step)."""
+        boundary; a chunk that would sample the request's next token stops one token short, unless
+        that prefix is kept already (the last token samples in the next step, by itself)."""
         if self.cache.prefix is None:
             return num_new
         size = self.cache.block_size
         start = request.num_computed_tokens
         end = start + num_new
-        target = self._target(request)
-        if end < target:
+        if end < self._target(request):
             aligned = end // size * size
             return aligned - start if aligned > start else num_new
-        last = min(target - 1, request.num_tokens) // size * size
-        if last <= start or last < self.cache.prefix.min_tokens:
+        last = end - 1
+        if (end != request.num_tokens_with_pending or last <= start or last < self.cache.prefix.min_tokens
+                or last > request.num_tokens):
             return num_new
-        if self.cache.holds_prefix(self._hashes(request, last)[last // size - 1]):
+        tokens = request.all_token_ids[:last]
+        if self.cache.holds_prefix(self._prefix_key(request, last), tokens, request.cache_salt):
             return num_new
         return last - start
 
     def _keep_prefix(self, request: Request, chunk: ScheduledChunk) -> None:
-        """Keep the prefix a chunk ends (a block boundary inside the known tokens, nothing sampled)."""
-        end = chunk.end_position - chunk.num_draft_tokens
-        size = self.cache.block_size
-        if self.cache.prefix is None or chunk.sample or end % size or end > request.num_tokens or end == 0:
+        """Keep the prefix a chunk that samples nothing ends (within the known tokens)."""
+        if self.cache.prefix is None or chunk.sample:
             return
-        key = self._hashes(request, end)[end // size - 1]
+        end = chunk.end_position - chunk.num_draft_tokens
+        if end > request.num_tokens or end < self.cache.prefix.min_tokens:
+            return
         # slots the waiting requests may take this step stay theirs
         reserve = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
-        self.cache.keep_prefix(request.request_id, key, request.all_token_ids[:end], request.cache_salt, reserve)
+        self.cache.keep_prefix(request.request_id, self._prefix_key(request, end), request.all_token_ids[:end],
+                               request.cache_salt, reserve)
 
     def _start_from_prefix(self, request: Request, budget: int, plan: StepPlan) -> bool | None:
         """Admission of a request without a cache under prefix caching: start it at the longest kept
@@ -253,7 +260,9 @@ class Scheduler:
         self.num_prefix_hits += entry.num_tokens
         if request.num_cached_tokens is None:
             request.num_cached_tokens = entry.num_tokens
-        plan.state_copies.append(copy)
+        state_copy, block_copies = copy
+        plan.state_copies.append(state_copy)
+        plan.block_copies += block_copies
         self._admit(request, plan, num_new, drafts)
         return True
 
@@ -354,7 +363,9 @@ class Scheduler:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, finished_request_ids=self._finished_since_last_plan)
         self._finished_since_last_plan = []
-        plan.state_copies += self.cache.begin_step(self._step_id)  # prefixes kept by the last plan
+        state_copies, block_copies = self.cache.begin_step(self._step_id)  # into the prefixes the last plan kept
+        plan.state_copies += state_copies
+        plan.block_copies += block_copies
         budget = self.config.max_num_batched_tokens
         self._lookahead = lookahead = num_draft_tokens - 1
         forks = self._fork_ready()

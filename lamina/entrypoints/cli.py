@@ -46,10 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep prompt prefixes (KV blocks and a copy of the recurrent state at a block boundary) "
+                   help="keep prompt prefixes (KV blocks and a copy of the recurrent state where a chunk ended) "
                         "for later prompts that start with them; off unless given (vLLM's default is on)")
     g.add_argument("--prefix-cache-min-tokens", type=int, default=256,
-                   help="the shortest prefix kept (each kept prefix costs its prompt one more step)")
+                   help="the shortest prefix kept (keeping one costs its prompt a one-token step)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
