@@ -73,3 +73,20 @@ def test_server_logs_engine_stats_while_it_works(qwen3_next_dir, caplog):
         assert max(generated) > 0
     finally:
         llm.shutdown()
+
+
+def test_stats_line_reports_the_windows_prefix_cache_hit_rate():
+    """With prefix caching, vLLM's 'prefix cache hit rate': tokens found over tokens looked up, this window."""
+    clock, lines = FakeClock(), []
+    stats = EngineStatsLogger(1.0, clock=clock, log=lines.append)
+    engine = _engine()
+    engine.prefix_caching, engine.num_prefix_cache_queries, engine.num_prefix_cache_hits = True, 100, 90
+    stats.start(engine)
+    clock.now += 1.0
+    stats.observe_step(0.01)
+    engine.num_prefix_cache_queries, engine.num_prefix_cache_hits = 300, 140
+    assert stats.maybe_log(engine)
+    assert "KV cache 25.0%, prefix cache hit rate 25.0%, 1 steps" in lines[0]
+    clock.now += 1.0
+    stats.observe_step(0.01)
+    assert stats.maybe_log(engine) and "prefix cache hit rate -," in lines[1]  # no lookups this window

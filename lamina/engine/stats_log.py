@@ -29,6 +29,7 @@ class EngineStatsLogger:
         self._since = clock()
         self._prompt_tokens = 0  # the engine's counters when the window began
         self._generation_tokens = 0
+        self._prefix: tuple[int, int] | None = None  # prefix-cache lookups and hits when the window began
         self._step_seconds: list[float] = []
 
     def start(self, engine) -> None:
@@ -36,7 +37,15 @@ class EngineStatsLogger:
         self._since = self._clock()
         self._prompt_tokens = engine.num_prompt_tokens_processed
         self._generation_tokens = engine.num_generation_tokens_processed
+        self._prefix = self._prefix_counts(engine)
         self._step_seconds = []
+
+    @staticmethod
+    def _prefix_counts(engine) -> tuple[int, int] | None:
+        """(prompt tokens looked up, tokens found) in the prefix cache; None without prefix caching."""
+        if not getattr(engine, "prefix_caching", False):
+            return None
+        return engine.num_prefix_cache_queries, engine.num_prefix_cache_hits
 
     def observe_step(self, seconds: float) -> None:
         self._step_seconds.append(seconds)
@@ -48,8 +57,13 @@ class EngineStatsLogger:
         steps = self._step_seconds
         step_part = (f"{len(steps)} steps (mean {1e3 * sum(steps) / len(steps):.1f} ms, max {1e3 * max(steps):.1f} ms)"
                      if steps else "0 steps")
+        prefix_part = ""
+        counts = self._prefix_counts(engine)
+        if counts is not None and self._prefix is not None:  # vLLM's hit rate: over this window's lookups
+            queries, hits = counts[0] - self._prefix[0], counts[1] - self._prefix[1]
+            prefix_part = f", prefix cache hit rate {100 * hits / queries:.1f}%" if queries else ", prefix cache hit rate -"
         return (f"engine: prompt {prompt:.1f} tok/s, generation {generation:.1f} tok/s, running {engine.num_running}, "
-                f"waiting {engine.num_waiting}, KV cache {100 * engine.cache_usage():.1f}%, {step_part}")
+                f"waiting {engine.num_waiting}, KV cache {100 * engine.cache_usage():.1f}%{prefix_part}, {step_part}")
 
     def maybe_log(self, engine) -> bool:
         """Log a line when the interval has passed and steps ran in it; returns whether it logged."""
