@@ -15,6 +15,7 @@ from lamina.engine.cache_manager import CacheManager
 from lamina.engine.request import Request, RequestStatus
 from lamina.engine.scheduler import Scheduler, SchedulerConfig
 from tests import tiny_checkpoints as tc
+from tests.test_prefill_sharing import _advance as _run  # a step done: computed tokens, a sampled 5
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False, block_size=4,
               max_num_batched_tokens=8)
@@ -165,13 +166,6 @@ def _request(rid: str, tokens: list[int], **params) -> Request:
 def _scheduler(num_blocks=32, max_num_seqs=4, budget=64, min_tokens=4) -> Scheduler:
     cache = CacheManager(num_blocks, 4, max_num_seqs, prefix_caching=True, prefix_cache_min_tokens=min_tokens)
     return Scheduler(SchedulerConfig(max_num_seqs, budget, 128), cache)
-
-
-def _run(sched: Scheduler, plan) -> None:
-    sched.on_step_done(plan)
-    for chunk in plan.chunks:
-        if chunk.sample:
-            next(r for r in sched.running if r.request_id == chunk.request_id).append_output(5)
 
 
 def test_last_chunk_stops_one_token_short():
