@@ -75,8 +75,8 @@ def test_tokens_equal_the_uncached_engine(arch, request):
             first, second, third = got
             assert first[0][2] == 0  # nothing kept yet
             cached_tokens = [c for _, _, c in second]
-            # the same prompt: all but its last block boundary's tail; the conversation: FIRST's last
-            # boundary at least; SECOND: SYSTEM's 4 whole blocks; the unrelated prompt: nothing
+            # the same prompt: all but its last token; the conversation: at least that; SECOND:
+            # SYSTEM's 4 whole blocks (FIRST's budget-cut chunk ended there); the unrelated prompt: nothing
             assert cached_tokens[0] == 20 and cached_tokens[1] >= 20 and cached_tokens[2] == 16
             assert cached_tokens[3] == 0
             assert [c for _, _, c in third] == [len(FIRST) + len(answer) + 4, len(SECOND) - 1]
@@ -330,7 +330,7 @@ def test_beam_search_starts_beams_from_kept_prefixes(qwen3_next_dir):
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp2"])
 def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, tmp_path, mtp):
     """On CUDA (bf16, decode graphs, asynchronous scheduling): a prompt's first run computes [0, P)
-    and [P, N) (its last chunk cut at the boundary); run again it starts at P from the kept prefix
+    and [P, N) (its last chunk cut one token short, P = N - 1); run again it starts at P from the kept prefix
     (shared blocks, the copied partial block and state): its tokens and logprobs are the first run's,
     bit for bit. The conversation's next turn starts there too. (Exactness against the uncached
     engine is the CPU tests': in bf16 a chunk boundary moves the rounding.)"""
@@ -367,3 +367,94 @@ def test_reset_drops_entries_and_their_unplanned_copies():
     assert cache.slots.num_free == cache.slots.num_slots - 1  # a's own slot only
     assert all(cache.blocks.refs(b) == 1 for b in cache.block_table("a"))
     assert not sched.schedule().state_copies
+
+
+# ---- review regressions ----------------------------------------------------------------------------
+def _drive(sched: Scheduler, requests: dict, plans: int) -> list:
+    """Run plans, ending requests at their max_tokens; each plan's [(request id, start, tokens)]."""
+    seen = []
+    for _ in range(plans):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        sched.on_step_done(plan)
+        seen.append([(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks])
+        for c in plan.chunks:
+            r = requests[c.request_id]
+            if c.sample:
+                r.append_output(7)
+                if len(r.output_token_ids) >= r.max_tokens:
+                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    return seen
+
+
+def test_a_prefix_whose_slot_is_the_last_one_is_taken_over():
+    """max_num_seqs = 2, one request generating at length, the other slot held by the entry a new
+    prompt starts from: the request takes the entry itself over (its slot and blocks, no copies)
+    instead of waiting for the long request to end."""
+    sched = Scheduler(SchedulerConfig(2, 64, 256), CacheManager(64, 4, 2, prefix_caching=True, prefix_cache_min_tokens=6))
+    x, long, b = _request("x", range(1, 11)), _request("long", range(100, 103)), _request("b", range(1, 11))
+    x.max_tokens, long.max_tokens, b.max_tokens = 1, 100, 1
+    requests = {"x": x, "long": long, "b": b}
+    sched.add(x)
+    _drive(sched, requests, 3)
+    [entry] = sched.cache.prefix.all_entries()
+    sched.add(long)
+    _drive(sched, requests, 3)
+    sched.add(b)
+    plan = sched.schedule()
+    assert ("b", 9, 1) in [(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks]
+    assert b.num_cached_tokens == 9 and not plan.state_copies and not plan.block_copies
+    assert sched.cache.state_slot("b") == entry.slot and sched.cache.block_table("b")[:3] == entry.blocks
+    assert not sched.cache.prefix.all_entries()
+
+
+def test_waiting_fork_siblings_keep_their_slot():
+    """n = 2 with max_num_seqs = 2: the source's prompt[:-1] is not kept in the slot its sibling forks into."""
+    sched = Scheduler(SchedulerConfig(2, 64, 128), CacheManager(64, 4, 2, prefix_caching=True, prefix_cache_min_tokens=4))
+    a, b = _request("a", range(1, 21)), _request("b", range(1, 21))
+    sched.add_group([a, b])
+    seen = _drive(sched, {"a": a, "b": b}, 3)
+    assert ("b", 19, 1) in seen[1] and sched.num_forked == 1
+
+
+def test_num_cached_tokens_is_fixed_at_the_first_admission():
+    sched = _scheduler()
+    a = _request("a", range(1, 11))
+    a.max_tokens = 20
+    sched.add(a)
+    _drive(sched, {"a": a}, 8)
+    assert a.num_cached_tokens == 0 and a.output_token_ids
+    for _ in range(2):  # preempted twice, recomputing from the prefixes it kept itself
+        sched.running.remove(a)
+        sched._preempt(a, sched.schedule())
+        _drive(sched, {"a": a}, 2)
+    assert a.num_cached_tokens == 0
+
+
+def test_no_cut_where_no_prefix_can_be_kept():
+    """max_num_seqs = 1: no slot is ever free for an entry, so prompts are not cut one token short."""
+    sched = Scheduler(SchedulerConfig(1, 64, 128), CacheManager(64, 4, 1, prefix_caching=True, prefix_cache_min_tokens=4))
+    for k in range(3):
+        r = _request(f"r{k}", range(1, 30))
+        r.max_tokens = 1
+        sched.add(r)
+        assert len(_drive(sched, {r.request_id: r}, 4)) == 1
+    assert not sched.cache.prefix.all_entries()
+
+
+def test_warm_up_leaves_no_prefixes_and_runs_its_step_sizes(qwen3_next_dir):
+    with LLM(str(qwen3_next_dir), **ENGINE) as plain:
+        plain.engine.warm_up(16)
+        expected = [c[0] for c in plain.engine.step_token_counts]
+    with LLM(str(qwen3_next_dir), **ENGINE, **CACHING) as cached:
+        engine = cached.engine
+        engine.step_token_counts.clear()
+        steps = []
+        original = engine._reset_statistics
+        engine._reset_statistics = lambda: steps.extend(c[0] for c in engine.step_token_counts) or original()
+        engine.warm_up(16)
+        assert steps and not engine.cache.prefix.all_entries() and engine.cache.prefix is not None
+        assert engine.num_prefix_cache_queries == engine.num_prefix_cache_hits == 0
+    plain_steps = expected or steps
+    assert steps == plain_steps

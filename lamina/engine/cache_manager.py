@@ -170,13 +170,15 @@ class CacheManager:
     def allocate_from_prefix(self, request_id: str, entry: PrefixEntry, total_tokens: int):
         """Give `request_id` (no cache yet) the entry's full blocks, shared, then blocks of its own up
         to `total_tokens` (the first holding a copy of the entry's partial last block, if it has one),
-        and a state slot. Returns (the state copy (entry slot, request slot), the block copies) to run
-        before the step's forward, or None, changing nothing, when blocks or slots are short."""
+        and a state slot. Where that does not fit, the request takes the entry itself over (its slot
+        and blocks, nothing to copy). Returns (the state copy (entry slot, request slot) or None, the
+        block copies) to run before the step's forward, or None, changing no request's cache (other
+        entries may have been evicted), when blocks or slots are short even so."""
         assert request_id not in self._slot_of, f"{request_id} already has a cache"
         full = entry.num_tokens // self.block_size
         extra = self.blocks_needed(total_tokens) - full
         if not self._reclaim(max(0, extra), 1, pinned=entry):
-            return None
+            return self._take_over(request_id, entry, total_tokens)
         shared = entry.blocks[:full]
         self.blocks.share(shared)
         self._tables[request_id] = table = shared + self.blocks.allocate(max(0, extra))
@@ -187,24 +189,47 @@ class CacheManager:
         block_copies = [(entry.blocks[full], table[full])] if len(entry.blocks) > full else []
         return (entry.slot, self._slot_of[request_id]), block_copies
 
+    def _take_over(self, request_id: str, entry: PrefixEntry, total_tokens: int):
+        """The entry leaves the cache and becomes the request's cache: its slot holds the state, its
+        blocks (its own partial one too) the KV; blocks up to `total_tokens` added. None, the entry
+        kept, when even so blocks are short."""
+        self.prefix.remove(entry)
+        extra = self.blocks_needed(total_tokens) - len(entry.blocks)
+        if not self._reclaim(max(0, extra), 0):
+            self.prefix.add(entry)
+            return None
+        self._tables[request_id] = table = entry.blocks + self.blocks.allocate(max(0, extra))
+        self._enter_tables(table)  # the entry's references become the table's
+        self._slot_of[request_id] = entry.slot
+        return None, []
+
+    def can_keep_prefix(self, num_tokens: int, reserve_slots: int, reserve_blocks: int) -> bool:
+        """Whether `keep_prefix` of `num_tokens` tokens may find a slot (and a block for a partial last
+        one) without taking what `reserve_slots` / `reserve_blocks` stand for (see keep_prefix)."""
+        if self.prefix is None or num_tokens < self.prefix.min_tokens:
+            return False
+        evictable = sum(1 for e in self.prefix.all_entries() if e.usable_from_step <= self.step)
+        if self.slots.num_free + evictable <= reserve_slots:
+            return False
+        return num_tokens % self.block_size == 0 or self.blocks.num_free > reserve_blocks
+
     def holds_prefix(self, key: int, token_ids: list[int], salt: str | None) -> bool:
         return self.prefix is not None and self.prefix.holds(key, token_ids, salt)
 
     def keep_prefix(self, request_id: str, key: int, token_ids: list[int], salt: str | None,
-                    reserve_slots: int = 0) -> bool:
+                    reserve_slots: int = 0, reserve_blocks: int = 0) -> bool:
         """Keep the request's first P = `len(token_ids)` tokens (all computed once this plan's step
         has run) as an entry: its full blocks shared; a partial last block and the state copied by
-        the next plan into a block and a slot of the entry's own (free ones, or the least recently
-        used entries'), as long as `reserve_slots` slots stay free or held by entries that can be
-        evicted (requests waiting for one come first: an entry cannot be evicted before its copies
-        have run). Returns whether an entry was made."""
+        the next plan into a block and a slot of the entry's own (a free slot or the least recently
+        used entry's; a free block), as long as `reserve_slots` slots stay free or held by entries
+        that can be evicted (requests waiting for one come first: an entry cannot be evicted before
+        its copies have run) and more than `reserve_blocks` blocks are free (one for each running
+        request to grow into). Returns whether an entry was made."""
         num_tokens = len(token_ids)
-        assert self.prefix is not None
         full, partial = divmod(num_tokens, self.block_size)
-        if num_tokens < self.prefix.min_tokens or self.prefix.holds(key, token_ids, salt):
+        if not self.can_keep_prefix(num_tokens, reserve_slots, reserve_blocks) or self.prefix.holds(key, token_ids, salt):
             return False
-        evictable = sum(1 for e in self.prefix.all_entries() if e.usable_from_step <= self.step)
-        if self.slots.num_free + evictable <= reserve_slots or not self._reclaim(int(partial > 0), 1):
+        if not self._reclaim(0, 1):
             return False
         table = self._tables[request_id]
         blocks = table[:full]

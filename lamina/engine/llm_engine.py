@@ -202,6 +202,8 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self._pending_commits: list[dict[str, int]] = [{} for _ in range(self.num_replicas)]
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens_processed = 0
+        for scheduler in self.schedulers:
+            scheduler.num_prefix_queries = scheduler.num_prefix_hits = 0
         self.step_token_counts.clear()
         self.iteration_tokens = TokenCountHistogram()  # tokens of each step (vLLM's vllm:iteration_tokens_total)
 

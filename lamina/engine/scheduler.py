@@ -215,10 +215,17 @@ class Scheduler:
         if (end != request.num_tokens_with_pending or last <= start or last < self.cache.prefix.min_tokens
                 or last > request.num_tokens):
             return num_new
+        if not self.cache.can_keep_prefix(last, *self._keep_reserves()):
+            return num_new  # no entry could be made: no step to spend on it
         tokens = request.all_token_ids[:last]
         if self.cache.holds_prefix(self._prefix_key(request, last), tokens, request.cache_salt):
             return num_new
         return last - start
+
+    def _keep_reserves(self) -> tuple[int, int]:
+        """(slots, blocks) new entries leave alone: the slots the waiting requests (fork siblings
+        included) may take this step, and a block for each running request to grow into."""
+        return min(self.num_waiting, self.config.max_num_seqs - len(self.running)), len(self.running)
 
     def _keep_prefix(self, request: Request, chunk: ScheduledChunk) -> None:
         """Keep the prefix a chunk that samples nothing ends (within the known tokens)."""
@@ -227,10 +234,8 @@ class Scheduler:
         end = chunk.end_position - chunk.num_draft_tokens
         if end > request.num_tokens or end < self.cache.prefix.min_tokens:
             return
-        # slots the waiting requests may take this step stay theirs
-        reserve = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
         self.cache.keep_prefix(request.request_id, self._prefix_key(request, end), request.all_token_ids[:end],
-                               request.cache_salt, reserve)
+                               request.cache_salt, *self._keep_reserves())
 
     def _start_from_prefix(self, request: Request, budget: int, plan: StepPlan) -> bool | None:
         """Admission of a request without a cache under prefix caching: start it at the longest kept
@@ -239,7 +244,6 @@ class Scheduler:
         if self.cache.prefix is None or request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
             return False
         target = self._target(request)
-        self.num_prefix_queries += target
         max_tokens = min(target - 1, request.num_tokens)
         entry = self.cache.find_prefix(self._hashes(request, max_tokens), request.all_token_ids, request.cache_salt,
                                        max_tokens)
@@ -255,18 +259,22 @@ class Scheduler:
             copy = self.cache.allocate_from_prefix(request.request_id, entry, wanted)
         if copy is None:
             request.num_computed_tokens = 0
-            self.num_prefix_queries -= target
             return None
-        self.num_prefix_hits += entry.num_tokens
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = entry.num_tokens
         state_copy, block_copies = copy
-        plan.state_copies.append(state_copy)
+        if state_copy is not None:  # else the request took the entry over: its slot and blocks as they are
+            plan.state_copies.append(state_copy)
         plan.block_copies += block_copies
         self._admit(request, plan, num_new, drafts)
         return True
 
     def _admit(self, request: Request, plan: StepPlan, num_new: int, drafts: list[int]) -> None:
+        """A waiting request (at the queue's head) joins the running batch with its first chunk."""
+        if self.cache.prefix is not None and request.sampling_params.prompt_logprobs is None:
+            # vLLM's counters: tokens looked up, tokens found (request.num_computed_tokens: the prefix)
+            self.num_prefix_queries += self._target(request)
+            self.num_prefix_hits += request.num_computed_tokens
+        if request.num_cached_tokens is None:  # vLLM's num_cached_tokens: fixed at the first admission
+            request.num_cached_tokens = request.num_computed_tokens
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)

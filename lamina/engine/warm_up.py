@@ -56,9 +56,21 @@ class WarmUp:
         of WARM_UP_SIZE_CLASSES below the budget, and prompts of which the budget cuts one, so the
         next step continues it over its cached context (`warm_up_steps`). Leaves
         the engine as it found it: no request, every cache block free, the statistics reset. Run by
-        the constructor on CUDA."""
+        the constructor on CUDA. Prefix caching stays off meanwhile (it would cut the steps short and
+        keep the throwaway prompts)."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() runs on an idle engine only")
+        prefixes = [cache.prefix for cache in self.caches]
+        for cache in self.caches:
+            cache.prefix = None
+        try:
+            self._warm_up_steps(num_tokens)
+        finally:
+            for cache, prefix in zip(self.caches, prefixes):
+                cache.prefix = prefix
+        self._reset_statistics()
+
+    def _warm_up_steps(self, num_tokens: int) -> None:
         vocab = self.model_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for step, lengths in enumerate(self.warm_up_steps(num_tokens)):
@@ -69,7 +81,6 @@ class WarmUp:
                     self.add_request({"prompt_token_ids": prompt}, params, request_id=request_id)
             while self.has_unfinished_requests():
                 self.step()
-        self._reset_statistics()
 
     def warm_up_steps(self, num_tokens: int = WARM_UP_PROMPT_TOKENS) -> list[list[int]]:
         """The warm-up's steps, each the prompt lengths of the requests added together."""
