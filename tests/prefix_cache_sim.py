@@ -31,7 +31,7 @@ def g(seq) -> int:
 
 
 class Bug(AssertionError):
-    pass
+    """A broken invariant of the caches or the schedule (the message names it)."""
 
 
 def check(cond, msg):
