@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1303,6 +1303,16 @@ for k in d['top_kernels'][:22]: print(round(k['us_per_step'],1), k['calls_per_st
         --out $OUT/prefix_cache_s41.json 2>&1 | grep -E "^input|Error|error" | tail -4
       timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py 2>&1 | tail -3 ;;
+    s42p)  # session 42: where a short prompt's eager step goes: a prefill of 16 / 128 / 2048 tokens profiled (kernels,
+      # CUDA runtime calls and syncs a step, the host's cProfile), unprofiled wall
+      for n in 16 128 2048; do
+        timeout 100 python3 benchmarks/profile_decode.py --prefill-len $n --steps 2 --out $OUT/profile_prefill_${n}_s42.json \
+          > $OUT/profile_prefill_${n}_s42.txt 2>&1
+        python3 -c "
+import json; d=json.load(open('$OUT/profile_prefill_${n}_s42.json'))
+print($n, {k: round(d[k], 2) for k in ('wall_ms_per_prefill', 'wall_ms_per_prefill_profiled', 'gpu_kernel_ms_per_step', 'kernels_per_step')})
+print(' ', {k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || tail -5 $OUT/profile_prefill_${n}_s42.txt
+      done ;;
     s41q)  # s41p in less device time: the prefix-caching GPU tests, its TTFT at 2k / 8k (2 rounds), the engine's GPU tests
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_caching.py > $OUT/s41q_prefix_tests.txt 2>&1
       tail -3 $OUT/s41q_prefix_tests.txt; grep -E "^E  " $OUT/s41q_prefix_tests.txt | head -8

@@ -110,6 +110,36 @@ def kernel_table(prof, steps: int) -> dict:
             "top_kernels": [{"us_per_step": t, "calls_per_step": n, "name": k[:120]} for t, n, k in top]}
 
 
+def runtime_calls(prof, steps: int) -> dict:
+    """CUDA runtime / driver calls on the host a step: launches, copies and synchronisations (a sync
+    makes the host wait for the GPU, so the host's and the GPU's times add instead of overlapping)."""
+    counts: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")) and "Launch" in e.name \
+                or e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+                              "aten::item", "aten::_local_scalar_dense", "aten::nonzero"):
+            counts[e.name] = counts.get(e.name, 0) + 1 / steps
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def host_profile(fn) -> list[str]:
+    """cProfile of fn: the top functions by own time, then by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    fn()
+    host.disable()
+    lines = []
+    for key in ("tottime", "cumtime"):
+        stream = io.StringIO()
+        pstats.Stats(host, stream=stream).sort_stats(key).print_stats(30)
+        lines += stream.getvalue().splitlines()[:45]
+    return lines
+
+
 def profile_prefill(args) -> None:
     """--prompts prompts of --prefill-len tokens prefilled together in one step (or in --chunk-token
     steps); the first prefill compiles and is not profiled, the next --steps are (fresh requests each
@@ -137,8 +167,19 @@ def profile_prefill(args) -> None:
             one_prefill(2 + i)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
-    result = {"prefill_len": n, "prompts": prompts, "chunk": args.chunk or n * prompts, "per_step_means": "per prefill of the prompts (all its chunks)", "layers": args.layers, "wall_ms_per_prefill": wall * 1e3,
-              **kernel_table(prof, args.steps)}
+    result = {"command": " ".join(sys.argv), "prefill_len": n, "prompts": prompts, "chunk": args.chunk or n * prompts,
+              "per_step_means": "per prefill of the prompts (all its chunks)", "layers": args.layers,
+              "wall_ms_per_prefill_profiled": wall * 1e3, **kernel_table(prof, args.steps),
+              "runtime_calls_per_prefill": runtime_calls(prof, args.steps)}
+    walls = []
+    for i in range(5):  # unprofiled
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one_prefill(100 + i)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    result["wall_ms_per_prefill"] = sorted(walls)[2]
+    result["host_profile_3_prefills"] = host_profile(lambda: [one_prefill(200 + i) for i in range(3)])
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

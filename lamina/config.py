@@ -117,9 +117,12 @@ class EngineArgs:
     trust_remote_code: bool = False
     # vLLM's name: keep prompt prefixes for later prompts (lamina/engine/prefix_cache.py); None = off
     # (vLLM's default is on). prefix_cache_min_tokens (lamina's): the shortest prefix kept (keeping a
-    # prompt's prefix costs it a one-token step before its first token)
+    # prompt's prefix costs it a one-token step before its first token). prefix_cache_junctions
+    # (lamina's; vLLM's shared-prefix checkpoints of hybrid models): a prompt whose first blocks an
+    # earlier prompt had too ends a chunk where they part, once, and keeps that prefix
     enable_prefix_caching: bool | None = None
     prefix_cache_min_tokens: int = 256
+    prefix_cache_junctions: bool = True
     enable_chunked_prefill: bool | None = None
     disable_log_stats: bool = False
     tokenizer_mode: str = "auto"

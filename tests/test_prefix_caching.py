@@ -84,6 +84,22 @@ def test_tokens_equal_the_uncached_engine(arch, request):
         assert engine.num_prefix_cache_hits > 0 and engine.num_prefix_cache_queries > engine.num_prefix_cache_hits
 
 
+def test_prompts_sharing_a_system_prompt_meet_at_their_junction(qwen3_next_dir):
+    """Whole prompts in one chunk (no budget cut): SECOND shares only SYSTEM with FIRST, so it ends a
+    chunk where they part (16 tokens, SYSTEM's whole blocks) and a third prompt with the same system
+    prompt starts there; tokens equal the uncached engine's. Without junctions it starts at 0."""
+    third = SYSTEM + [6, 6, 6, 6, 6, 6, 6]
+    prompt_rounds = [[FIRST], [SECOND], [third], [third]]
+    whole = dict(ENGINE, max_num_batched_tokens=64)
+    with LLM(str(qwen3_next_dir), **whole) as plain:
+        expected = rounds(plain, prompt_rounds, SEEDED)
+    for junctions, cached_tokens in ((True, [0, 0, 16, len(third) - 1]), (False, [0, 0, 0, len(third) - 1])):
+        with LLM(str(qwen3_next_dir), **whole, **CACHING, prefix_cache_junctions=junctions) as cached:
+            got = rounds(cached, prompt_rounds, SEEDED)
+        assert_same_tokens(got, expected)
+        assert [r[0][2] for r in got] == cached_tokens, junctions
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_with_mtp_speculative_decoding(qwen3_next_dir, tmp_path, async_scheduling):
     """The MTP drafter's paged cache lives in the same blocks: shared with the prefix too; with
@@ -353,6 +369,74 @@ def test_gpu_prompt_from_its_kept_prefix_repeats_its_first_run(qwen3_next_dir, t
         longer = llm.generate({"prompt_token_ids": turn}, GREEDY, use_tqdm=False)[0]
         assert longer.num_cached_tokens == 20 and len(longer.outputs[0].token_ids) == GREEDY.max_tokens
         assert llm.engine.cache_usage() == 0.0
+
+
+def _finish(sched: Scheduler, request: Request) -> None:
+    """Run plans until the request has sampled its first token, then end it."""
+    while not request.output_token_ids:
+        _run(sched, sched.schedule())
+    sched.finish(request, RequestStatus.FINISHED_STOPPED)
+
+
+def test_prompts_that_share_only_their_start_cut_once_where_they_part():
+    """Junctions: B shares A's first 3 blocks and then differs; nothing of A ended there, so B's
+    chunk ends at 12 (a non-sampling chunk end: an entry), and C, with the same start, starts there."""
+    sched = _scheduler(min_tokens=8)
+    start = list(range(100, 112))  # 3 blocks of 4
+    a = _request("a", start + [1, 2, 3, 4, 5, 6, 7])
+    sched.add(a)
+    _finish(sched, a)
+    assert sorted(e.num_tokens for e in sched.cache.prefix.all_entries()) == [18]  # a's last chunk, one token short
+    b = _request("b", start + [9, 9, 9, 9, 9, 9])
+    sched.add(b)
+    plan = sched.schedule()
+    assert b.prefix_junction == 12
+    assert [(c.start_position, c.num_tokens, c.sample) for c in plan.chunks] == [(0, 12, False)]
+    assert 12 in [e.num_tokens for e in sched.cache.prefix.all_entries()]
+    _run(sched, plan)
+    plan = sched.schedule()  # then on to one token short of its end, as any prompt
+    assert [(c.start_position, c.num_tokens) for c in plan.chunks] == [(12, 5)]
+    _finish(sched, b)
+    c = _request("c", start + [7, 7, 7, 7, 7, 7, 7, 7])
+    sched.add(c)
+    plan = sched.schedule()
+    assert (c.num_cached_tokens, c.prefix_junction) == (12, 12)  # no cut: it starts at its junction
+    assert [(ch.start_position, ch.num_tokens) for ch in plan.chunks] == [(12, 7)]
+
+
+def test_junction_cut_only_worth_min_tokens_and_not_when_held_or_switched_off():
+    start = list(range(100, 112))
+    for junctions, min_tokens, expected in ((True, 16, 0), (False, 8, 0), (True, 8, 12)):
+        cache = CacheManager(32, 4, 4, prefix_caching=True, prefix_cache_min_tokens=min_tokens,
+                             prefix_cache_junctions=junctions)
+        sched = Scheduler(SchedulerConfig(4, 64, 128), cache)
+        a = _request("a", start + [1, 2, 3, 4, 5, 6, 7])
+        sched.add(a)
+        _finish(sched, a)
+        b = _request("b", start + [9, 9, 9, 9, 9, 9])
+        sched.add(b)
+        plan = sched.schedule()
+        assert b.prefix_junction == (12 if junctions else 0)
+        cut = plan.chunks[0].num_tokens
+        assert cut == (expected or 17), (junctions, min_tokens)  # no junction: one token short of 18
+    # B and D in one plan: B's cut keeps the entry at 12, so D (whose junction is 12 too, and which
+    # cannot start from an entry made in its own plan) is not cut; a reset forgets the prompts seen
+    sched = _scheduler(min_tokens=8)
+    a = _request("a", start + [1, 2, 3, 4, 5, 6, 7])
+    sched.add(a)
+    _finish(sched, a)
+    b, d = _request("b", start + [9, 9, 9, 9, 9, 9]), _request("d", start + [4, 4, 4, 4, 4, 4])
+    sched.add(b)
+    sched.add(d)
+    plan = sched.schedule()
+    assert (b.prefix_junction, d.prefix_junction) == (12, 12)
+    assert [(c.request_id, c.start_position, c.num_tokens) for c in plan.chunks] == [("b", 0, 12), ("d", 0, 17)]
+    for r in (b, d):
+        sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert sched.cache.reset_prefix_cache() and not sched.cache.prefix.seen
+    e = _request("e", start + [5, 5, 5, 5, 5, 5])
+    sched.add(e)
+    assert sched.schedule().chunks[0].num_tokens == 17 and e.prefix_junction == 0
 
 
 def test_reset_drops_entries_and_their_unplanned_copies():

@@ -72,10 +72,11 @@ class SlotAllocator:
 class CacheManager:
     """Per request: a block table covering its computed tokens, and one recurrent-state slot. With
     `prefix_caching`, prompt prefixes are kept for later prompts in the blocks and slots requests
-    leave free (`prefix_cache_min_tokens`: the shortest prefix kept)."""
+    leave free (`prefix_cache_min_tokens`: the shortest prefix kept; `prefix_cache_junctions`: cut
+    prompts where they part from an earlier prompt, lamina.engine.prefix_cache)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, *, prefix_caching: bool = False,
-                 prefix_cache_min_tokens: int = 256):
+                 prefix_cache_min_tokens: int = 256, prefix_cache_junctions: bool = True):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -83,7 +84,8 @@ class CacheManager:
         self.slots = SlotAllocator(num_state_slots)
         self._tables: dict[str, list[int]] = {}
         self._slot_of: dict[str, int] = {}
-        self.prefix = PrefixCache(block_size, max(block_size, prefix_cache_min_tokens)) if prefix_caching else None
+        self.prefix = (PrefixCache(block_size, max(block_size, prefix_cache_min_tokens), junctions=prefix_cache_junctions)
+                       if prefix_caching else None)
         # How many request tables hold each block, and how many blocks some table holds (usage())
         self._table_refs = [0] * num_blocks
         self._blocks_in_tables = 0
@@ -245,10 +247,12 @@ class CacheManager:
         return True
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every entry (vLLM's reset_prefix_cache), between plans: copies into entries not yet
+        """Drop every entry and the prompts remembered for junctions (vLLM's reset_prefix_cache),
+        between plans: copies into entries not yet
         planned are dropped with them; those planned already have run before any later plan's."""
         if self.prefix is not None:
             self.prefix.take_pending_copies()
+            self.prefix.seen.clear()
             for entry in self.prefix.all_entries():
                 self._evict(entry)
         return True

@@ -153,7 +153,8 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self.num_replicas = self.plan.dp
         self.prefix_caching = bool(args.enable_prefix_caching)
         self.caches = [CacheManager(num_blocks, args.block_size, max_num_seqs, prefix_caching=self.prefix_caching,
-                                    prefix_cache_min_tokens=args.prefix_cache_min_tokens)
+                                    prefix_cache_min_tokens=args.prefix_cache_min_tokens,
+                                    prefix_cache_junctions=args.prefix_cache_junctions)
                        for _ in range(self.num_replicas)]
         self.schedulers = [
             Scheduler(SchedulerConfig(max_num_seqs, max_batched, self.max_model_len, token_history_len=token_history_len), cache)

@@ -21,6 +21,13 @@ same prompt again starts from the entry with that one token. The copies are plan
 after the chunk's (before that step's forward, when the slot and the partial block hold what the
 chunk left) and the entry serves prompts from the step after that.
 
+Shared-prefix checkpoints (`junctions`): prompts that share only their start (a system prompt, a
+few-shot preamble) and then differ never end a chunk where they part, so without more they would
+share nothing. The cache therefore remembers the chained block hashes of recent prompts (`seen`, a
+bounded LRU set); a new prompt whose first J blocks were seen in an earlier prompt, J blocks past
+where it starts, cuts its chunk at that junction (J blocks) once, and the entry kept there serves
+every later prompt with the same start (vLLM's shared-prefix checkpoint of hybrid models).
+
 Entries live in whatever blocks and slots running requests leave free; the least recently used one
 goes first when a request needs them. Entries are found by chained hashes of their full token blocks
 (with an optional salt, vLLM's `cache_salt`), several entries (different tails) under one hash; a
@@ -29,7 +36,10 @@ hit compares the tokens themselves too.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+MAX_SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts remembered for junctions (~8 MB of ints)
 
 
 def _chain_seed(salt: str | None) -> int:
@@ -70,6 +80,10 @@ class PrefixCache:
     # (request block, entry block) of a partial last block
     pending_state_copies: list[tuple[int, int]] = field(default_factory=list)
     pending_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    junctions: bool = True  # cut prompts where they part from an earlier prompt (see the module docstring)
+    # chained full-block hashes of recent prompts, least recently seen first
+    seen: OrderedDict = field(default_factory=OrderedDict)
+    max_seen: int = MAX_SEEN_BLOCKS
     _clock: int = 0
 
     @staticmethod
@@ -119,6 +133,23 @@ class PrefixCache:
         bucket.remove(entry)
         if not bucket:
             del self.entries[entry.key]
+
+    def junction(self, hashes: list[int], max_blocks: int) -> int:
+        """Blocks of the longest start of a prompt (`hashes`: its chained full-block hashes, at most
+        `max_blocks` of them) that an earlier prompt had too (0: none), then the prompt's own blocks
+        remembered. Chained hashes: a block's hash is seen only if every block before it matched."""
+        found = 0
+        if self.junctions:
+            for full in range(min(len(hashes), max_blocks), 0, -1):
+                if hashes[full - 1] in self.seen:
+                    found = full
+                    break
+            for h in hashes:
+                self.seen[h] = None
+                self.seen.move_to_end(h)
+            while len(self.seen) > self.max_seen:
+                self.seen.popitem(last=False)
+        return found
 
     def take_pending_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(state copies, block copies) for the plan being made."""

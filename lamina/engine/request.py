@@ -52,6 +52,9 @@ class Request:
     cache_salt: str | None = None
     prefix_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # where the prompt parts from an earlier prompt (tokens, a block boundary; 0: nowhere useful),
+    # looked up at the first admission (lamina.engine.prefix_cache, junctions)
+    prefix_junction: int | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -37,7 +37,9 @@ computed), sharing the prefix's full KV blocks and copying its partial last bloc
 state. Prompt chunks cut short by the budget end on a block boundary, and a chunk that would sample
 a request's next token stops one token short unless that prefix is kept already (the last token
 then samples in a one-token step); each chunk end that samples nothing (at least
-`prefix_cache_min_tokens`) is kept for later prompts.
+`prefix_cache_min_tokens`) is kept for later prompts. A prompt whose start an earlier prompt had
+too (its junction, `_find_junction`) ends a chunk there once, so that prompts sharing only a
+system prompt share its entry (`prefix_cache_junctions`).
 """
 
 from __future__ import annotations
@@ -208,6 +210,9 @@ class Scheduler:
         size = self.cache.block_size
         start = request.num_computed_tokens
         end = start + num_new
+        junction = self._junction_in(request, start, end)
+        if junction:
+            return junction - start
         if end < self._target(request):
             aligned = end // size * size
             return aligned - start if aligned > start else num_new
@@ -221,6 +226,30 @@ class Scheduler:
         if self.cache.holds_prefix(self._prefix_key(request, last), tokens, request.cache_salt):
             return num_new
         return last - start
+
+    def _find_junction(self, request: Request) -> int:
+        """Where the prompt parts from an earlier prompt (a block boundary, in tokens; 0: nowhere),
+        looked up once, at the first admission (the prompt's blocks are remembered then)."""
+        if request.prefix_junction is None:
+            request.prefix_junction = 0
+            if self.cache.prefix is not None and request.sampling_params.prompt_logprobs is None:
+                prompt = request.num_prompt_tokens
+                blocks = self.cache.prefix.junction(self._hashes(request, prompt), (prompt - 2) // self.cache.block_size)
+                request.prefix_junction = blocks * self.cache.block_size
+        return request.prefix_junction
+
+    def _junction_in(self, request: Request, start: int, end: int) -> int:
+        """The request's junction when its chunk [start, end) should end there: at least
+        `prefix_cache_min_tokens` past the start, inside the chunk, an entry that can be kept and
+        is not held already (0: no cut)."""
+        junction = request.prefix_junction or 0
+        if not start + self.cache.prefix.min_tokens <= junction < end:
+            return 0
+        tokens = request.all_token_ids[:junction]
+        if (not self.cache.can_keep_prefix(junction, *self._keep_reserves())
+                or self.cache.holds_prefix(self._prefix_key(request, junction), tokens, request.cache_salt)):
+            return 0
+        return junction
 
     def _keep_reserves(self) -> tuple[int, int]:
         """(slots, blocks) new entries leave alone: the slots the waiting requests (fork siblings
@@ -409,6 +438,7 @@ class Scheduler:
                 request = self.waiting[0]
                 if request.num_pending_tokens:
                     break  # preempted while its token was in flight: recompute once that token is known
+                self._find_junction(request)
                 started = self._start_from_prefix(request, budget, plan)
                 if started is None:
                     break

@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "for later prompts that start with them; off unless given (vLLM's default is on)")
     g.add_argument("--prefix-cache-min-tokens", type=int, default=256,
                    help="the shortest prefix kept (keeping one costs its prompt a one-token step)")
+    g.add_argument("--prefix-cache-junctions", action=argparse.BooleanOptionalAction, default=True,
+                   help="with prefix caching: a prompt whose start an earlier prompt had too ends a chunk where "
+                        "they part, once, and keeps that prefix for later prompts (vLLM's shared-prefix "
+                        "checkpoint; costs that prompt one more step)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -150,6 +154,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
         prefix_cache_min_tokens=getattr(args, "prefix_cache_min_tokens", 256),
+        prefix_cache_junctions=getattr(args, "prefix_cache_junctions", True),
         generation_config=getattr(args, "generation_config", "auto"), max_logprobs=getattr(args, "max_logprobs", 20),
         override_generation_config=getattr(args, "override_generation_config", None),
         logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
