@@ -401,10 +401,12 @@ def test_triton_conv_prefill_bf16_at_real_width(lens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_engine_greedy_with_fla_prefill(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("short_prefill", ["0", "64"], ids=["fla", "short"])
+def test_engine_greedy_with_fla_prefill(tmp_path, monkeypatch, dtype, short_prefill):
     """The engine with the fla prefill (prompts chunked and batched with decodes, so states carry
-    over through the pool in mixed steps): greedy tokens agree with transformers in float32 on the
-    CPU under the near-tie rule (as tests/test_gpu_engine.py)."""
+    over through the pool in mixed steps), or with chunks of up to 64 tokens on the token-by-token
+    kernel (`short`: LAMINA_GDN_SHORT_PREFILL=64, every chunk here): greedy tokens agree with
+    transformers in float32 on the CPU under the near-tie rule (as tests/test_gpu_engine.py)."""
     from lamina import LLM, SamplingParams
     from lamina.layers.gated_delta_net import GatedDeltaNet
     from tests import tiny_checkpoints as tc
@@ -415,9 +417,11 @@ def test_engine_greedy_with_fla_prefill(tmp_path, monkeypatch, dtype):
     prompts = [[rng.randrange(0, 990) for _ in range(n)] for n in (1, 9, 70, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "fla")
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", short_prefill)
     with LLM(str(path), device="cuda", dtype=dtype, max_num_batched_tokens=64, show_progress=False) as llm:
         layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, GatedDeltaNet)]
         assert layers and all(m.prefill_kernels == GdnPrefillKernels("fla", "triton") for m in layers)
+        assert all(m.short_prefill_tokens == int(short_prefill) for m in layers)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref = load_reference(path)
     exact = total = 0

@@ -165,6 +165,22 @@ def fused_gdn_decode_enabled(kernels: str) -> bool:
     return kernels == "triton" and on
 
 
+def gdn_short_prefill_max_tokens(kernels: str) -> int:
+    """Up to how many tokens a request's chunk may have (the step's `max_query_len`) for the gated
+    delta net's prefill / mixed steps on the Triton kernel set to run the delta rule token by token in
+    one launch (`lamina.kernels.triton_gdn_varlen`) instead of fla-core's chunked kernel (~10
+    launches and ~1 ms of host work a layer). `LAMINA_GDN_SHORT_PREFILL` = that many tokens (0: off);
+    default 64. Read at model build time."""
+    wanted = os.environ.get("LAMINA_GDN_SHORT_PREFILL", "64")
+    try:
+        tokens = int(wanted)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"LAMINA_GDN_SHORT_PREFILL = {wanted!r} must be a token count >= 0 (0: off)")
+    return tokens if kernels == "triton" else 0
+
+
 def moe_gemv_max_tokens() -> int:
     """Up to how many tokens the Triton fused MoE runs its decode GEMV kernels
     (`lamina.kernels.triton_moe_gemv`) rather than the grouped GEMM: `LAMINA_MOE_GEMV=1` (the

@@ -18,7 +18,9 @@ H200, see lamina.kernels.selection); an MTP verification step (Q = K + 1 tokens 
 `triton_verify`'s Q-token conv and delta rule. Other steps (prefill chunks, mixed prefill +
 decode) run the conv on `triton_conv` and the delta rule on fla-core (`fla_prefill`) where
 `gdn_prefill_kernels` picked them, else on the torch references, which also take every
-speculative verification step (fla cannot report the states after inner tokens).
+speculative verification step (fla cannot report the states after inner tokens); steps whose
+chunks are all short (`gdn_short_prefill_max_tokens`, 64 tokens) run the delta rule token by token
+in one launch instead (`triton_gdn_varlen`: fla's ~10 launches cost more host time than they save).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, kernel_set
+from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, gdn_short_prefill_max_tokens, kernel_set
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
@@ -94,6 +96,7 @@ class GatedDeltaNet(nn.Module):
         self.kernels = kernel_set(device if device is not None else ctx.device)
         self.fused_decode = fused_gdn_decode_enabled(self.kernels)  # one-token decode in one launch
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
+        self.short_prefill_tokens = gdn_short_prefill_max_tokens(self.kernels)  # delta rule token by token up to here
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
@@ -171,6 +174,14 @@ class GatedDeltaNet(nn.Module):
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        if fast and 0 < meta.max_query_len <= self.short_prefill_tokens:
+            from lamina.kernels.triton_gdn_varlen import gated_delta_rule_short_prefill
+
+            core = gated_delta_rule_short_prefill(
+                query, key, value, a, b, self.ssm_state, slots, keep, meta.query_start_loc,
+                a_log=self.A_log, dt_bias=self.dt_bias,
+            )  # [T, Hv, Dv]: l2 norms and gates in the kernel; the pool's recurrent states updated
+            return self._output(core, z, num_tokens)
         g, beta = self._gates(b, a)
 
         if fast and self.prefill_kernels.delta_rule == "fla":

@@ -1,0 +1,119 @@
+"""TTFT of short prompts with the gated delta net's short-chunk path (the delta rule token by token
+in one launch, lamina.kernels.triton_gdn_varlen) against fla-core's chunked kernel, in one process,
+rounds alternating; and a mixed step (decodes with a new prompt's chunk) both ways.
+
+    python benchmarks/bench_short_prefill.py --input-len 16,32,64,128,256 --rounds 5 --out short_prefill.json
+
+One engine (the preset's dummy weights, prefix caching off) is loaded and warmed once; the path is
+switched by setting every delta-net layer's `short_prefill_tokens` (what LAMINA_GDN_SHORT_PREFILL
+sets when the model is built): 0 = fla for every prefill chunk, a large value = the short path.
+Each TTFT sample is one request of `max_tokens=1`, stepped alone until done. `mixed`: 8 running
+requests decode while a new prompt of the given length joins; the step that carries its chunk is
+timed (the one step whose plan holds more than one token for a request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input-len", default="16,32,64,128,256", help="comma-separated prompt lengths")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--preset", default="qwen3.5-35b-a3b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from lamina import LLM, SamplingParams
+    from lamina.entrypoints.presets import preset_dir, preset_label
+    from lamina.layers.gated_delta_net import GatedDeltaNet
+
+    lengths = [int(n) for n in args.input_len.split(",")]
+    rng = random.Random(0)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    records = []
+    with LLM(str(preset_dir(args.preset, args.num_layers)), dtype=args.dtype, load_format="dummy", max_num_seqs=16,
+             max_model_len=max(lengths) + 512, show_progress=False) as llm:
+        engine = llm.engine
+        layers = [m for m in engine.executor.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+        default = layers[0].short_prefill_tokens
+        vocab = min(engine.model_config.vocab_size, 200_000)
+
+        def fresh(n: int) -> list[int]:
+            return [rng.randrange(0, vocab) for _ in range(n)]
+
+        def sync() -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def ttft_ms(prompt: list[int]) -> float:
+            engine.add_request({"prompt_token_ids": prompt}, first)
+            sync()
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            sync()
+            return (time.perf_counter() - start) * 1e3
+
+        def mixed_ms(n: int) -> float:
+            """8 decoding requests; a prompt of n tokens joins: the wall time of the step carrying it."""
+            decoding = [engine.add_request({"prompt_token_ids": fresh(32)},
+                                           SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+                        for _ in range(8)]
+            for _ in range(4):
+                engine.step()
+            engine.add_request({"prompt_token_ids": fresh(n)}, first)
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            took = (time.perf_counter() - start) * 1e3
+            for request_id in decoding:
+                engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            return took
+
+        def use(short: bool) -> None:
+            for layer in layers:
+                layer.short_prefill_tokens = 1 << 30 if short else 0
+
+        for n in lengths:
+            samples: dict[str, list[float]] = {k: [] for k in ("fla_ttft", "short_ttft", "fla_mixed", "short_mixed")}
+            for r in range(args.rounds + 1):  # round 0 warms both paths at this shape (not kept)
+                for short in ((False, True) if r % 2 == 0 else (True, False)):
+                    use(short)
+                    name = "short" if short else "fla"
+                    ttft = ttft_ms(fresh(n))
+                    mixed = mixed_ms(n)
+                    if r > 0:
+                        samples[f"{name}_ttft"].append(round(ttft, 3))
+                        samples[f"{name}_mixed"].append(round(mixed, 3))
+            summary = {k: statistics.median(v) for k, v in samples.items()}
+            print(f"input {n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in summary.items()), flush=True)
+            records.append({"input_len": n, "ms": samples, "median_ms": summary})
+        for layer in layers:
+            layer.short_prefill_tokens = default
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python benchmarks/bench_short_prefill.py " + " ".join(sys.argv[1:]),
+                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
+                       "default_short_prefill_tokens": default, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
