@@ -102,3 +102,16 @@ def test_short_prefill_at_real_width(lens):
     out = gated_delta_rule_short_prefill(q, k, v, a, b, pool, slots, keep, qsl, a_log=a_log, dt_bias=dt_bias)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool[slots], ref_state, atol=1e-3, rtol=1e-3)
+
+
+def test_selection_reads_the_switch(monkeypatch):
+    from lamina.kernels.selection import gdn_short_prefill_max_tokens
+
+    monkeypatch.delenv("LAMINA_GDN_SHORT_PREFILL", raising=False)
+    assert gdn_short_prefill_max_tokens("triton") == 256 and gdn_short_prefill_max_tokens("reference") == 0
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", "0")
+    assert gdn_short_prefill_max_tokens("triton") == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", bad)
+        with pytest.raises(ValueError, match="LAMINA_GDN_SHORT_PREFILL"):
+            gdn_short_prefill_max_tokens("triton")

@@ -170,8 +170,12 @@ def gdn_short_prefill_max_tokens(kernels: str) -> int:
     delta net's prefill / mixed steps on the Triton kernel set to run the delta rule token by token in
     one launch (`lamina.kernels.triton_gdn_varlen`) instead of fla-core's chunked kernel (~10
     launches and ~1 ms of host work a layer). `LAMINA_GDN_SHORT_PREFILL` = that many tokens (0: off);
-    default 64. Read at model build time."""
-    wanted = os.environ.get("LAMINA_GDN_SHORT_PREFILL", "64")
+    default 256. On an H100 (40-layer Qwen3.5-35B-A3B preset, one prompt, session 42,
+    benchmarks/results/short_prefill*_h100_s42.json) the TTFT was 32 / 32 / 37 / 51 / 75 ms at 16 / 128 /
+    256 / 512 / 1,024 tokens against fla's 66 / 66 / 67 / 65 / 68: the sequential recurrence's GPU
+    time grows with the chunk and overtakes the host time it saves between 512 and 1,024 tokens.
+    Read at model build time."""
+    wanted = os.environ.get("LAMINA_GDN_SHORT_PREFILL", "256")
     try:
         tokens = int(wanted)
     except ValueError:

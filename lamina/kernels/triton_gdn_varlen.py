@@ -4,8 +4,9 @@ fla-core's chunked kernel (`lamina.kernels.fla_prefill`) is the fast way through
 call costs about 10 launches (its l2 norms, chunk kernels, the state gather and scatter around it)
 and, on the host, ~1 ms of Python and launch overhead per layer: a 16-token prompt's eager step on
 the 40-layer Qwen3.5-35B-A3B preset spent ~70 ms on the host for ~12 ms of GPU work (H100, session
-42, docs/PERFORMANCE.md). For chunks of a few dozen tokens the recurrence itself is cheap, so this
-kernel runs it sequentially instead: one program per (request, value head, value tile) holds a
+42, docs/PERFORMANCE.md). For chunks of up to a few hundred tokens the recurrence itself is cheap,
+so this kernel runs it sequentially instead (`lamina.kernels.selection.gdn_short_prefill_max_tokens`
+says up to where): one program per (request, value head, value tile) holds a
 `[Dk, BLOCK_V]` float32 state, reads the request's tokens [query_start_loc[b], query_start_loc[b+1])
 in order and, per token, l2-normalises q and k, computes the gates from the raw projections (a, b:
 as `GatedDeltaNet._gates`), decays, applies the delta rule and writes the output row; the state

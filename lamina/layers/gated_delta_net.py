@@ -19,7 +19,7 @@ H200, see lamina.kernels.selection); an MTP verification step (Q = K + 1 tokens 
 decode) run the conv on `triton_conv` and the delta rule on fla-core (`fla_prefill`) where
 `gdn_prefill_kernels` picked them, else on the torch references, which also take every
 speculative verification step (fla cannot report the states after inner tokens); steps whose
-chunks are all short (`gdn_short_prefill_max_tokens`, 64 tokens) run the delta rule token by token
+chunks are all short (`gdn_short_prefill_max_tokens`, 256 tokens) run the delta rule token by token
 in one launch instead (`triton_gdn_varlen`: fla's ~10 launches cost more host time than they save).
 """
 
