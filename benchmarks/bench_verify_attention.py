@@ -13,7 +13,6 @@ Run it from an earlier tree too (`cd .baseline && python ../benchmarks/bench_ver
     python benchmarks/bench_verify_attention.py --queries 2 4 --block-n 32 64 --stages 1 2 3 --out sweep.json
 
 `--block-n` / `--stages` time this tree's kernel at those launch parameters (0: its default);
-`--row-split programs batched` its two ways past 32 query rows a program (session 41).
 `--q-heads` sets the query heads (over the 2 KV heads: 32 is 16 query heads a KV head).
 
     python benchmarks/bench_verify_attention.py --q-heads 32 --queries 1 3 4 --context 4096 16384
@@ -48,8 +47,6 @@ def main() -> None:
                         help="keys a loop iteration (0: the kernel's default); other values need this tree's kernel")
     parser.add_argument("--stages", type=int, nargs="+", default=[0],
                         help="software-pipeline stages (0: the kernel's default); other values need this tree's kernel")
-    parser.add_argument("--row-split", nargs="+", default=[""],
-                        help="programs / batched: past 32 query rows (''; the default); other values need this tree's kernel")
     parser.add_argument("--q-heads", type=int, default=HEADS,
                         help=f"query heads (over {KV_HEADS} KV heads; default {HEADS}, the 35B model's)")
     parser.add_argument("--out", default="bench_verify_attention.json")
@@ -65,8 +62,8 @@ def main() -> None:
                 q, gate = (torch.randn(batch * queries, args.q_heads, HEAD_DIM, device=dev, generator=gen)
                            .to(torch.bfloat16) for _ in range(2))
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
-            for block_n, stages, row_split in itertools.product(args.block_n, args.stages, args.row_split):
-                options = {k: v for k, v in (("block_n", block_n), ("num_stages", stages), ("row_split", row_split)) if v}
+            for block_n, stages in itertools.product(args.block_n, args.stages):
+                options = {k: v for k, v in (("block_n", block_n), ("num_stages", stages)) if v}
                 if options:  # this tree's kernel, Q rows a program (session 40)
                     def call(layer):  # noqa: B023 (timed in this iteration)
                         return paged_decode_attention(q, *caches[layer], block_tables, seq_lens, scale, gate=gate,
@@ -79,7 +76,7 @@ def main() -> None:
                         return paged_verify_attention(q, *caches[layer], block_tables, seq_lens, scale, queries, gate=gate)
                 case = dict(label=args.label, q_heads=args.q_heads, kv_heads=KV_HEADS, batch=batch, context=context,
                             queries=queries, cache=str(cache_dtype),
-                            block_n=block_n, stages=stages, **({"row_split": row_split} if row_split else {}))
+                            block_n=block_n, stages=stages)
                 try:
                     call(0)
                     us = time_graph(call, LAYERS)

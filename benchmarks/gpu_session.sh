@@ -811,7 +811,8 @@ for g in ('g8', 'g16'):
 import json; d=json.load(open('$OUT/profile_mtp2_16k_s41.json'))
 print({k: d.get(k) for k in ('wall_ms_per_step','gpu_kernel_ms_per_step','kernels_per_step','cuda_graphs')})
 for k in d['top_kernels'][:24]: print(round(k['us_per_step'],1), k['calls_per_step'], k['name'][:100])" ;;
-    s41w)  # session 41, second call: past 32 query rows, ROW_SPLIT "programs" (row-tile programs) against "batched"
+    s41w)  # (historical: "batched" and --row-split were removed in session 42, 57-97x slower; needs fabf7ec's tree or older)
+      # session 41, second call: past 32 query rows, ROW_SPLIT "programs" (row-tile programs) against "batched"
       # (one program, batched dots: mma.sync, the keys read once), in the tree of part s41v (.baseline + this
       # session's files): rows equal to the one-token kernel both ways (GPU, bf16 / FP8), then the kernel timed both
       # ways and in .baseline (one 2D dot, wgmma from 64 rows) at GROUP 8, Q = 5 and GROUP 16, Q = 3 / 4

@@ -93,13 +93,11 @@ def test_verify_rows_equal_the_one_token_kernel_at_their_positions(queries):
     torch.testing.assert_close(verify, ref * torch.sigmoid(gate), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("row_split", ["programs", "batched"])
 @pytest.mark.parametrize("hq,hkv,queries", [(16, 1, 3), (32, 2, 4), (8, 1, 5), (10, 2, 8), (48, 1, 2)])
-def test_verify_rows_past_one_row_tile_equal_the_one_token_kernel(hq, hkv, queries, row_split):
-    """Q x GROUP above ROW_TILE (32) rows. "programs": the query tokens of a (request, KV head) are
-    split into row tiles (GROUP 16: 2 tokens a tile; GROUP 8: 4; GROUP 5: 6 tokens, 30 of 32 rows;
-    GROUP 48: one token, 64 rows), each a program per split with its own partials and ticket;
-    "batched": one program, batched dots (GROUP 48 still takes one-token tiles). Every row, those of
+def test_verify_rows_past_one_row_tile_equal_the_one_token_kernel(hq, hkv, queries):
+    """Q x GROUP above ROW_TILE (32) rows: the query tokens of a (request, KV head) are split into
+    row tiles (GROUP 16: 2 tokens a tile; GROUP 8: 4; GROUP 5: 6 tokens, 30 of 32 rows; GROUP 48: one
+    token, 64 rows), each a program per split with its own partials and ticket. Every row, those of
     the second and later tiles and of a partly filled last tile too, equals the one-token kernel at
     its position exactly (float32 under the interpreter), and the reference within rounding."""
     from lamina.kernels.triton_decode import ROW_TILE, paged_decode_attention
@@ -116,7 +114,7 @@ def test_verify_rows_past_one_row_tile_equal_the_one_token_kernel(hq, hkv, queri
     q = _rand(bsz * queries, hq, head_dim, seed=34)
     gate = _rand(bsz * queries, hq, head_dim, seed=35)
     verify = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, gate=gate,
-                                    queries=queries, row_split=row_split)
+                                    queries=queries)
     assert torch.isfinite(verify).all()
     for i in range(queries):
         rows = torch.arange(bsz, device=DEVICE) * queries + i  # token i of every request
@@ -284,15 +282,13 @@ def test_verify_kernels_at_real_width(queries):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("hq,queries,row_split", [(16, 2, None), (16, 4, None), (16, 5, "programs"), (16, 5, "batched"),
-                                                  (32, 3, "programs"), (32, 3, "batched"), (32, 4, "programs"),
-                                                  (32, 4, "batched"), (128, 2, None)])
-def test_verify_attention_equals_decode_rows_at_real_width(hq, queries, row_split, cache_dtype):
+@pytest.mark.parametrize("hq,queries", [(16, 2), (16, 4), (16, 5), (32, 3), (32, 4), (128, 2)])
+def test_verify_attention_equals_decode_rows_at_real_width(hq, queries, cache_dtype):
     """At the 35B attention shape (16 q / 2 kv heads of 256, 16-token pages, bf16 queries, a bf16 or
     FP8 cache), 16 key splits and 64-key blocks, contexts up to 20k: every verification row is the
     one-token kernel's output at its position, bit for bit (one kernel, more query rows per program).
-    Also past 32 rows (GROUP 8 at Q = 5; GROUP 16, 32 q / 2 kv heads, at Q = 3 and 4), both ways of
-    ROW_SPLIT (as one 2D dot, Triton's Hopper wgmma path at 64 rows rounded differently, session 40).
+    Also past 32 rows (GROUP 8 at Q = 5; GROUP 16, 32 q / 2 kv heads, at Q = 3 and 4), in row tiles
+    (as one 2D dot, Triton's Hopper wgmma path at 64 rows rounded differently, session 40).
     GROUP 64 (128 q / 2 kv heads): a tile is one token's 64 rows, the one-token kernel's own tile."""
     from lamina.kernels.triton_decode import paged_decode_attention
 
@@ -306,11 +302,7 @@ def test_verify_attention_equals_decode_rows_at_real_width(hq, queries, row_spli
     tables = torch.randperm(bsz * max_pages, generator=_gen(23)).to(DEVICE).view(bsz, max_pages)  # [B, pages]
     q = _rand(bsz * queries, hq, 256, seed=24, dtype=torch.bfloat16)
     gate = _rand(bsz * queries, hq, 256, seed=25, dtype=torch.bfloat16)
-    if row_split is None:
-        verify = paged_verify_attention(q, k_cache, v_cache, tables, seq_lens, 256**-0.5, queries, gate=gate)
-    else:
-        verify = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 256**-0.5, gate=gate, queries=queries,
-                                        row_split=row_split)
+    verify = paged_verify_attention(q, k_cache, v_cache, tables, seq_lens, 256**-0.5, queries, gate=gate)
     for i in range(queries):
         rows = torch.arange(bsz, device=DEVICE) * queries + i
         one = paged_decode_attention(q[rows], k_cache, v_cache, tables, seq_lens - queries + i + 1, 256**-0.5,

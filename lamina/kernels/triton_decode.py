@@ -5,7 +5,7 @@ on CUDA and under Triton's CPU interpreter (`TRITON_INTERPRET=1`) at tiny shapes
 
 - `paged_decode_attention`: one query per request (or Q consecutive ones, causal inside the Q:
   MTP verification) over its paged K/V (block tables, `seq_lens` read on the device), all query
-  heads of a KV head in one program (GQA; Q queries past ROW_TILE rows: see ROW_SPLIT), online
+  heads of a KV head in one program (GQA; Q queries past ROW_TILE rows: in row tiles, see ROW_TILE), online
   softmax, the key blocks split over ATTENTION_SPLITS programs (INTERPRETER_ATTENTION_SPLITS under
   Triton's interpreter) whose partials the last one combines. Reference: `paged_attention` with `max_query_len == Q`.
 - `gated_delta_rule_decode`: one delta-rule step per request, the `[Dk, Dv]` state read from and
@@ -67,20 +67,15 @@ CONV_WARPS = 8
 # longer share one plain 2D dot. The one-token kernel holds GROUP rows (padded to 16); on Hopper a
 # dot of up to 32 rows runs the one-token kernel's mma.sync instructions with the same warp layout
 # (8 warps across the keys), so each row sums in the same order, while from 64 rows Triton takes
-# Hopper's wgmma path, whose rounding differs (up to 1e-3, session 40). Past ROW_TILE rows, ROW_SPLIT:
-# - "programs" (the default): a (request, KV head) takes ceil(Q / (ROW_TILE // GROUP)) programs (row
-#   tiles) of whole query tokens, each at most 32 rows, with its own partials and ticket; each tile
-#   reads the keys (an H100 measured every row equal to plain decode, GROUP 8 at Q = 5 and GROUP 16
-#   at Q = 3 / 4, bf16 and FP8 caches; faster than one 64-row tile at batch 1, slower at batch 16:
-#   docs/PERFORMANCE.md, session 41);
-# - "batched": one program keeps every row and runs its two dots as [1, R, D] x [1, D, N] batched
-#   dots, which Triton lowers to mma.sync (no wgmma for batched dots; the key dot with the
-#   one-token kernel's warp layout), the keys read once. Not yet run on a GPU (benchmarks/
-#   gpu_session.sh s41w times it and tests its rows); a benchmark option until then.
-# A GROUP above 32 (no Qwen model) takes "programs" with one query token a tile: the one-token
-# kernel's own GROUP-row tile (equal on an H100 at GROUP 64, bf16).
+# Hopper's wgmma path, whose rounding differs (up to 1e-3, session 40). Past ROW_TILE rows, a
+# (request, KV head) takes ceil(Q / (ROW_TILE // GROUP)) programs (row tiles) of whole query tokens,
+# each at most 32 rows, with its own partials and ticket; each tile reads the keys (an H100 measured
+# every row equal to plain decode, GROUP 8 at Q = 5 and GROUP 16 at Q = 3 / 4, bf16 and FP8 caches;
+# faster than one 64-row tile at batch 1, slower at batch 16: docs/PERFORMANCE.md, session 41). One
+# program with every row in `[1, R, D] x [1, D, N]` batched dots (mma.sync, the keys read once) was
+# 57-97x slower on an H100 (session 42) and is gone. A GROUP above 32 (no Qwen model) takes one
+# query token a tile: the one-token kernel's own GROUP-row tile (equal on an H100 at GROUP 64, bf16).
 ROW_TILE = 32
-ROW_SPLIT = "programs"
 
 
 # The block table's row stride follows the width of the table it is given: the decode graphs' fixed
@@ -95,11 +90,10 @@ def _paged_decode_attention_kernel(
     QUERIES: tl.constexpr, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     GATED: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, TILE_Q: tl.constexpr, TILES: tl.constexpr,
-    BATCHED_DOT: tl.constexpr,
 ):
     wait_for_producer(PDL)
     req = tl.program_id(0)
-    if TILES == 1:  # every query row in one program (the one-token kernel; Q x GROUP <= ROW_TILE; "batched")
+    if TILES == 1:  # every query row in one program (the one-token kernel; Q x GROUP <= ROW_TILE)
         kv_head = tl.program_id(1)
         first_tok = 0
     else:  # program_id(1) = kv_head * TILES + tile; the tile holds query tokens tile * TILE_Q ..
@@ -136,11 +130,7 @@ def _paged_decode_attention_kernel(
         row = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        if BATCHED_DOT:  # past ROW_TILE rows: a batched dot keeps the one-token kernel's mma.sync (ROW_SPLIT)
-            s = tl.reshape(tl.dot(tl.reshape(q, [1, ROWS_PAD, BLOCK_D]), tl.reshape(tl.trans(k), [1, BLOCK_D, BLOCK_N]),
-                                  input_precision=PRECISION), [ROWS_PAD, BLOCK_N]) * scale  # [R, N]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N]
         if QUERIES == 1:
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -154,12 +144,7 @@ def _paged_decode_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [N, D] (an FP8 cache: converted)
-        if BATCHED_DOT:
-            pv = tl.dot(tl.reshape(p.to(v.dtype), [1, ROWS_PAD, BLOCK_N]), tl.reshape(v, [1, BLOCK_N, BLOCK_D]),
-                        input_precision=PRECISION)
-            acc = acc * alpha[:, None] + tl.reshape(pv, [ROWS_PAD, BLOCK_D])
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS > 1:
         # This program's partial (running max, sum, unnormalised output) for the last program of the
@@ -221,7 +206,6 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, gate: torch.Tensor | None = None, splits: int | None = None,
     num_warps: int | None = None, block_n: int | None = None, num_stages: int | None = None, queries: int = 1,
-    row_split: str | None = None,
 ) -> torch.Tensor:
     """q `[B*Q, Hq, D]` (Q = `queries` consecutive query tokens per request, request-major, at
     positions seq_lens[b] - Q .. seq_lens[b] - 1, causal inside the Q; unit last stride); caches
@@ -230,11 +214,11 @@ def paged_decode_attention(
     `splits` (a power of two): programs per (request, KV head), by default ATTENTION_SPLITS
     (INTERPRETER_ATTENTION_SPLITS under Triton's interpreter); `num_warps`, `block_n` (keys a loop
     iteration) and `num_stages` override ATTENTION_WARPS, DECODE_ATTENTION_BLOCK_N and the stages
-    (FP8_CACHE_STAGES over an FP8 cache, else Triton's default), `row_split` ROW_SPLIT (benchmarks).
+    (FP8_CACHE_STAGES over an FP8 cache, else Triton's default).
     Each query row runs the one-token computation at its own position: the same blocks in the same
     programs, the keys past it adding exactly zero, its dots in the one-token kernel's MMA
-    instructions past ROW_TILE rows too (ROW_SPLIT), so every row equals the one-token kernel's bit
-    for bit (measured on an H100 at 8 and 16 query heads a KV head, Q up to 5, ROW_SPLIT "programs").
+    instructions past ROW_TILE rows too (row tiles), so every row equals the one-token kernel's bit
+    for bit (measured on an H100 at 8 and 16 query heads a KV head, Q up to 5).
     Returns `[B*Q, Hq, D]` in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     bsz = num_tokens // queries
@@ -250,12 +234,7 @@ def paged_decode_attention(
         return out
     gated = gate is not None
     gate = gate if gated else q
-    row_split = row_split or ROW_SPLIT
-    if row_split not in ("programs", "batched"):
-        raise ValueError(f"paged_decode_attention: row_split = {row_split!r} must be 'programs' or 'batched'")
-    batched = queries * group > ROW_TILE and row_split == "batched" and group <= ROW_TILE
-    # query tokens a row tile ("programs" past ROW_TILE rows; else all of them: one tile)
-    tile_q = queries if batched else min(queries, max(1, ROW_TILE // group))
+    tile_q = min(queries, max(1, ROW_TILE // group))  # query tokens a row tile (all of them up to ROW_TILE rows)
     tiles = triton.cdiv(queries, tile_q)
     rows_pad, block_d = max(16, triton.next_power_of_2(tile_q * group)), triton.next_power_of_2(head_dim)
     programs = bsz * num_kv_heads * tiles  # (request, KV head, row tile)s, each over `splits` programs
@@ -276,7 +255,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         QUERIES=queries, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n or DECODE_ATTENTION_BLOCK_N,
-        PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits, TILE_Q=tile_q, TILES=tiles, BATCHED_DOT=batched,
+        PRECISION=_dot_precision(q.dtype), GATED=gated, SPLITS=splits, TILE_Q=tile_q, TILES=tiles,
         **pdl_kwargs(q.device), num_warps=num_warps or ATTENTION_WARPS, **FP_FUSION,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
