@@ -117,6 +117,30 @@ def test_with_mtp_speculative_decoding(qwen3_next_dir, tmp_path, async_schedulin
             got = rounds(cached, prompt_rounds(answer), params)
             assert_same_tokens(got, ref)
             assert [c for _, _, c in got[1]][:3] == [20, got[1][1][2], 16] and got[1][1][2] >= 20
+        if not async_scheduling:
+            _check_metrics(cached, got)
+
+
+def _check_metrics(llm, last_rounds):
+    """LLM.get_metrics (vLLM's reader types): the engine's counters, with prefix caching and MTP."""
+    from lamina.engine.metrics_reader import Counter, Gauge, Histogram, Vector
+
+    metrics = {m.name: m for m in llm.get_metrics()}
+    engine = llm.engine
+    assert isinstance(metrics["vllm:num_requests_running"], Gauge) and metrics["vllm:num_requests_running"].value == 0
+    assert metrics["vllm:prompt_tokens"].value == engine.num_prompt_tokens_processed > 0
+    assert metrics["vllm:generation_tokens"].value == engine.num_generation_tokens_processed > 0
+    hits = metrics["vllm:prefix_cache_hits"]
+    assert isinstance(hits, Counter) and hits.value == engine.num_prefix_cache_hits >= sum(c for _, _, c in last_rounds[-1])
+    assert metrics["vllm:prefix_cache_queries"].value > hits.value
+    steps = metrics["vllm:iteration_tokens_total"]
+    assert isinstance(steps, Histogram) and steps.count > 0 and list(steps.buckets)[-1] == "+Inf"
+    assert steps.buckets["+Inf"] == steps.count and steps.sum == engine.iteration_tokens.total
+    assert metrics["vllm:cache_config_info"].labels["enable_prefix_caching"] == "True"
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and len(per_pos.values) == 2
+    assert sum(per_pos.values) == metrics["vllm:spec_decode_num_accepted_tokens"].value
+    assert all(m.labels["engine"] == "0" and m.labels["model_name"] for m in metrics.values())
 
 
 @pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"])

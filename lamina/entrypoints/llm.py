@@ -84,6 +84,20 @@ class LLM:
         none is left (always without prefix caching)."""
         return self.engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list:
+        """vLLM's: the engine-wide `vllm:*` metrics now, as `lamina.engine.metrics_reader`'s Counter,
+        Gauge, Vector and Histogram (vLLM's `vllm.v1.metrics.reader` types: `name`, `labels`, and
+        `value`, `values` or `count` / `sum` / `buckets`): request and token counters, cache usage,
+        preemptions, prefix-cache queries and hits, tokens a step, speculative decoding's drafts and
+        acceptances. vLLM asks for `disable_log_stats=False`; lamina always counts. The per-request
+        latency histograms are the server's (`/metrics`)."""
+        from lamina.engine.metrics_reader import engine_metrics
+
+        engine = self.engine
+        name = engine.args.model or str(engine.model_path)  # vLLM's label: the model as given
+        return engine_metrics(engine, name, num_running=engine.num_running,
+                              num_waiting=engine.num_waiting, cache_usage=engine.cache_usage())
+
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (free the GPU's weights / KV cache between uses): lamina has none."""
         raise NotImplementedError("lamina has no sleep mode (vLLM's enable_sleep_mode): shut the LLM down "

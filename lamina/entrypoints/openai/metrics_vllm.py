@@ -14,13 +14,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from lamina.engine.async_engine import AsyncEngine
+from lamina.engine import metrics_reader as reader
+from lamina.engine.metrics_reader import ENGINE, engine_metrics
 
 LABELS = ("model_name", "engine")
-ENGINE = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# vllm:cache_config_info's labels (vLLM's names); lamina has no CPU blocks
-CACHE_INFO_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
-                     "num_gpu_blocks", "num_cpu_blocks")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -42,68 +40,32 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 
 class _EngineCollector(Collector):
-    """`vllm:*` gauges and engine-wide counters, read from the engine at scrape time."""
+    """`vllm:*` gauges and engine-wide counters (lamina.engine.metrics_reader), read from the engine
+    at scrape time."""
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
-        self.labels = [model_name, ENGINE]
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=LABELS)
-        g.add_metric(self.labels, value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float, extra: dict[str, str] | None = None) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=LABELS + tuple(extra or ()))
-        c.add_metric(self.labels + list((extra or {}).values()), value)
-        return c
+        self.model_name = model_name
 
     def collect(self):
         stats = self.engine.stats
-        llm = self.engine.engine
-        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.",
-                          stats.num_running)
-        yield self._gauge("vllm:num_requests_waiting", "Requests queued for the running batch.",
-                          stats.num_waiting)
-        yield self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).",
-                          stats.cache_usage)
-        yield self._gauge("vllm:gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all); the name "
-                          "before vllm:kv_cache_usage_perc.", stats.cache_usage)
-        yield self._counter("vllm:num_preemptions", "Requests preempted since start.",
-                            getattr(llm, "num_preemptions", 0))
-        yield self._counter("vllm:prompt_tokens", "Prompt tokens of requests that reached their first token.",
-                            getattr(llm, "num_prompt_tokens_processed", 0))
-        yield self._counter("vllm:generation_tokens", "Tokens generated.",
-                            getattr(llm, "num_generation_tokens_processed", 0))
-        if getattr(llm, "prefix_caching", False):
-            yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                llm.num_prefix_cache_queries)
-            yield self._counter("vllm:prefix_cache_hits", "Prompt tokens served from kept prefixes.",
-                                llm.num_prefix_cache_hits)
-        steps = getattr(llm, "iteration_tokens", None)
-        if steps is not None:
-            h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens run by each engine step.", labels=LABELS)
-            h.add_metric(self.labels, steps.cumulative(), sum_value=steps.total)
-            yield h
-        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (value 1).",
-                                 labels=LABELS + CACHE_INFO_LABELS)
-        args = getattr(llm, "args", None)
-        info.add_metric(self.labels + [
-            str(getattr(args, "block_size", "")), str(getattr(args, "kv_cache_dtype", "auto")),  # as configured
-            str(bool(getattr(llm, "prefix_caching", False))), str(getattr(args, "gpu_memory_utilization", "")), str(getattr(llm, "num_kv_blocks", "")),
-            "None"], 1.0)
-        yield info
-        spec = getattr(llm, "spec_decode_metrics", None)
-        if spec is not None:  # as vLLM: only with speculative decoding
-            yield self._counter("vllm:spec_decode_num_drafts", "Verification steps with drafts.", spec.num_steps)
-            yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
-            yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                spec.num_accepted_tokens)
-            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Draft tokens accepted, by draft position.", labels=LABELS + ("position",))
-            for position, accepted in enumerate(spec.accepted_per_position):
-                per_pos.add_metric(self.labels + [str(position)], accepted)
-            yield per_pos
+        for metric in engine_metrics(self.engine.engine, self.model_name, num_running=stats.num_running,
+                                     num_waiting=stats.num_waiting, cache_usage=stats.cache_usage):
+            names, values = list(metric.labels), list(metric.labels.values())
+            if isinstance(metric, reader.Gauge):
+                family = GaugeMetricFamily(metric.name, metric.doc, labels=names)
+                family.add_metric(values, metric.value)
+            elif isinstance(metric, reader.Counter):
+                family = CounterMetricFamily(metric.name, metric.doc, labels=names)
+                family.add_metric(values, metric.value)
+            elif isinstance(metric, reader.Vector):  # one counter per position
+                family = CounterMetricFamily(metric.name, metric.doc, labels=names + ["position"])
+                for position, value in enumerate(metric.values):
+                    family.add_metric(values + [str(position)], value)
+            else:
+                family = HistogramMetricFamily(metric.name, metric.doc, labels=names)
+                family.add_metric(values, list(metric.buckets.items()), sum_value=metric.sum)
+            yield family
 
 
 class VllmMetrics:
