@@ -11,6 +11,7 @@ import torch
 
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.model_runner import ModelRunner
+from lamina.worker.rpc import call_on_runner
 
 
 class InProcessExecutor:
@@ -33,6 +34,10 @@ class InProcessExecutor:
 
     def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
         return [self.runner.execute(plans[0])]
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: `method` on the one rank's ModelRunner (lamina.worker.rpc), as a one-element list."""
+        return [call_on_runner(self.runner, method, tuple(args), kwargs)]
 
     def launch(self, plan: StepPlan):
         """Queue the step on the device; its tokens come from the returned handle's `result()`."""

@@ -664,6 +664,13 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
             num_cached_tokens=request.num_cached_tokens or 0,
         )
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: `method` (a ModelRunner method's name, or a callable given the runner; picklable
+        where ranks are processes) on every rank, between steps; one result per rank, in rank order."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("collective_rpc runs between generations: requests are still in flight")
+        return self.executor.collective_rpc(method, args, kwargs)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every kept prompt prefix (vLLM's; after a weight update); True."""
         return all([cache.reset_prefix_cache() for cache in self.caches])

@@ -18,6 +18,7 @@ import warnings
 
 from lamina.engine.setup import EngineSetup, resolve_setup
 from lamina.step_plan import SampledToken, StepPlan
+from lamina.worker.rpc import raise_failures
 from lamina.worker.worker import WorkerSpec, worker_main
 
 
@@ -244,6 +245,11 @@ class MultiprocExecutor:
 
     def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
         return self._call(("step", plans), "result")
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: `method` (a ModelRunner method's name, or a picklable callable given the runner)
+        on every rank, in rank order (lamina.worker.rpc); a rank's failure raises here."""
+        return raise_failures(self._call(("rpc", method, tuple(args), dict(kwargs or {})), "rpc"))
 
     def shutdown(self) -> None:
         if self._closed:

@@ -98,6 +98,15 @@ class LLM:
         return engine_metrics(engine, name, num_running=engine.num_running,
                               num_waiting=engine.num_waiting, cache_usage=engine.cache_usage())
 
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: call `method` on every rank and return their results in rank order. `method` is
+        the name of a method of the rank's ModelRunner (lamina's per-rank object, vLLM's worker), or
+        a callable given the runner first, `method(runner, *args, **kwargs)` (under tensor, pipeline
+        or data parallelism the ranks are processes: it must pickle, a module-level function). A
+        rank's failure raises here; the engine keeps serving. `timeout` (vLLM's) is taken and not
+        enforced."""
+        return self.engine.collective_rpc(method, args, kwargs)
+
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (free the GPU's weights / KV cache between uses): lamina has none."""
         raise NotImplementedError("lamina has no sleep mode (vLLM's enable_sleep_mode): shut the LLM down "

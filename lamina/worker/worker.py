@@ -18,6 +18,7 @@ from lamina.parallel import distributed as pdist
 from lamina.parallel.plan import ParallelPlan
 from lamina.step_plan import StepPlan
 from lamina.worker.cuda_graphs import replay_size
+from lamina.worker.rpc import call_reporting
 from lamina.worker.sampling_rng import seed_unseeded_stream
 
 
@@ -179,6 +180,11 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                     runner.decode_graphs = runner.verify_graphs = None  # all ranks replay, or none
                 if rank == 0:
                     conn.send(("captured", per_rank))
+            elif kind == "rpc":  # vLLM's collective_rpc: every rank, results (or failures) gathered on rank 0
+                _, method, args, kwargs = command
+                per_rank = pdist.gather_objects(call_reporting(runner, rank, method, args, kwargs), groups)
+                if rank == 0:
+                    conn.send(("rpc", per_rank))
             elif kind == "graph_replays":
                 per_rank = pdist.gather_objects(runner.graph_replays, groups)
                 if rank == 0:
