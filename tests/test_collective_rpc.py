@@ -29,6 +29,8 @@ def test_in_process(qwen3_next_dir):
         runner = llm.engine.executor.runner
         assert llm.collective_rpc("paged_cache_bytes_per_block", args=(16,)) == [runner.paged_cache_bytes_per_block(16)]
         assert llm.collective_rpc(tp_rank_and_scale, args=(10,), kwargs={"offset": 3}) == [3]
+        # asked after start-up, a slot's state bytes leave the pools in place (generation below still equal)
+        assert llm.collective_rpc("state_bytes_per_slot") == [runner.spare_state_bytes] and runner.spare_state_bytes > 0
         assert llm.collective_rpc(lambda runner: runner.block_size) == [llm.engine.args.block_size]
         with pytest.raises(AttributeError, match="no method 'nope'"):
             llm.collective_rpc("nope")

@@ -78,8 +78,11 @@ class ModelRunner:
         return sum(m.paged_cache_bytes_per_block(block_size, self.kv_cache_dtype) for m in self.paged_cache_modules())
 
     def state_bytes_per_slot(self) -> int:
-        """Recurrent-state bytes of one request slot on this rank (call before `allocate_caches`:
-        it binds throwaway meta tensors that the allocation then replaces)."""
+        """Recurrent-state bytes of one request slot on this rank. Before `allocate_caches` it binds
+        throwaway meta tensors that the allocation then replaces; after it, the pools stay and the
+        bytes of the spare slot (one slot's) are returned."""
+        if self.spare_state_bytes:  # allocated (e.g. asked through collective_rpc): keep the pools
+            return self.spare_state_bytes
         return sum(m.bind_state(1, self.model.dtype, "meta", ssm_dtype=self.ssm_state_dtype)
                    for m in self.model.state_modules())
 
