@@ -23,6 +23,10 @@ def fail_on_rank_one(runner):
     return "ok"
 
 
+def unpicklable_result(runner):
+    return (x for x in range(2))  # a generator does not pickle
+
+
 def test_in_process(qwen3_next_dir):
     with LLM(str(qwen3_next_dir), **ENGINE) as llm:
         before = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -51,5 +55,9 @@ def test_tensor_parallel_ranks(qwen3_next_dir):
         assert len(sizes) == 2 and sizes[0] == sizes[1] > 0  # each rank's share of the KV heads
         with pytest.raises(RuntimeError, match="collective_rpc failed on rank 1: ValueError: rank one says no"):
             llm.collective_rpc(fail_on_rank_one)
+        with pytest.raises(TypeError, match="does not pickle"):
+            llm.collective_rpc(lambda runner: 1)
+        with pytest.raises(RuntimeError, match="collective_rpc failed on rank 0: .*pickle"):
+            llm.collective_rpc(unpicklable_result)
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert len(out) == 3  # the ranks kept serving

@@ -18,7 +18,7 @@ import warnings
 
 from lamina.engine.setup import EngineSetup, resolve_setup
 from lamina.step_plan import SampledToken, StepPlan
-from lamina.worker.rpc import raise_failures
+from lamina.worker.rpc import check_picklable, raise_failures
 from lamina.worker.worker import WorkerSpec, worker_main
 
 
@@ -249,6 +249,7 @@ class MultiprocExecutor:
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """vLLM's: `method` (a ModelRunner method's name, or a picklable callable given the runner)
         on every rank, in rank order (lamina.worker.rpc); a rank's failure raises here."""
+        check_picklable(method, tuple(args), kwargs)
         return raise_failures(self._call(("rpc", method, tuple(args), dict(kwargs or {})), "rpc"))
 
     def shutdown(self) -> None:

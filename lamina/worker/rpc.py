@@ -5,6 +5,7 @@ rank process, so the other ranks and the engine keep serving."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +32,25 @@ def call_on_runner(runner, method, args: tuple = (), kwargs: dict | None = None)
 
 
 def call_reporting(runner, rank: int, method, args: tuple, kwargs: dict | None) -> Any:
-    """`call_on_runner`, its exception turned into an RpcFailure."""
+    """`call_on_runner`, its exception, or a result that does not pickle (it travels to rank 0 and the
+    engine), turned into an RpcFailure."""
     try:
-        return call_on_runner(runner, method, args, kwargs)
+        result = call_on_runner(runner, method, args, kwargs)
+        pickle.dumps(result)
+        return result
     except Exception as error:  # reported to the engine, which raises it there
         return RpcFailure(rank, f"{type(error).__name__}: {error}")
+
+
+def check_picklable(method, args: tuple, kwargs: dict | None) -> None:
+    """Rank processes receive the call pickled: say so plainly when it does not pickle (a lambda, a
+    nested function)."""
+    try:
+        pickle.dumps((method, args, kwargs))
+    except Exception as error:
+        raise TypeError(f"collective_rpc with rank processes sends the call pickled, and {method!r} (or its "
+                        f"arguments) does not pickle ({type(error).__name__}: {error}); pass a method name or "
+                        f"a module-level function") from error
 
 
 def raise_failures(per_rank: list) -> list:
