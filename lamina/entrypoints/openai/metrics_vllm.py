@@ -15,7 +15,6 @@ from prometheus_client.registry import Collector
 
 from lamina.engine.async_engine import AsyncEngine
 from lamina.engine import metrics_reader as reader
-from lamina.engine.metrics_reader import ENGINE, engine_metrics
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -49,7 +48,7 @@ class _EngineCollector(Collector):
 
     def collect(self):
         stats = self.engine.stats
-        for metric in engine_metrics(self.engine.engine, self.model_name, num_running=stats.num_running,
+        for metric in reader.engine_metrics(self.engine.engine, self.model_name, num_running=stats.num_running,
                                      num_waiting=stats.num_waiting, cache_usage=stats.cache_usage):
             names, values = list(metric.labels), list(metric.labels.values())
             if isinstance(metric, reader.Gauge):
@@ -75,7 +74,7 @@ class VllmMetrics:
         max_model_len = getattr(engine.engine, "max_model_len", 1 << 20)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(model_name, ENGINE)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(model_name, reader.ENGINE)
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Server arrival to first token, seconds.",
                               TTFT_BUCKETS)
@@ -106,7 +105,7 @@ class VllmMetrics:
         self.params_n = histogram("vllm:request_params_n", "Completions per finished request.", (1, 2, 5, 10, 20))
         success = Counter("vllm:request_success", "Finished requests by finish reason.",
                           LABELS + ("finished_reason",), registry=r)
-        self.success = {reason: success.labels(model_name, ENGINE, reason) for reason in FINISH_REASONS}
+        self.success = {reason: success.labels(model_name, reader.ENGINE, reason) for reason in FINISH_REASONS}
 
     def count_aborted(self) -> None:
         self.success["abort"].inc()
