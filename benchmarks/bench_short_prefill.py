@@ -1,15 +1,19 @@
 """TTFT of short prompts with the gated delta net's short-chunk path (the delta rule token by token
 in one launch, lamina.kernels.triton_gdn_varlen) against fla-core's chunked kernel, in one process,
-rounds alternating; and a mixed step (decodes with a new prompt's chunk) both ways.
+rounds alternating; and a mixed step (decodes with a new prompt's chunk) both ways. With
+`--compare graphs`: the prefill / mixed steps' CUDA graphs (lamina.worker.mixed_graphs) against the
+same steps run eagerly, both on the short path.
 
     python benchmarks/bench_short_prefill.py --input-len 16,32,64,128,256 --rounds 5 --out short_prefill.json
+    python benchmarks/bench_short_prefill.py --compare graphs --input-len 16,128,256 --out mixed_graphs.json
 
 One engine (the preset's dummy weights, prefix caching off) is loaded and warmed once; the path is
 switched by setting every delta-net layer's `short_prefill_tokens` (what LAMINA_GDN_SHORT_PREFILL
 sets when the model is built): 0 = fla for every prefill chunk, a large value = the short path.
 Each TTFT sample is one request of `max_tokens=1`, stepped alone until done. `mixed`: 8 running
 requests decode while a new prompt of the given length joins; the step that carries its chunk is
-timed (the one step whose plan holds more than one token for a request).
+timed (the one step whose plan holds more than one token for a request). With graphs, round 0
+(not kept) captures each shape when first needed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compare", choices=("short", "graphs"), default="short",
+                    help="short: fla against the short-chunk path; graphs: eager against the mixed steps' graphs")
     args = ap.parse_args()
 
     import torch
@@ -48,8 +54,14 @@ def main() -> None:
     with LLM(str(preset_dir(args.preset, args.num_layers)), dtype=args.dtype, load_format="dummy", max_num_seqs=16,
              max_model_len=max(lengths) + 512, show_progress=False) as llm:
         engine = llm.engine
-        layers = [m for m in engine.executor.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+        runner = engine.executor.runner
+        layers = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
         default = layers[0].short_prefill_tokens
+        graphs = runner.mixed_graphs
+        if args.compare == "graphs" and graphs is None:
+            raise SystemExit(f"no mixed-step graphs: {runner.no_mixed_graphs_reason or 'not captured (enforce_eager?)'}")
+        runner.mixed_graphs = None if args.compare == "short" else graphs
+        names = ("fla", "short") if args.compare == "short" else ("eager", "graphs")
         vocab = min(engine.model_config.vocab_size, 200_000)
 
         def fresh(n: int) -> list[int]:
@@ -87,16 +99,19 @@ def main() -> None:
                 engine.step()
             return took
 
-        def use(short: bool) -> None:
+        def use(second: bool) -> None:
+            if args.compare == "graphs":
+                runner.mixed_graphs = graphs if second else None
+                return
             for layer in layers:
-                layer.short_prefill_tokens = 1 << 30 if short else 0
+                layer.short_prefill_tokens = 1 << 30 if second else 0
 
         for n in lengths:
-            samples: dict[str, list[float]] = {k: [] for k in ("fla_ttft", "short_ttft", "fla_mixed", "short_mixed")}
+            samples: dict[str, list[float]] = {f"{name}_{kind}": [] for kind in ("ttft", "mixed") for name in names}
             for r in range(args.rounds + 1):  # round 0 warms both paths at this shape (not kept)
-                for short in ((False, True) if r % 2 == 0 else (True, False)):
-                    use(short)
-                    name = "short" if short else "fla"
+                for second in ((False, True) if r % 2 == 0 else (True, False)):
+                    use(second)
+                    name = names[second]
                     ttft = ttft_ms(fresh(n))
                     mixed = mixed_ms(n)
                     if r > 0:
@@ -107,12 +122,14 @@ def main() -> None:
             records.append({"input_len": n, "ms": samples, "median_ms": summary})
         for layer in layers:
             layer.short_prefill_tokens = default
+        captured = sorted(graphs.graphs) if graphs is not None else []
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python benchmarks/bench_short_prefill.py " + " ".join(sys.argv[1:]),
                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
-                       "default_short_prefill_tokens": default, "records": records}, f, indent=1)
+                       "default_short_prefill_tokens": default, "compare": args.compare,
+                       "mixed_graph_shapes": captured, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

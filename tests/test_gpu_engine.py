@@ -13,6 +13,7 @@ import torch
 from lamina import LLM, SamplingParams
 from lamina.kernels.selection import GdnPrefillKernels
 from lamina.layers.gated_delta_net import GatedDeltaNet
+from lamina.worker.mixed_graphs import MIXED_GRAPHS_ENV
 from tests import tiny_checkpoints as tc
 from tests.reference import load_reference, reference_logits
 
@@ -58,8 +59,11 @@ def test_bf16_gpu_greedy_agrees_with_fp32_reference(family, tmp_path):
 
 @pytest.mark.parametrize("num_prompts", [1, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_equals_eager_decode(qwen3_5_moe_dir, num_prompts, dtype):
-    """Batch sizes that are capture sizes, so both runs multiply matrices of the same shapes."""
+def test_cuda_graph_decode_equals_eager_decode(qwen3_5_moe_dir, num_prompts, dtype, monkeypatch):
+    """Batch sizes that are capture sizes, so both runs multiply matrices of the same shapes. The
+    prompts run eagerly in both (the prefill graphs' padded shapes round differently:
+    tests/test_mixed_graphs.py compares those with their own eager replay)."""
+    monkeypatch.setenv(MIXED_GRAPHS_ENV, "0")
     prompts = _prompts(num_prompts)
     graphed, graphs = _generate(qwen3_5_moe_dir, prompts, dtype=dtype)
     eager, no_graphs = _generate(qwen3_5_moe_dir, prompts, dtype=dtype, enforce_eager=True)
@@ -67,14 +71,16 @@ def test_cuda_graph_decode_equals_eager_decode(qwen3_5_moe_dir, num_prompts, dty
     assert graphed == eager
 
 
-def test_prefill_and_mixed_steps_never_sync_the_host(qwen3_5_moe_dir):
+def test_prefill_and_mixed_steps_never_sync_the_host(qwen3_5_moe_dir, monkeypatch):
     """The model's forward in prompt chunks and mixed steps (decodes beside a chunk) reads nothing
     back from the device (decode-only steps replay graphs): bf16 on the Triton kernel set, fla-core's prefill
     (chunk indices from the host), the varlen attention for fresh and continued chunks, the fused
     MoE on prefill chunks. Each forward runs under `torch.cuda.set_sync_debug_mode("error")`. The
     first pass runs unchecked (fla-core autotunes at its first shapes, which synchronises); the
     checked pass repeats those shapes with other prompts. The one read of the sampled ids happens
-    after the forward and is not checked."""
+    after the forward and is not checked. The eager path: prefill graphs off (a capture would fail
+    on a sync anyway)."""
+    monkeypatch.setenv(MIXED_GRAPHS_ENV, "0")
     rng = random.Random(5)
     lengths = (40, 9, 23, 1, 70)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -106,10 +112,11 @@ def test_prefill_and_mixed_steps_never_sync_the_host(qwen3_5_moe_dir):
 
 
 @pytest.mark.parametrize("kv_cache_dtype,tol", [("fp8_e4m3", 0.1), ("fp8_e5m2", 0.2)])
-def test_fp8_kv_cache_on_the_gpu(qwen3_5_moe_dir, kv_cache_dtype, tol):
+def test_fp8_kv_cache_on_the_gpu(qwen3_5_moe_dir, kv_cache_dtype, tol, monkeypatch):
     """bf16 model, FP8 paged cache: the cache tensors are FP8, CUDA-graph decode gives exactly the
     tokens of eager decode, and every token is within `tol` of the float32 reference's best logit
-    (bf16 alone: 0.05; e5m2 keeps 2 mantissa bits)."""
+    (bf16 alone: 0.05; e5m2 keeps 2 mantissa bits). Prompts eagerly in both runs (as above)."""
+    monkeypatch.setenv(MIXED_GRAPHS_ENV, "0")
     ref = load_reference(qwen3_5_moe_dir)
     prompts = _prompts()
     want = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]

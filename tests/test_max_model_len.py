@@ -115,7 +115,7 @@ def test_lamina_plan_previews_the_fitted_length(capsys):
 
     def memory(*flags):
         assert cli_main(["plan", str(preset_dir(DEFAULT_PRESET)), "--dtype", "bfloat16", "--json",
-                         "--gpu-memory-gib", "79.18", *flags]) == 0
+                         "--gpu-memory-gib", "79.4", *flags]) == 0  # an 80 GB card; tight at 60 requests
         return json.loads(capsys.readouterr().out)["ranks"][0]["gpu_memory"]
 
     whole = memory("--max-model-len", "auto")  # the preset's 32,768 tokens fit beside the balanced count

@@ -111,6 +111,12 @@ def test_headroom_covers_the_activation_peaks_measured_on_an_h100():
     fixed = 512 * MIB  # MTP: (K + 1) rows a request, where decode's rows are the larger part
     assert activation_headroom_bytes(cfg, 2, 2048, 64, 3) - fixed == 4 * (activation_headroom_bytes(cfg, 2, 2048, 64) - fixed)
     assert activation_headroom_bytes(cfg, 2, 8192, 256) < 5 * GIB  # not so wide that an H200 loses its KV cache
+    # the prefill / mixed steps' graphs: their largest bucket's activations (a 512-token prefill's) and two
+    # vocabulary rows (float32 and bf16 logits) a request row, max_num_seqs + 1 of them
+    mixed = activation_headroom_bytes(cfg, 2, 8192, 256, 0, 512) - activation_headroom_bytes(cfg, 2, 8192, 256)
+    prefill_512 = activation_headroom_bytes(cfg, 2, 512, 0) - fixed  # no decode rows: the prefill part alone
+    assert mixed == prefill_512 + 2 * 4 * cfg.vocab_size * 257
+    assert 0.5 * GIB < mixed < 0.7 * GIB
 
 
 class _FakeExecutor:

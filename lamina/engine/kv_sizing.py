@@ -59,6 +59,11 @@ class KVCacheSizing:
             total = torch.cuda.get_device_properties(self.device).total_memory
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
+            mixed = 0  # the prefill / mixed steps' graphs: single rank, without MTP (lamina.worker.mixed_graphs)
+            if not args.enforce_eager and not k and self.parallel_config.is_single_rank:
+                from lamina.worker.mixed_graphs import mixed_graph_max_tokens
+
+                mixed = mixed_graph_max_tokens()
             hint = state_dtype_hint(self.ssm_state_dtype, self.kv_cache_dtype if self.fp8_kv_cache_possible else None)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),
@@ -67,7 +72,7 @@ class KVCacheSizing:
                 state_bytes_per_slot=per_slot,
                 speculation_bytes=lambda n: self._speculation_reserve(n, per_slot),
                 activation_bytes=lambda n: activation_headroom_bytes(
-                    self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k),
+                    self.model_config, self.dtype.itemsize, max_num_batched_tokens, n, k, mixed),
                 state_hint=hint, fit_max_model_len=auto_len,
             )
             self.memory_plan = plan

@@ -145,8 +145,11 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         with self._out_of_memory_explained("capturing the decode graphs"):
             if self.parallel_config.is_single_rank and not args.enforce_eager:
                 k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+                from lamina.worker.mixed_graphs import mixed_graph_max_tokens
+
                 self.cuda_graphs = self.executor.runner.capture_decode_graphs(
                     max_num_seqs, self.max_model_len, num_speculative_tokens=k,
+                    mixed_max_tokens=mixed_graph_max_tokens() if k == 0 else 0,
                 )
             elif not args.enforce_eager and self.device.type == "cuda":
                 self._capture_multirank_graphs(max_num_seqs)

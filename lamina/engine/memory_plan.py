@@ -51,6 +51,10 @@ PREFILL_HIDDEN_ROWS = 8  # hidden-sized rows per prefill token besides the MoE's
 PREFILL_MARGIN = 1.3
 DECODE_VOCAB_ROWS = 12  # float32 vocabulary rows per decode row at a decode step's peak (logits, sampler temporaries)
 GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools and static buffers
+# The prefill / mixed steps' graphs (lamina.worker.mixed_graphs) hold their largest shape's activations
+# (a prefill step's per-token bytes at their largest token bucket) and logits: a float32 and a bf16
+# vocabulary row per request row (max_num_seqs + 1 rows). From the tensors' sizes, not yet measured.
+MIXED_GRAPH_VOCAB_ROWS = 2
 FIXED_HEADROOM_BYTES = 512 * MIB
 
 
@@ -73,10 +77,11 @@ def usable_gpu_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: 
 
 
 def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                              num_speculative_tokens: int = 0) -> int:
+                              num_speculative_tokens: int = 0, mixed_graph_tokens: int = 0) -> int:
     """Bytes allocated above the weights and caches: the decode graphs' pools (held from capture on),
     plus the larger peak of a whole-budget prefill step and a decode step of max_num_seqs requests
-    (each (K + 1) rows under MTP), plus a fixed part. Unsharded sizes: under tensor or pipeline
+    (each (K + 1) rows under MTP), plus a fixed part; with `mixed_graph_tokens` (the largest token
+    bucket of the prefill / mixed steps' graphs) their pool too. Unsharded sizes: under tensor or pipeline
     parallelism this overestimates a rank's share (every rank counts the whole vocabulary's rows)."""
     hidden = model_config.hidden_size
     slots = model_config.num_experts_per_tok + (model_config.shared_expert_intermediate_size > 0)
@@ -85,7 +90,10 @@ def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_to
     per_token = dtype_bytes * (2 * max(1, slots) * (hidden + moe_inter) + PREFILL_HIDDEN_ROWS * streams * hidden)
     prefill = int(PREFILL_MARGIN * per_token * max_num_batched_tokens)
     vocab_row = 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)  # one float32 row a decode row
-    return FIXED_HEADROOM_BYTES + GRAPH_POOL_VOCAB_ROWS * vocab_row + max(prefill, DECODE_VOCAB_ROWS * vocab_row)
+    mixed = 0
+    if mixed_graph_tokens:
+        mixed = int(PREFILL_MARGIN * per_token * mixed_graph_tokens) + MIXED_GRAPH_VOCAB_ROWS * 4 * model_config.vocab_size * (max_num_seqs + 1)
+    return FIXED_HEADROOM_BYTES + GRAPH_POOL_VOCAB_ROWS * vocab_row + mixed + max(prefill, DECODE_VOCAB_ROWS * vocab_row)
 
 
 def speculation_bytes(num_requests: int, num_speculative_tokens: int, state_bytes_per_slot: int, vocab_size: int,

@@ -116,6 +116,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     rank's weights (PLE tables too with --ple-table-device gpu) and CUDA_CONTEXT_BYTES; MTP's reserve
     counts its verification graphs' buffers."""
     from lamina.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+    from lamina.worker.mixed_graphs import mixed_graph_max_tokens
     from lamina.worker.verify_graphs import max_verify_batch
 
     total = int(gpu_memory_gib * GIB)
@@ -126,6 +127,8 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     per_slot, k = estimate["state_bytes_per_request"], num_speculative_tokens
     graphs = not engine_args.enforce_eager
     hint = state_dtype_hint(ssm_state_dtype, kv_cache_dtype)  # (a GPU of FP8's generation assumed)
+    single_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size * engine_args.data_parallel_size == 1
+    mixed = mixed_graph_max_tokens() if graphs and not k and single_rank else 0  # lamina.worker.mixed_graphs
     try:
         plan = plan_gpu_memory(
             usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),
@@ -134,7 +137,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
             state_bytes_per_slot=per_slot,
             speculation_bytes=lambda n: speculation_bytes(
                 n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
-            activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k),
+            activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k, mixed),
             state_hint=hint, fit_max_model_len=max_model_len_is_auto(engine_args),
         )
     except ValueError as e:

@@ -57,6 +57,9 @@ class ModelRunner:
         self.spare_state_bytes = 0
         self.spare_state_slot = 0  # a state slot no request owns: padding rows of captured graphs
         self.decode_graphs = None  # lamina.worker.cuda_graphs.DecodeGraphs, once captured
+        self.mixed_graphs = None  # lamina.worker.mixed_graphs.MixedGraphs: short prefill / mixed steps
+        self.no_mixed_graphs_reason: str | None = None  # why `capture_decode_graphs` made none (None: not asked, or made)
+        self.mixed_replays = 0  # prefill / mixed steps run from their graphs (tests, benchmarks)
         self.verify_graphs = None  # lamina.worker.verify_graphs.VerifyGraphs (MTP), once captured
         self.no_graphs_reason: str | None = None  # why `capture_decode_graphs` captured nothing (None: not asked, or captured)
         self.request_groups = request_groups_enabled()
@@ -134,12 +137,16 @@ class ModelRunner:
 
     def capture_decode_graphs(
         self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0, static_off_cuda: bool = False,
+        mixed_max_tokens: int = 0,
     ) -> bool:
         """Capture CUDA graphs of decode steps for padded batch sizes up to `max_batch` (single-rank
         CUDA runs whose decode kernels are graph-safe): one-token steps without MTP; with MTP the
         target's step of Q = 1..K+1 tokens per request (lamina.worker.verify_graphs, K =
         `num_speculative_tokens`). Returns whether graphs were captured. `static_off_cuda`
-        (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly."""
+        (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly.
+        `mixed_max_tokens` > 0 (single rank, without MTP): short prefill and mixed steps of up to
+        that many tokens run from graphs too, each shape captured when first needed
+        (lamina.worker.mixed_graphs)."""
         from lamina.worker import cuda_graphs
 
         self.no_graphs_reason = None
@@ -179,7 +186,22 @@ class ModelRunner:
         )
         graphs.capture(cuda_graphs.capture_sizes(max_batch))
         self.decode_graphs = graphs
+        if mixed_max_tokens > 0:
+            self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, graphs.pool)
         return True
+
+    def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, pool) -> None:
+        from lamina.worker import mixed_graphs
+
+        reason = mixed_graphs.why_not_capturable(self.model)
+        if reason is not None:
+            logger.info("prefill and mixed steps run eagerly (no CUDA graphs): %s", reason)
+            self.no_mixed_graphs_reason = reason
+            return
+        self.mixed_graphs = mixed_graphs.MixedGraphs(
+            self.model, device=self.device, max_tokens=max_tokens, max_reqs=max_batch, block_size=self.block_size,
+            max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot, pool=pool,
+        )
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> StepInputs:
@@ -343,6 +365,14 @@ class ModelRunner:
         if self.spec is None and can_replay(self.decode_graphs, plan.chunks):
             with torch.inference_mode():
                 return self._sample_launch(self.replay_decode(plan), plan.chunks)  # logits [B, vocab]
+        if self.spec is None and self.mixed_graphs is not None and self.mixed_graphs.fits(plan.chunks):
+            self.mixed_replays += 1
+            logits = self.mixed_graphs.run(plan.chunks, self.previous)  # [B_sample, vocab]
+            sampled = [c for c in plan.chunks if c.sample]
+            if not sampled:
+                return ReadyStep({})
+            with torch.inference_mode():
+                return self._sample_launch(logits, sampled)
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:

@@ -1,0 +1,323 @@
+"""CUDA graphs of short prefill and mixed steps (prompt chunks, alone or beside decodes), by padded
+(tokens, requests).
+
+A step of R requests and T tokens whose chunks each hold at most the gated delta net's short-chunk
+limit (`GatedDeltaNet.short_prefill_tokens`, the token-by-token delta rule that reads its bounds on
+the device) runs as the graph of the smallest token bucket Tc >= T and request bucket Rc > R in
+which the padding fits (`MixedGraphs.shape_for`). Its inputs live in one persistent device buffer
+of int64 fields, written into a pinned host copy and uploaded with one copy, as the decode graphs'
+(lamina.worker.cuda_graphs): per token (ids, positions, KV slots, request of each token, the row
+of a pending token), per request (context lengths, state slots, whether the state carries over,
+block tables) and the query boundaries. Requests R..Rc-1 are padding: they hold the Tc - T padding
+tokens, spread evenly (no padding request longer than the step's query bound, so the sequential
+delta rule is not held up by one long padding request), write no KV (slot -1), read block 0, start
+from a fresh state in the spare slot no request owns. The graph computes the logits of every
+request's last row; the caller keeps the sampling chunks'.
+
+Capturable because on the Triton kernel set a prefill forward reads its metadata from device
+tensors and from host ints fixed per shape (`num_tokens` = Tc, `num_reqs` = Rc, `max_query_len` =
+the smaller of Tc and the short-chunk limit, no host query lengths, so no request groups): the
+varlen attention kernel, the prefill conv and the short-chunk delta rule loop to each request's
+bounds on the device, and the grouped MoE sizes its grid from the pair count. What changes against
+the eager step is rounding only (docs/ARCHITECTURE.md, "Batch invariance"): a decode riding a
+prompt chunk takes the varlen attention kernel rather than the decode kernel, and the MoE's tiles
+follow Tc rather than T.
+
+Graphs are captured the first time a shape is needed (a warm-up and the capture on a side stream,
+~0.1-0.3 s, with an all-padding layout so no request's cache or state is touched), into the decode
+graphs' memory pool. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
+when the engine captures its graphs. Single-rank engines without speculative decoding; models whose
+prefill needs host work (N-gram PLE history, QSA's block selection) run these steps eagerly
+(`why_not_capturable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from lamina.host_to_device import to_device
+from lamina.layers.metadata import ForwardMetadata
+from lamina.worker.cuda_graphs import why_not_capturable as why_decode_not_capturable
+
+logger = logging.getLogger(__name__)
+
+MIXED_GRAPHS_ENV = "LAMINA_MIXED_GRAPHS"
+DEFAULT_MAX_TOKENS = 512
+MIN_TOKENS = 16  # the smallest token bucket: above MAX_DECODE_QUERY_LEN, so no decode kernel is taken
+
+# per token: ids, positions, KV slots, request of each token, the row of a pending token (-1: none)
+_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping", "request_index", "pending_row")
+# per request: context length after the step, state slot, whether the state carries over
+_REQUEST_FIELDS = ("seq_lens", "state_slots", "keep")
+
+
+def mixed_graph_max_tokens() -> int:
+    """`LAMINA_MIXED_GRAPHS`: the largest token bucket of captured prefill / mixed steps (0: off;
+    default 512; rounded up to a power of two >= 16)."""
+    wanted = os.environ.get(MIXED_GRAPHS_ENV, str(DEFAULT_MAX_TOKENS))
+    try:
+        tokens = int(wanted)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"{MIXED_GRAPHS_ENV} = {wanted!r} must be a token count >= 0 (0: off)")
+    return 0 if tokens == 0 else max(MIN_TOKENS, 1 << (tokens - 1).bit_length())
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from MIN_TOKENS to `max_tokens`."""
+    buckets, size = [], MIN_TOKENS
+    while size <= max_tokens:
+        buckets.append(size)
+        size *= 2
+    return buckets
+
+
+def request_buckets(max_reqs: int) -> list[int]:
+    """Request counts of the captured shapes: powers of two from 2, and `max_reqs + 1` (every real
+    request plus one padding request)."""
+    top = max_reqs + 1
+    buckets, size = [], 2
+    while size < top:
+        buckets.append(size)
+        size *= 2
+    return buckets + [top]
+
+
+def short_chunk_limit(model) -> int:
+    """The longest chunk every gated delta-net layer runs on its short-chunk kernel (0: one is off)."""
+    limits = [m.short_prefill_tokens for m in model.modules() if hasattr(m, "short_prefill_tokens")]
+    return min(limits) if limits else 1 << 30
+
+
+def why_not_capturable(model) -> str | None:
+    """Why the model's short prefill / mixed steps cannot be captured, or None: the decode step's
+    conditions (lamina.worker.cuda_graphs.why_not_capturable), plus no token history (the N-gram PLE's
+    windows are per request, built on the host), no QSA attention (its prefill selection is not
+    fixed-shape), the varlen attention kernel for prompt chunks, the Triton prefill conv and the
+    short-chunk delta rule for chunks of at least MIN_TOKENS tokens."""
+    from lamina.layers.attention import GatedAttention
+    from lamina.layers.indexed_attention import IndexedGatedAttention
+
+    reason = why_decode_not_capturable(model)
+    if reason is not None:
+        return reason
+    if getattr(model, "token_history_len", 0) > 0:
+        return "the N-gram PLE's token history is built per request on the host"
+    for name, module in model.named_modules():
+        if isinstance(module, IndexedGatedAttention):
+            return f"attention {name}: QSA's prefill block selection has no fixed-shape path"
+        if isinstance(module, GatedAttention) and not module.triton_prefill_attention:
+            return f"attention {name}: prompt chunks on SDPA (LAMINA_PREFILL_ATTENTION=sdpa), not the varlen kernel"
+        prefill = getattr(module, "prefill_kernels", None)
+        if prefill is not None and prefill.conv != "triton":
+            return f"{name}: the prefill conv is not on the Triton kernel (LAMINA_GDN_PREFILL=reference)"
+    limit = short_chunk_limit(model)
+    if limit < MIN_TOKENS:
+        return f"the short-chunk delta rule takes chunks of at most {limit} tokens (LAMINA_GDN_SHORT_PREFILL), below {MIN_TOKENS}"
+    return None
+
+
+class MixedGraphs:
+    def __init__(
+        self, model, *, device: torch.device, max_tokens: int, max_reqs: int, block_size: int,
+        max_blocks_per_seq: int, spare_state_slot: int, pool=None,
+    ):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.spare_state_slot = spare_state_slot
+        self.max_query_len = short_chunk_limit(model)
+        self.token_sizes = token_buckets(max_tokens)
+        self.request_sizes = request_buckets(max_reqs)
+        if not self.token_sizes:
+            raise ValueError(f"max_tokens = {max_tokens}: the smallest token bucket is {MIN_TOKENS}")
+        self.max_tokens = self.token_sizes[-1]
+        self.max_reqs = self.request_sizes[-1]
+        t, r = self.max_tokens, self.max_reqs
+        # Flat layout: token fields [t] each, request fields [r] each, query boundaries [r + 1],
+        # block tables [r, max_blocks].
+        self._request_at = len(_TOKEN_FIELDS) * t
+        self._qsl_at = self._request_at + len(_REQUEST_FIELDS) * r
+        self._tables_at = self._qsl_at + r + 1
+        total = self._tables_at + r * max_blocks_per_seq
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros(total, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.pool = pool
+        self.captures = 0  # shapes captured (tests, logs)
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def fits(self, chunks) -> bool:
+        """A step these graphs take: prompt chunks (some chunk has more than one token, or does not
+        sample), each of at most the short-chunk limit, no prompt logprobs to score, and a shape."""
+        if not chunks or any(c.num_prompt_tokens for c in chunks):
+            return False
+        lens = [c.num_tokens for c in chunks]
+        if min(lens) < 1 or max(lens) > self.max_query_len:
+            return False
+        if all(n == 1 and c.sample for n, c in zip(lens, chunks)):  # a plain decode step: the decode graphs'
+            return False
+        return self.shape_for(sum(lens), len(chunks)) is not None
+
+    def query_bound(self, tokens: int) -> int:
+        """The graph's `max_query_len` at `tokens`: no chunk (real or padding) is longer."""
+        return min(tokens, self.max_query_len)
+
+    def shape_for(self, num_tokens: int, num_reqs: int) -> tuple[int, int] | None:
+        """The smallest (Tc, Rc) with Tc >= T, Rc > R, and the Tc - T padding tokens spread over the
+        Rc - R padding requests at most the query bound each; None when none fits."""
+        for tokens in self.token_sizes:
+            if tokens < num_tokens:
+                continue
+            bound = self.query_bound(tokens)
+            for reqs in self.request_sizes:
+                if reqs > num_reqs and (tokens - num_tokens) <= (reqs - num_reqs) * bound:
+                    return tokens, reqs
+            return None
+        return None
+
+    # ---- buffers -----------------------------------------------------------------------------
+    def _token(self, buffer, name: str, tokens: int):
+        start = _TOKEN_FIELDS.index(name) * self.max_tokens
+        return buffer[start : start + tokens]
+
+    def _request(self, buffer, name: str, reqs: int):
+        start = self._request_at + _REQUEST_FIELDS.index(name) * self.max_reqs
+        return buffer[start : start + reqs]
+
+    def _qsl(self, buffer, reqs: int):
+        return buffer[self._qsl_at : self._qsl_at + reqs + 1]
+
+    def _tables(self, buffer, reqs: int):
+        return buffer[self._tables_at : self._tables_at + reqs * self.max_blocks].reshape(reqs, self.max_blocks)
+
+    def _pack(self, chunks, shape: tuple[int, int], pending_rows: list[int] | None) -> None:
+        """The step's rows into the host buffer for `shape`, then requests len(chunks)..Rc-1 as
+        padding holding tokens T..Tc-1."""
+        tokens, reqs = shape
+        host, bs = self.host_np, self.block_size
+        num_reqs = len(chunks)
+        lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)  # [R]
+        starts = np.array([c.start_position for c in chunks], dtype=np.int64)  # [R]
+        pad = tokens - int(lens.sum())
+        pad_reqs = reqs - num_reqs
+        pad_lens = np.full(pad_reqs, pad // pad_reqs, dtype=np.int64)  # [Rc - R]: spread evenly
+        pad_lens[: pad % pad_reqs] += 1
+        all_lens = np.concatenate([lens, pad_lens])  # [Rc]
+        qsl = self._qsl(host, reqs)
+        qsl[0] = 0
+        np.cumsum(all_lens, out=qsl[1:])
+        request_index = np.repeat(np.arange(reqs), all_lens)  # [Tc]
+        offsets = np.arange(tokens) - qsl[:-1][request_index]  # [Tc] position within the chunk
+        all_starts = np.concatenate([starts, np.zeros(pad_reqs, dtype=np.int64)])  # [Rc]
+        positions = all_starts[request_index] + offsets  # [Tc]
+        tables = self._tables(host, reqs)
+        tables[:] = 0  # padding requests read block 0; real rows beyond their table are never read
+        for row, chunk in enumerate(chunks):
+            tables[row, : len(chunk.block_table)] = chunk.block_table
+        real = qsl[num_reqs]
+        slots = np.full(tokens, -1, dtype=np.int64)  # [Tc]: padding tokens write no KV
+        ri, pos = request_index[:real], positions[:real]
+        slots[:real] = tables[ri, pos // bs] * bs + pos % bs
+        self._token(host, "token_ids", tokens)[:real] = [t for c in chunks for t in c.token_ids]
+        self._token(host, "token_ids", tokens)[real:] = 0
+        self._token(host, "positions", tokens)[:] = positions
+        self._token(host, "slot_mapping", tokens)[:] = slots
+        self._token(host, "request_index", tokens)[:] = request_index
+        self._token(host, "pending_row", tokens)[:] = -1
+        if pending_rows is not None:
+            self._token(host, "pending_row", tokens)[:real] = pending_rows
+        self._request(host, "seq_lens", reqs)[:] = all_starts + all_lens
+        state_slots = self._request(host, "state_slots", reqs)
+        state_slots[:num_reqs] = [c.state_slot for c in chunks]
+        state_slots[num_reqs:] = self.spare_state_slot
+        self._request(host, "keep", reqs)[:] = all_starts > 0
+
+    def _meta(self, shape: tuple[int, int]) -> tuple[torch.Tensor, ForwardMetadata]:
+        """Views of the device buffer for `shape` (no host query lengths: one call per kernel over
+        the whole padded step, never request groups)."""
+        tokens, reqs = shape
+        buf = self.inputs
+        meta = ForwardMetadata(
+            num_tokens=tokens, num_reqs=reqs, max_query_len=self.query_bound(tokens),
+            max_seq_len=self.max_blocks * self.block_size,
+            positions=self._token(buf, "positions", tokens), query_start_loc=self._qsl(buf, reqs),
+            seq_lens=self._request(buf, "seq_lens", reqs), slot_mapping=self._token(buf, "slot_mapping", tokens),
+            block_tables=self._tables(buf, reqs), state_slots=self._request(buf, "state_slots", reqs),
+            has_initial_state=self._request(buf, "keep", reqs) != 0,
+            token_request_index=self._token(buf, "request_index", tokens), allow_groups=False,
+        )
+        return self._token(buf, "token_ids", tokens), meta
+
+    def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
+        """Logits `[Rc, vocab]` of every request's last row (padding requests' included)."""
+        token_ids, meta = self._meta(shape)
+        hidden = self.model(token_ids, meta)  # [Tc, H]
+        last_rows = (meta.query_start_loc[1:] - 1).clamp(min=0)  # [Rc]
+        return self.model.compute_logits(hidden.index_select(0, last_rows))  # [Rc, vocab] float32
+
+    # ---- capture -----------------------------------------------------------------------------
+    def _capture(self, shape: tuple[int, int]) -> None:
+        """Warm up and capture `shape` on an all-padding layout (no request's cache or state is
+        touched). Off CUDA (CPU tests) nothing is captured: `run` executes the static-buffer
+        forward eagerly."""
+        if self.device.type != "cuda":
+            self.graphs[shape] = (None, None)
+            return
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self._pack([], shape, None)
+        self.inputs.copy_(self.host)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(shape)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                logits = self._forward(shape)
+        self.pool = graph.pool()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graphs[shape] = (graph, logits)
+        self.captures += 1
+        logger.info("captured the prefill / mixed step graph of %d tokens and %d requests", *shape)
+
+    # ---- replay ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, chunks, previous=None) -> torch.Tensor:
+        """Logits `[B_sample, vocab]` of the step's sampling chunks, in chunk order (`fits` must
+        hold). Pending tokens (asynchronous scheduling) are taken from `previous`
+        (`PreviousTokens`) on the device."""
+        num_tokens = sum(c.num_tokens for c in chunks)
+        shape = self.shape_for(num_tokens, len(chunks))
+        if shape is None:
+            raise ValueError(f"no prefill / mixed graph fits {num_tokens} tokens of {len(chunks)} requests")
+        if shape not in self.graphs:
+            self._capture(shape)
+        pending_rows = previous.source_rows(chunks) if previous is not None else None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self._pack(chunks, shape, pending_rows)
+        used = self._tables_at + shape[1] * self.max_blocks  # the fields, and the shape's block tables
+        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        if pending_rows is not None:
+            previous.fill(self._token(self.inputs, "token_ids", num_tokens),
+                          self._token(self.inputs, "pending_row", num_tokens))
+        graph, logits = self.graphs[shape]
+        if graph is None:
+            logits = self._forward(shape)
+        else:
+            graph.replay()
+        rows = [row for row, c in enumerate(chunks) if c.sample]
+        if len(rows) == len(chunks):
+            return logits[: len(chunks)]
+        return logits.index_select(0, to_device(rows, self.device))  # [B_sample, vocab]

@@ -1,0 +1,186 @@
+"""CUDA graphs of short prefill and mixed steps (lamina.worker.mixed_graphs).
+
+On the CPU (CI) the graphs' static buffers and padding run eagerly on the Triton kernels under
+Triton's interpreter (`static_off_cuda`), against the reference kernels; on a GPU the captured
+graphs replay, against the same padded forward run eagerly (the same kernels and shapes: the same
+bits) and against eager steps with the near-tie rule.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py sets it before anything imports Triton
+    assert os.environ.get("TRITON_INTERPRET") == "1", "Triton's interpreter must be on before Triton is imported"
+
+pytest.importorskip("triton")
+
+from lamina.sampling_params import SamplingParams  # noqa: E402
+from lamina.step_plan import ScheduledChunk  # noqa: E402
+from lamina.worker import mixed_graphs  # noqa: E402
+from lamina.worker.mixed_graphs import MixedGraphs, mixed_graph_max_tokens, request_buckets, token_buckets  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _ShortModel(torch.nn.Module):
+    """What MixedGraphs reads of a model for its shapes: one delta-net layer's short-chunk limit."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.layer = torch.nn.Module()
+        self.layer.short_prefill_tokens = limit
+
+
+def _chunk(request_id, num_tokens, start, table, slot, sample=True, **kwargs):
+    return ScheduledChunk(request_id, list(range(100, 100 + num_tokens)), start, table, slot, sample,
+                          SamplingParams(), 0, **kwargs)
+
+
+def test_buckets_and_the_switch(monkeypatch):
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(8) == []
+    assert request_buckets(5) == [2, 4, 6]
+    assert request_buckets(8) == [2, 4, 8, 9]
+    monkeypatch.delenv(mixed_graphs.MIXED_GRAPHS_ENV, raising=False)
+    assert mixed_graph_max_tokens() == 512
+    for value, expected in (("0", 0), ("100", 128), ("3", 16), ("256", 256)):
+        monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, value)
+        assert mixed_graph_max_tokens() == expected
+    for bad in ("-1", "yes"):
+        monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, bad)
+        with pytest.raises(ValueError, match="LAMINA_MIXED_GRAPHS = .* must be a token count >= 0"):
+            mixed_graph_max_tokens()
+
+
+def test_shapes_pad_within_the_query_bound():
+    graphs = MixedGraphs(_ShortModel(64), device=torch.device("cpu"), max_tokens=256, max_reqs=8, block_size=4,
+                         max_blocks_per_seq=8, spare_state_slot=99)
+    assert graphs.shape_for(10, 1) == (16, 2)
+    assert graphs.shape_for(16, 1) == (16, 2)  # a padding request with no tokens
+    assert graphs.shape_for(17, 3) == (32, 4)
+    assert graphs.shape_for(8, 8) == (16, 9)
+    assert graphs.shape_for(8, 9) is None  # no padding request left
+    assert graphs.shape_for(300, 2) is None  # beyond the largest token bucket
+    # 129 tokens -> 256: the 127 padding tokens need at least two padding requests of at most 64 each
+    assert graphs.shape_for(129, 3) == (256, 8)  # 4 - 3 = 1 padding request would hold 64 only
+    assert graphs.shape_for(129, 1) == (256, 4)  # 2 - 1 too; 4 - 1 = 3 hold them
+    bs = graphs.block_size
+    chunks = [_chunk("a", 1, 9, [3, 5, 7], 2), _chunk("b", 6, 0, [4, 6], 0, sample=False)]
+    assert graphs.fits(chunks)
+    assert not graphs.fits([_chunk("a", 1, 9, [3, 5, 7], 2)])  # a plain decode: the decode graphs'
+    assert not graphs.fits([_chunk("c", 65, 0, [1] * 17, 1)])  # longer than the short-chunk limit
+    assert not graphs.fits([_chunk("c", 5, 0, [1, 2], 1, num_prompt_tokens=5)])  # prompt logprobs
+    assert graphs.shape_for(7, 2) == (16, 4)
+    graphs._pack([_chunk("x", 2, 20, [1, 2, 3, 4, 5, 6], 1), _chunk("y", 2, 20, [1, 2, 3, 4, 5, 6], 3)], (16, 4), None)
+    graphs._pack(chunks, (16, 4), None)
+    host = graphs.host_np
+    qsl = graphs._qsl(host, 4)
+    assert qsl.tolist() == [0, 1, 7, 12, 16]  # 9 padding tokens over two padding requests: 5 + 4
+    assert graphs._token(host, "request_index", 16).tolist() == [0] + [1] * 6 + [2] * 5 + [3] * 4
+    positions = graphs._token(host, "positions", 16).tolist()
+    assert positions == [9, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 1, 2, 3]
+    slots = graphs._token(host, "slot_mapping", 16).tolist()
+    assert slots[:7] == [7 * bs + 1, 4 * bs, 4 * bs + 1, 4 * bs + 2, 4 * bs + 3, 6 * bs, 6 * bs + 1]
+    assert slots[7:] == [-1] * 9  # padding tokens write no KV
+    assert graphs._token(host, "token_ids", 16).tolist() == [100] + list(range(100, 106)) + [0] * 9
+    assert graphs._request(host, "seq_lens", 4).tolist() == [10, 6, 5, 4]
+    assert graphs._request(host, "state_slots", 4).tolist() == [2, 0, 99, 99]
+    assert graphs._request(host, "keep", 4).tolist() == [1, 0, 0, 0]
+    tables = graphs._tables(host, 4)
+    assert tables[0, :3].tolist() == [3, 5, 7] and tables[1, :2].tolist() == [4, 6]
+    assert not np.any(tables[2:])
+    assert not np.any(tables[1, 2:])  # nothing left from an earlier step's longer table
+
+
+def test_why_not_capturable(qwen3_5_moe_short_dir, monkeypatch):
+    from lamina.worker.model_loader import build_model, read_model_config
+    from lamina.parallel.context import ParallelContext
+
+    def reason(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        ctx = ParallelContext.single(torch.device("cpu"))
+        model, _, _ = build_model(str(qwen3_5_moe_short_dir), read_model_config(str(qwen3_5_moe_short_dir), None), ctx,
+                                  dtype=torch.float32, device=torch.device("cpu"), progress=False)
+        return mixed_graphs.why_not_capturable(model)
+
+    assert reason(LAMINA_KERNELS="triton") is None
+    assert "Triton kernel set" in reason(LAMINA_KERNELS="reference")
+    assert "LAMINA_GDN_SHORT_PREFILL" in reason(LAMINA_KERNELS="triton", LAMINA_GDN_SHORT_PREFILL="8")
+    monkeypatch.delenv("LAMINA_GDN_SHORT_PREFILL")
+    assert "varlen kernel" in reason(LAMINA_KERNELS="triton", LAMINA_PREFILL_ATTENTION="sdpa")
+
+
+def _generate(path, prompts, monkeypatch, *, kernels, mixed_tokens=0, max_tokens=3, **kwargs):
+    """Greedy tokens and logprobs; `mixed_tokens` > 0: decode and mixed graphs (on the CPU their
+    static buffers, eagerly). Returns (outputs, the runner's mixed replays, shapes captured)."""
+    from lamina import LLM
+
+    monkeypatch.setenv("LAMINA_KERNELS", kernels)
+    # (every chunk here is short: the delta rule's short-chunk kernel, never fla-core's chunked one)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    graphs = mixed_tokens > 0
+    monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, str(mixed_tokens))
+    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
+             **kwargs) as llm:
+        runner = llm.engine.executor.runner
+        if graphs and DEVICE == "cpu":
+            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True,
+                                                mixed_max_tokens=mixed_tokens)
+        assert (runner.mixed_graphs is not None) == graphs, runner.no_mixed_graphs_reason
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        captured = runner.mixed_graphs.captures if graphs else 0
+        shapes = sorted(runner.mixed_graphs.graphs) if graphs else []
+    results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
+    return results, runner.mixed_replays, (captured, shapes)
+
+
+def test_engine_through_mixed_graphs_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
+    """Prompts chunked over several steps (a 12-token budget), so steps hold fresh prompts, continued
+    chunks and decodes together, through the mixed graphs' static buffers and padding (with
+    asynchronous scheduling: pending tokens filled in the static buffer), give the reference
+    kernels' tokens and logprobs."""
+    path = qwen3_5_moe_short_dir
+    prompts = [[5, 17, 300], list(range(40, 57)), [9] * 6]
+    options = dict(max_num_seqs=4, max_num_batched_tokens=12)
+    ref, _, _ = _generate(path, prompts, monkeypatch, kernels="reference", **options)
+    ours, replays, (_, shapes) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32,
+                                           async_scheduling=True, **options)
+    assert replays >= 3, replays  # the prompt steps and the steps where decodes ride the last chunks
+    assert shapes and all(t == 16 for t, _ in shapes), shapes
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_mixed_graphs_equal_their_eager_replay(qwen3_5_moe_short_dir, monkeypatch):
+    """On a GPU: the captured graphs give exactly the tokens and logprobs of the same padded forward
+    run eagerly (each shape's graph dropped, so `run` executes its static-buffer forward), and agree
+    with eager steps (different kernels for decodes riding a prompt chunk: near ties only)."""
+    path = qwen3_5_moe_short_dir
+    prompts = [[5, 17, 300], list(range(40, 90)), [9] * 20, list(range(7, 140))]
+    options = dict(max_num_seqs=4, max_num_batched_tokens=48, max_tokens=6)
+    graphed, replays, (captured, shapes) = _generate(path, prompts, monkeypatch, kernels="triton",
+                                                     mixed_tokens=64, **options)
+    assert replays >= 4 and captured == len(shapes) >= 2, (replays, captured, shapes)
+    real_capture = MixedGraphs._capture
+
+    def no_graph(self, shape):
+        real_capture(self, shape)
+        self.graphs[shape] = (None, None)  # replays run the padded forward eagerly
+
+    monkeypatch.setattr(MixedGraphs, "_capture", no_graph)
+    static, static_replays, _ = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=64, **options)
+    assert static_replays == replays
+    assert graphed == static
+    eager, _, _ = _generate(path, prompts, monkeypatch, kernels="triton", **options)
+    for (ids, lp), (eager_ids, eager_lp) in zip(graphed, eager):
+        assert ids == eager_ids
+        torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
