@@ -123,13 +123,17 @@ def main() -> None:
         for layer in layers:
             layer.short_prefill_tokens = default
         captured = sorted(graphs.graphs) if graphs is not None else []
+        capture_s = graphs.capture_seconds if graphs is not None else 0.0
+        if captured:
+            print(f"{len(captured)} shapes captured in {capture_s:.2f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python benchmarks/bench_short_prefill.py " + " ".join(sys.argv[1:]),
                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
                        "default_short_prefill_tokens": default, "compare": args.compare,
-                       "mixed_graph_shapes": captured, "records": records}, f, indent=1)
+                       "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s, "records": records}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

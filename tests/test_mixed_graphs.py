@@ -104,9 +104,10 @@ def test_why_not_capturable(qwen3_5_moe_short_dir, monkeypatch):
     def reason(**env):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        ctx = ParallelContext.single(torch.device("cpu"))
+        device = torch.device(DEVICE)  # the Triton set on the CPU needs the interpreter (on in CI)
+        ctx = ParallelContext.single(device)
         model, _, _ = build_model(str(qwen3_5_moe_short_dir), read_model_config(str(qwen3_5_moe_short_dir), None), ctx,
-                                  dtype=torch.float32, device=torch.device("cpu"), progress=False)
+                                  dtype=torch.float32, device=device, progress=False)
         return mixed_graphs.why_not_capturable(model)
 
     assert reason(LAMINA_KERNELS="triton") is None
@@ -153,6 +154,31 @@ def test_engine_through_mixed_graphs_matches_reference(qwen3_5_moe_short_dir, mo
                                            async_scheduling=True, **options)
     assert replays >= 3, replays  # the prompt steps and the steps where decodes ride the last chunks
     assert shapes and all(t == 16 for t, _ in shapes), shapes
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        assert ids == ref_ids
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+
+
+def test_a_failed_capture_runs_that_shape_eagerly(qwen3_5_moe_short_dir, monkeypatch):
+    """A shape whose capture fails (out of memory mid-serving, say) runs eagerly, then and at every
+    later step of that shape, with the same results; other shapes still replay."""
+    path = qwen3_5_moe_short_dir
+    prompts = [[5, 17, 300], list(range(40, 57)), [9] * 6, list(range(200, 230))]  # the last ends alone
+    options = dict(max_num_seqs=4, max_num_batched_tokens=12)
+    real_capture = MixedGraphs._capture
+    attempts = []
+
+    def first_fails(self, shape):
+        attempts.append(shape)
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("injected: no room for the graph's pool")
+        real_capture(self, shape)
+
+    monkeypatch.setattr(MixedGraphs, "_capture", first_fails)
+    ref, _, _ = _generate(path, prompts, monkeypatch, kernels="reference", **options)
+    ours, replays, (_, shapes) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32, **options)
+    assert len(attempts) == len(set(attempts)) == len(shapes) + 1  # the failed shape was never tried again
+    assert attempts[0] not in shapes and replays > 0
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)

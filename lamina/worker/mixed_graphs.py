@@ -24,8 +24,9 @@ prompt chunk takes the varlen attention kernel rather than the decode kernel, an
 follow Tc rather than T.
 
 Graphs are captured the first time a shape is needed (a warm-up and the capture on a side stream,
-~0.1-0.3 s, with an all-padding layout so no request's cache or state is touched), into the decode
-graphs' memory pool. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
+with an all-padding layout so no request's cache or state is touched), into the decode graphs'
+memory pool: ~1 s a shape on an H100, mostly the warm-up's Triton compiles (docs/PERFORMANCE.md,
+session 43). A shape whose capture fails (out of memory, say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
 when the engine captures its graphs. Single-rank engines without speculative decoding; models whose
 prefill needs host work (N-gram PLE history, QSA's block selection) run these steps eagerly
 (`why_not_capturable`).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -152,6 +154,8 @@ class MixedGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = pool
         self.captures = 0  # shapes captured (tests, logs)
+        self.capture_seconds = 0.0  # host time spent capturing them (warm-ups included)
+        self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: their steps run eagerly
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- shapes ------------------------------------------------------------------------------
@@ -165,7 +169,8 @@ class MixedGraphs:
             return False
         if all(n == 1 and c.sample for n, c in zip(lens, chunks)):  # a plain decode step: the decode graphs'
             return False
-        return self.shape_for(sum(lens), len(chunks)) is not None
+        shape = self.shape_for(sum(lens), len(chunks))
+        return shape is not None and shape not in self.failed
 
     def query_bound(self, tokens: int) -> int:
         """The graph's `max_query_len` at `tokens`: no chunk (real or padding) is longer."""
@@ -272,6 +277,7 @@ class MixedGraphs:
         if self.device.type != "cuda":
             self.graphs[shape] = (None, None)
             return
+        start = time.perf_counter()
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pack([], shape, None)
@@ -281,26 +287,36 @@ class MixedGraphs:
         with torch.cuda.stream(stream):
             self._forward(shape)  # warm-up: Triton compiles, cuBLAS picks its kernels
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            # thread_local: captured mid-serving, while other threads may call CUDA (their calls are not captured)
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 logits = self._forward(shape)
         self.pool = graph.pool()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graphs[shape] = (graph, logits)
         self.captures += 1
-        logger.info("captured the prefill / mixed step graph of %d tokens and %d requests", *shape)
+        took = time.perf_counter() - start
+        self.capture_seconds += took
+        logger.info("captured the prefill / mixed step graph of %d tokens and %d requests in %.0f ms", *shape, took * 1e3)
 
     # ---- replay ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, chunks, previous=None) -> torch.Tensor:
+    def run(self, chunks, previous=None) -> torch.Tensor | None:
         """Logits `[B_sample, vocab]` of the step's sampling chunks, in chunk order (`fits` must
-        hold). Pending tokens (asynchronous scheduling) are taken from `previous`
-        (`PreviousTokens`) on the device."""
+        hold); None when the step's shape could not be captured (out of memory, or a capture error:
+        the caller runs the step eagerly, as it will every later step of that shape). Pending
+        tokens (asynchronous scheduling) are taken from `previous` (`PreviousTokens`) on the device."""
         num_tokens = sum(c.num_tokens for c in chunks)
         shape = self.shape_for(num_tokens, len(chunks))
-        if shape is None:
+        if shape is None or shape in self.failed:
             raise ValueError(f"no prefill / mixed graph fits {num_tokens} tokens of {len(chunks)} requests")
         if shape not in self.graphs:
-            self._capture(shape)
+            try:
+                self._capture(shape)
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                self.failed.add(shape)
+                logger.warning("capturing the prefill / mixed step graph of %d tokens and %d requests failed (%s: %s); "
+                               "steps of that shape run eagerly", *shape, type(error).__name__, error)
+                return None
         pending_rows = previous.source_rows(chunks) if previous is not None else None
         if self._uploaded is not None:
             self._uploaded.synchronize()

@@ -366,13 +366,14 @@ class ModelRunner:
             with torch.inference_mode():
                 return self._sample_launch(self.replay_decode(plan), plan.chunks)  # logits [B, vocab]
         if self.spec is None and self.mixed_graphs is not None and self.mixed_graphs.fits(plan.chunks):
-            self.mixed_replays += 1
-            logits = self.mixed_graphs.run(plan.chunks, self.previous)  # [B_sample, vocab]
-            sampled = [c for c in plan.chunks if c.sample]
-            if not sampled:
-                return ReadyStep({})
-            with torch.inference_mode():
-                return self._sample_launch(logits, sampled)
+            logits = self.mixed_graphs.run(plan.chunks, self.previous)  # [B_sample, vocab]; None: not captured
+            if logits is not None:
+                self.mixed_replays += 1
+                sampled = [c for c in plan.chunks if c.sample]
+                if not sampled:
+                    return ReadyStep({})
+                with torch.inference_mode():
+                    return self._sample_launch(logits, sampled)
         if self.spec is not None and self.spec.mtp is not None:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:
