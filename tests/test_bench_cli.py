@@ -21,6 +21,7 @@ def test_bench_latency_writes_a_record_per_batch_size(qwen3_next_dir, tmp_path, 
         assert set(SHARED_KEYS) <= set(r) and r["concurrency"] == r["num_prompts"] == r["batch_size"]
         assert r["kind"] == "latency" and r["gpu"] == "cpu" and r["dtype"] == "float32"
         assert r["decode_steps"] == 3 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
+        assert r["prefill_graph_steps"] == 0  # the CPU: no graphs
         # the steps up to the first token: their wall times sum to at most the TTFT
         assert r["first_token_steps_ms"] and 0 < sum(r["first_token_steps_ms"]) <= r["ttft_ms"] + 1e-3
         assert abs(r["output_tok_per_s"] - r["batch_size"] / (r["tpot_ms"] / 1e3)) < 1e-6

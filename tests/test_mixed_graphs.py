@@ -150,9 +150,18 @@ def test_engine_through_mixed_graphs_matches_reference(qwen3_5_moe_short_dir, mo
     prompts = [[5, 17, 300], list(range(40, 57)), [9] * 6]
     options = dict(max_num_seqs=4, max_num_batched_tokens=12)
     ref, _, _ = _generate(path, prompts, monkeypatch, kernels="reference", **options)
+    real_pack = MixedGraphs._pack
+    pending = []
+
+    def pack(self, chunks, shape, pending_rows):
+        pending.append(pending_rows is not None and any(row >= 0 for row in pending_rows))
+        real_pack(self, chunks, shape, pending_rows)
+
+    monkeypatch.setattr(MixedGraphs, "_pack", pack)
     ours, replays, (_, shapes) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32,
                                            async_scheduling=True, **options)
     assert replays >= 3, replays  # the prompt steps and the steps where decodes ride the last chunks
+    assert any(pending), pending  # a decode's pending token filled in the mixed graphs' static buffer
     assert shapes and all(t == 16 for t, _ in shapes), shapes
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
         assert ids == ref_ids

@@ -89,7 +89,7 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("lens", [[16], [64], [1, 7, 33, 64, 0, 2]])
+@pytest.mark.parametrize("lens", [[16], [64], [1, 7, 33, 64, 0, 2], [512, 3]])
 def test_short_prefill_at_real_width(lens):
     """Qwen3.5-35B-A3B's delta-net width (16 key heads, 32 value heads of 128), bf16 activations,
     float32 pool: against the reference in float32."""

@@ -183,6 +183,12 @@ def decode_bytes(llm, batch: int, context_len: int, distinct_experts: list[float
     return total
 
 
+def _mixed_replays(engine) -> int:
+    """Prefill / mixed steps replayed from graphs so far (single rank; 0 where there are none)."""
+    runner = getattr(engine.executor, "runner", None)
+    return getattr(runner, "mixed_replays", 0)
+
+
 def _quantization(engine) -> str | None:
     """The weights' block FP8 format, as the record names it (None: unquantized)."""
     quant = engine.setup.quantization if getattr(engine, "setup", None) is not None else None
@@ -245,6 +251,7 @@ def run_latency(args, model_path: str) -> list[dict]:
             # has its first token, TPOT over the steps that brought every request one more.
             ttft = first_all = last_all = None
             decode_steps = 0
+            mixed_before = _mixed_replays(engine)
             start = time.perf_counter()
             produced = {}
             first_steps_ms = []  # each step's wall time until every request has its first token
@@ -274,6 +281,8 @@ def run_latency(args, model_path: str) -> list[dict]:
                 "total_tok_per_s": batch * (args.input_len + args.output_len) / (time.perf_counter() - start),
                 "tpot_ms": tpot * 1e3, "ttft_ms": ttft * 1e3 if ttft is not None else None,
                 "cuda_graphs": engine.cuda_graphs, "async_scheduling": engine.async_scheduling,
+                # prefill / mixed steps replayed from graphs during this batch size's run (lamina.worker.mixed_graphs)
+                "prefill_graph_steps": _mixed_replays(engine) - mixed_before,
                 "decode_steps": decode_steps, "first_token_steps_ms": first_steps_ms,
             }
             if bandwidth is not None:

@@ -175,14 +175,21 @@ def gdn_short_prefill_max_tokens(kernels: str) -> int:
     256 / 512 / 1,024 tokens against fla's 66 / 66 / 67 / 65 / 68: the sequential recurrence's GPU
     time grows with the chunk and overtakes the host time it saves between 512 and 1,024 tokens.
     Read at model build time."""
-    wanted = os.environ.get("LAMINA_GDN_SHORT_PREFILL", "256")
+    tokens = env_token_count("LAMINA_GDN_SHORT_PREFILL", 256)
+    return tokens if kernels == "triton" else 0
+
+
+def env_token_count(name: str, default: int) -> int:
+    """A token count >= 0 from the environment variable `name` (0: off), `default` when unset; a
+    clear error naming the variable otherwise."""
+    wanted = os.environ.get(name, str(default))
     try:
         tokens = int(wanted)
     except ValueError:
         tokens = -1
     if tokens < 0:
-        raise ValueError(f"LAMINA_GDN_SHORT_PREFILL = {wanted!r} must be a token count >= 0 (0: off)")
-    return tokens if kernels == "triton" else 0
+        raise ValueError(f"{name} = {wanted!r} must be a token count >= 0 (0: off)")
+    return tokens
 
 
 def moe_gemv_max_tokens() -> int:

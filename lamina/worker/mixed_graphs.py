@@ -25,8 +25,8 @@ follow Tc rather than T.
 
 Graphs are captured the first time a shape is needed (a warm-up and the capture on a side stream,
 with an all-padding layout so no request's cache or state is touched), into the decode graphs'
-memory pool: ~1 s a shape on an H100, mostly the warm-up's Triton compiles (docs/PERFORMANCE.md,
-session 43). A shape whose capture fails (out of memory, say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
+memory pool; the engine's start-up warm-up (steps of 8 to 512 tokens) captures the common ones.
+A shape whose capture fails (out of memory, say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
 when the engine captures its graphs. Single-rank engines without speculative decoding; models whose
 prefill needs host work (N-gram PLE history, QSA's block selection) run these steps eagerly
 (`why_not_capturable`).
@@ -35,7 +35,6 @@ prefill needs host work (N-gram PLE history, QSA's block selection) run these st
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -60,13 +59,9 @@ _REQUEST_FIELDS = ("seq_lens", "state_slots", "keep")
 def mixed_graph_max_tokens() -> int:
     """`LAMINA_MIXED_GRAPHS`: the largest token bucket of captured prefill / mixed steps (0: off;
     default 512; rounded up to a power of two >= 16)."""
-    wanted = os.environ.get(MIXED_GRAPHS_ENV, str(DEFAULT_MAX_TOKENS))
-    try:
-        tokens = int(wanted)
-    except ValueError:
-        tokens = -1
-    if tokens < 0:
-        raise ValueError(f"{MIXED_GRAPHS_ENV} = {wanted!r} must be a token count >= 0 (0: off)")
+    from lamina.kernels.selection import env_token_count
+
+    tokens = env_token_count(MIXED_GRAPHS_ENV, DEFAULT_MAX_TOKENS)
     return 0 if tokens == 0 else max(MIN_TOKENS, 1 << (tokens - 1).bit_length())
 
 
