@@ -59,7 +59,7 @@ def test_buckets_and_the_switch(monkeypatch):
 
 def test_shapes_pad_within_the_query_bound():
     graphs = MixedGraphs(_ShortModel(64), device=torch.device("cpu"), max_tokens=256, max_reqs=8, block_size=4,
-                         max_blocks_per_seq=8, spare_state_slot=99)
+                         max_blocks_per_seq=32, spare_state_slot=99, vocab_size=8)
     assert graphs.shape_for(10, 1) == (16, 2)
     assert graphs.shape_for(16, 1) == (16, 2)  # a padding request with no tokens
     assert graphs.shape_for(17, 3) == (32, 4)
@@ -93,8 +93,45 @@ def test_shapes_pad_within_the_query_bound():
     assert graphs._request(host, "keep", 4).tolist() == [1, 0, 0, 0]
     tables = graphs._tables(host, 4)
     assert tables[0, :3].tolist() == [3, 5, 7] and tables[1, :2].tolist() == [4, 6]
-    assert not np.any(tables[2:])
-    assert not np.any(tables[1, 2:])  # nothing left from an earlier step's longer table
+    assert not np.any(tables[2:, :2])  # the padding requests' blocks (5 tokens: 2 blocks of 4): block 0
+    # (entries past a row's context are not cleared: nothing reads them)
+
+
+def test_the_query_bound_keeps_padding_inside_a_block_table():
+    """A short max_model_len (block tables of 2 x 4 entries): no padding request is longer than its
+    table holds, so shapes needing longer ones do not fit."""
+    graphs = MixedGraphs(_ShortModel(64), device=torch.device("cpu"), max_tokens=64, max_reqs=3, block_size=4,
+                         max_blocks_per_seq=2, spare_state_slot=9, vocab_size=8)
+    assert graphs.max_query_len == 8
+    assert graphs.shape_for(8, 1) == (16, 2)  # 8 padding tokens in one request of 8
+    assert graphs.shape_for(7, 1) == (16, 4)  # 9 padding tokens: two requests
+    assert graphs.shape_for(17, 3) is None  # 15 padding tokens, one padding request of at most 8
+    assert not graphs.fits([_chunk("a", 9, 0, [1, 2, 3], 0)])
+
+
+def test_uploads_carry_only_the_rows_a_shape_reads():
+    """The decode and mixed graphs upload their fields and the replayed size's table (and history)
+    rows, not every row's max_model_len-wide table."""
+    from types import SimpleNamespace
+
+    from lamina.worker.cuda_graphs import DecodeGraphs
+
+    decode = DecodeGraphs(SimpleNamespace(token_history_len=2), device=torch.device("cpu"), max_batch=8,
+                          block_size=4, max_blocks_per_seq=5, spare_state_slot=9)
+    mixed = MixedGraphs(_ShortModel(64), device=torch.device("cpu"), max_tokens=32, max_reqs=8, block_size=4,
+                        max_blocks_per_seq=5, spare_state_slot=9, vocab_size=8)
+    for graphs, upload, rows in ((decode, lambda: decode._upload(2), 2), (mixed, lambda: mixed._upload((16, 2), False), 2)):
+        graphs.host.copy_(torch.arange(1, graphs.host.numel() + 1))
+        graphs.inputs.zero_()
+        upload()
+        end = graphs._tables_at + rows * 5
+        assert torch.equal(graphs.inputs[:end], graphs.host[:end])
+        rest = graphs.inputs[end:]
+        if graphs is decode:
+            h = decode._history_at
+            assert torch.equal(decode.inputs[h : h + 4], decode.host[h : h + 4])
+            rest = torch.cat([decode.inputs[end:h], decode.inputs[h + 4 :]])
+        assert not rest.any()
 
 
 def test_why_not_capturable(qwen3_5_moe_short_dir, monkeypatch):
@@ -209,7 +246,7 @@ def test_captured_mixed_graphs_equal_their_eager_replay(qwen3_5_moe_short_dir, m
 
     def no_graph(self, shape):
         real_capture(self, shape)
-        self.graphs[shape] = (None, None)  # replays run the padded forward eagerly
+        self.graphs[shape] = None  # replays run the padded forward eagerly
 
     monkeypatch.setattr(MixedGraphs, "_capture", no_graph)
     static, static_replays, _ = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=64, **options)

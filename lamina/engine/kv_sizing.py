@@ -61,9 +61,10 @@ class KVCacheSizing:
             per_slot = self.executor.state_bytes_per_slot()
             mixed = 0  # the prefill / mixed steps' graphs: single rank, without MTP (lamina.worker.mixed_graphs)
             if not args.enforce_eager and not k and self.parallel_config.is_single_rank:
-                from lamina.worker.mixed_graphs import mixed_graph_max_tokens
+                from lamina.worker import mixed_graphs
 
-                mixed = mixed_graph_max_tokens()
+                if mixed_graphs.why_not_capturable(self.executor.runner.model) is None:
+                    mixed = mixed_graphs.mixed_graph_max_tokens()
             hint = state_dtype_hint(self.ssm_state_dtype, self.kv_cache_dtype if self.fp8_kv_cache_possible else None)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),

@@ -52,8 +52,9 @@ PREFILL_MARGIN = 1.3
 DECODE_VOCAB_ROWS = 12  # float32 vocabulary rows per decode row at a decode step's peak (logits, sampler temporaries)
 GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools and static buffers
 # The prefill / mixed steps' graphs (lamina.worker.mixed_graphs) hold their largest shape's activations
-# (a prefill step's per-token bytes at their largest token bucket) and logits: a float32 and a bf16
-# vocabulary row per request row (max_num_seqs + 1 rows). From the tensors' sizes, not yet measured.
+# (a prefill step's per-token bytes at their largest token bucket; the shapes share one pool and one
+# capture stream) and, per request row (max_num_seqs + 1), the shared float32 logits buffer's row and
+# the LM head's bf16 row before it: 1.5 float32 rows, counted as 2. From the tensors' sizes, not measured.
 MIXED_GRAPH_VOCAB_ROWS = 2
 FIXED_HEADROOM_BYTES = 512 * MIB
 

@@ -30,6 +30,7 @@ from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
 from lamina.models.hub import looks_like_repo_id, resolve_model_path
 from lamina.models.loader import CheckpointError, ShardHeader, read_header, resolve_shards
 from lamina.quantization import online_blocks, read_quantization, resolve_quantization, unquantized_expert_tensors
+from lamina.worker.mixed_graphs import prefill_needs_host
 from lamina.worker.model_loader import attach_drafter, read_model_config
 
 
@@ -99,7 +100,9 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
     state = sum(m.bind_state(1, dtype, "meta", ssm_dtype=ssm_state_dtype) for m in model.state_modules())
     return {"weight_bytes": weights, "ple_table_bytes": ple, "kv_bytes_per_token": kv_per_block // block_size,
             "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch.")}
+            "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch."),
+            # why short prefill / mixed steps could not replay graphs whatever the kernels (None: they can)
+            "prefill_graphs_blocked_by": prefill_needs_host(model)}
 
 
 # Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):
@@ -128,7 +131,8 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     graphs = not engine_args.enforce_eager
     hint = state_dtype_hint(ssm_state_dtype, kv_cache_dtype)  # (a GPU of FP8's generation assumed)
     single_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size * engine_args.data_parallel_size == 1
-    mixed = mixed_graph_max_tokens() if graphs and not k and single_rank else 0  # lamina.worker.mixed_graphs
+    prefill_graphs = graphs and not k and single_rank and estimate.get("prefill_graphs_blocked_by") is None
+    mixed = mixed_graph_max_tokens() if prefill_graphs else 0  # their pool (lamina.worker.mixed_graphs)
     try:
         plan = plan_gpu_memory(
             usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),

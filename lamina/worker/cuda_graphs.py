@@ -140,6 +140,7 @@ class DecodeGraphs:
             self.stream_in = torch.zeros(max_batch, model.stream_width(), dtype=model.dtype, device=device)  # [B, W]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.stream = None  # the stream the graphs were captured on (later captures into the pool reuse it)
         # Asynchronous scheduling writes the next step's rows while this one may still be queued:
         # the host buffer is rewritten only once its last upload has run.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
@@ -164,6 +165,16 @@ class DecodeGraphs:
         self._tables(host, stop)[start:] = 0
         if self.history_len:
             self._history(host, stop)[start:] = -1
+
+    def _upload(self, size: int) -> None:
+        """The rows a graph of `size` reads (the fields, `size` block-table rows, `size` history rows),
+        not the whole buffer: a table row is ceil(max_model_len / block_size) entries wide, so at
+        max_num_seqs 256 and a 262k-token max_model_len the tables alone are 33.5 MB."""
+        used = self._tables_at + size * self.max_blocks
+        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+        if self.history_len:
+            start, stop = self._history_at, self._history_at + size * self.history_len
+            self.inputs[start:stop].copy_(self.host[start:stop], non_blocking=True)
 
     def _meta(self, size: int) -> tuple[torch.Tensor, ForwardMetadata]:
         """Views of the device buffer for capture size `size` (built inside the captured region, so
@@ -191,7 +202,7 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             self.graphs = {size: (None, None) for size in sizes}
             return
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in sorted(sizes, reverse=True):
@@ -250,7 +261,7 @@ class DecodeGraphs:
         self._fill_padding(num_reqs, size)
         if pending_rows is not None:
             fields["pending_row"][:num_reqs] = pending_rows
-        self.inputs.copy_(self.host, non_blocking=True)
+        self._upload(size)
         if self._uploaded is not None:
             self._uploaded.record()
         if pending_rows is not None:

@@ -91,6 +91,19 @@ def short_chunk_limit(model) -> int:
     return min(limits) if limits else 1 << 30
 
 
+def prefill_needs_host(model) -> str | None:
+    """What in the model's prefill forward needs host work every step whatever the kernel set (the
+    N-gram PLE's per-request token history, QSA's prefill block selection), or None."""
+    from lamina.layers.indexed_attention import IndexedGatedAttention
+
+    if getattr(model, "token_history_len", 0) > 0:
+        return "the N-gram PLE's token history is built per request on the host"
+    for name, module in model.named_modules():
+        if isinstance(module, IndexedGatedAttention):
+            return f"attention {name}: QSA's prefill block selection has no fixed-shape path"
+    return None
+
+
 def why_not_capturable(model) -> str | None:
     """Why the model's short prefill / mixed steps cannot be captured, or None: the decode step's
     conditions (lamina.worker.cuda_graphs.why_not_capturable), plus no token history (the N-gram PLE's
@@ -98,16 +111,11 @@ def why_not_capturable(model) -> str | None:
     fixed-shape), the varlen attention kernel for prompt chunks, the Triton prefill conv and the
     short-chunk delta rule for chunks of at least MIN_TOKENS tokens."""
     from lamina.layers.attention import GatedAttention
-    from lamina.layers.indexed_attention import IndexedGatedAttention
 
-    reason = why_decode_not_capturable(model)
+    reason = why_decode_not_capturable(model) or prefill_needs_host(model)
     if reason is not None:
         return reason
-    if getattr(model, "token_history_len", 0) > 0:
-        return "the N-gram PLE's token history is built per request on the host"
     for name, module in model.named_modules():
-        if isinstance(module, IndexedGatedAttention):
-            return f"attention {name}: QSA's prefill block selection has no fixed-shape path"
         if isinstance(module, GatedAttention) and not module.triton_prefill_attention:
             return f"attention {name}: prompt chunks on SDPA (LAMINA_PREFILL_ATTENTION=sdpa), not the varlen kernel"
         prefill = getattr(module, "prefill_kernels", None)
@@ -122,14 +130,15 @@ def why_not_capturable(model) -> str | None:
 class MixedGraphs:
     def __init__(
         self, model, *, device: torch.device, max_tokens: int, max_reqs: int, block_size: int,
-        max_blocks_per_seq: int, spare_state_slot: int, pool=None,
+        max_blocks_per_seq: int, spare_state_slot: int, vocab_size: int, pool=None, stream=None,
     ):
         self.model = model
         self.device = device
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.spare_state_slot = spare_state_slot
-        self.max_query_len = short_chunk_limit(model)
+        # no chunk, real or padding, is longer than the short-chunk limit or than a block table holds
+        self.max_query_len = min(short_chunk_limit(model), max_blocks_per_seq * block_size)
         self.token_sizes = token_buckets(max_tokens)
         self.request_sizes = request_buckets(max_reqs)
         if not self.token_sizes:
@@ -146,8 +155,13 @@ class MixedGraphs:
         self.host = torch.zeros(total, dtype=torch.long, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
         self.inputs = torch.zeros(total, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        # One float32 logits buffer for every shape (rows: requests), outside the graphs' pool; the
+        # graphs capture on one stream (the decode graphs', when given) so that each capture reuses
+        # the blocks the previous ones freed in the shared pool.
+        self.logits = torch.empty(r, vocab_size, dtype=torch.float32, device=device)  # [Rc_max, vocab]
         self.pool = pool
+        self.stream = (stream or torch.cuda.Stream(device)) if device.type == "cuda" else None
         self.captures = 0  # shapes captured (tests, logs)
         self.capture_seconds = 0.0  # host time spent capturing them (warm-ups included)
         self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: their steps run eagerly
@@ -219,10 +233,10 @@ class MixedGraphs:
         offsets = np.arange(tokens) - qsl[:-1][request_index]  # [Tc] position within the chunk
         all_starts = np.concatenate([starts, np.zeros(pad_reqs, dtype=np.int64)])  # [Rc]
         positions = all_starts[request_index] + offsets  # [Tc]
-        tables = self._tables(host, reqs)
-        tables[:] = 0  # padding requests read block 0; real rows beyond their table are never read
+        tables = self._tables(host, reqs)  # entries past what a row's context needs are never read
         for row, chunk in enumerate(chunks):
             tables[row, : len(chunk.block_table)] = chunk.block_table
+        tables[num_reqs:, : max(1, -(-int(pad_lens.max(initial=0)) // bs))] = 0  # padding requests read block 0
         real = qsl[num_reqs]
         slots = np.full(tokens, -1, dtype=np.int64)  # [Tc]: padding tokens write no KV
         ri, pos = request_index[:real], positions[:real]
@@ -241,6 +255,12 @@ class MixedGraphs:
         state_slots[num_reqs:] = self.spare_state_slot
         self._request(host, "keep", reqs)[:] = all_starts > 0
 
+    def _upload(self, shape: tuple[int, int], non_blocking: bool) -> None:
+        """The host buffer's fields and the shape's block-table rows to the device (not the other
+        rows: a table row is ceil(max_model_len / block_size) entries wide)."""
+        used = self._tables_at + shape[1] * self.max_blocks
+        self.inputs[:used].copy_(self.host[:used], non_blocking=non_blocking)
+
     def _meta(self, shape: tuple[int, int]) -> tuple[torch.Tensor, ForwardMetadata]:
         """Views of the device buffer for `shape` (no host query lengths: one call per kernel over
         the whole padded step, never request groups)."""
@@ -258,11 +278,13 @@ class MixedGraphs:
         return self._token(buf, "token_ids", tokens), meta
 
     def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
-        """Logits `[Rc, vocab]` of every request's last row (padding requests' included)."""
+        """Logits `[Rc, vocab]` of every request's last row (padding requests' included), written
+        into the shared buffer."""
+        reqs = shape[1]
         token_ids, meta = self._meta(shape)
         hidden = self.model(token_ids, meta)  # [Tc, H]
         last_rows = (meta.query_start_loc[1:] - 1).clamp(min=0)  # [Rc]
-        return self.model.compute_logits(hidden.index_select(0, last_rows))  # [Rc, vocab] float32
+        return self.model.compute_logits(hidden.index_select(0, last_rows), out=self.logits[:reqs])  # [Rc, vocab]
 
     # ---- capture -----------------------------------------------------------------------------
     def _capture(self, shape: tuple[int, int]) -> None:
@@ -270,24 +292,26 @@ class MixedGraphs:
         touched). Off CUDA (CPU tests) nothing is captured: `run` executes the static-buffer
         forward eagerly."""
         if self.device.type != "cuda":
-            self.graphs[shape] = (None, None)
+            self.graphs[shape] = None
             return
         start = time.perf_counter()
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pack([], shape, None)
-        self.inputs.copy_(self.host)
-        stream = torch.cuda.Stream(self.device)
+        self._upload(shape, non_blocking=False)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(shape)  # warm-up: Triton compiles, cuBLAS picks its kernels
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: captured mid-serving, while other threads may call CUDA (their calls are not captured)
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                logits = self._forward(shape)
+        try:
+            with torch.cuda.stream(stream):
+                self._forward(shape)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: captured mid-serving, while other threads may call CUDA (not captured)
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                    self._forward(shape)
+        finally:  # even when the capture fails: no later upload may overtake the warm-up's reads
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         self.pool = graph.pool()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graphs[shape] = (graph, logits)
+        self.graphs[shape] = graph
         self.captures += 1
         took = time.perf_counter() - start
         self.capture_seconds += took
@@ -316,18 +340,18 @@ class MixedGraphs:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pack(chunks, shape, pending_rows)
-        used = self._tables_at + shape[1] * self.max_blocks  # the fields, and the shape's block tables
-        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+        self._upload(shape, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
         if pending_rows is not None:
             previous.fill(self._token(self.inputs, "token_ids", num_tokens),
                           self._token(self.inputs, "pending_row", num_tokens))
-        graph, logits = self.graphs[shape]
+        graph = self.graphs[shape]
         if graph is None:
-            logits = self._forward(shape)
+            self._forward(shape)
         else:
             graph.replay()
+        logits = self.logits
         rows = [row for row, c in enumerate(chunks) if c.sample]
         if len(rows) == len(chunks):
             return logits[: len(chunks)]

@@ -187,10 +187,10 @@ class ModelRunner:
         graphs.capture(cuda_graphs.capture_sizes(max_batch))
         self.decode_graphs = graphs
         if mixed_max_tokens > 0:
-            self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, graphs.pool)
+            self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, graphs)
         return True
 
-    def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, pool) -> None:
+    def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, decode_graphs) -> None:
         from lamina.worker import mixed_graphs
 
         reason = mixed_graphs.why_not_capturable(self.model)
@@ -200,7 +200,8 @@ class ModelRunner:
             return
         self.mixed_graphs = mixed_graphs.MixedGraphs(
             self.model, device=self.device, max_tokens=max_tokens, max_reqs=max_batch, block_size=self.block_size,
-            max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot, pool=pool,
+            max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot, vocab_size=self.vocab_size,
+            pool=decode_graphs.pool, stream=decode_graphs.stream,  # one pool, captured on one stream
         )
 
     # ---- inputs --------------------------------------------------------------------------

@@ -282,7 +282,8 @@ class VerifyGraphs:
         source_rows = previous.source_rows(chunks) if previous is not None else None
         if source_rows is not None:  # travels with the step's inputs
             self._request_field(self.host_np, "source_rows", num_reqs)[:] = source_rows
-        self.inputs.copy_(self.host, non_blocking=True)
+        used = self._tables_at + size * self.max_blocks  # the fields and `size` table rows, not all max_batch
+        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
         shift = None
