@@ -59,7 +59,8 @@ COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
     CompatOption("disable_custom_all_reduce", _any, "no effect: lamina's all-reduces are torch.distributed's",
                  "true or false"),
     CompatOption("compilation_config", _any, "no effect: lamina captures its own CUDA graphs of decode "
-                 "steps (enforce_eager turns them off) and does not torch.compile", "any value"),
+                 "steps and of short prefill / mixed steps (enforce_eager turns them off, LAMINA_MIXED_GRAPHS=0 "
+                 "the latter) and does not torch.compile", "any value"),
     CompatOption("max_seq_len_to_capture", _any, "no effect: lamina's decode graphs do not depend on the "
                  "sequence length", "any length"),
     CompatOption("tokenizer_revision", _falsy, "no effect", "none (lamina reads the tokenizer of MODEL at "
