@@ -76,6 +76,9 @@ class EngineArgs:
     quantization: str | None = None
     show_progress: bool = True
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps run eagerly)
+    # CUDA graphs of short prefill and mixed steps too (lamina.worker.mixed_graphs; LAMINA_MIXED_GRAPHS sets
+    # their size); vLLM's compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"} turns them off
+    prefill_graphs: bool = True
     # vLLM's name: plan and launch step N+1 while step N runs (lamina.engine.async_scheduling).
     # None: on for a single-rank CUDA engine, with or without speculative decoding (MTP).
     async_scheduling: bool | None = None

@@ -52,15 +52,70 @@ def _no_media(value: Any) -> bool:
     return isinstance(value, dict) and all(_zero(v) or v == {} or v is None for v in value.values())
 
 
+# vLLM's CompilationConfig.cudagraph_mode values. lamina's decode graphs are full graphs of decode
+# steps and its prefill / mixed graphs full graphs of short mixed steps (lamina.worker.mixed_graphs), so
+# every mode but NONE and FULL_DECODE_ONLY keeps both.
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def _compilation_config(value: Any) -> dict:
+    """vLLM's compilation_config as a dict: a dict, its JSON, or an optimisation level (-O 3: no keys)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.startswith("{"):
+            return {}  # a level ("3", "O3"): nothing lamina reads
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"compilation_config is not valid JSON ({e}): {value!r}") from None
+    if isinstance(value, dict):
+        return value
+    return {}  # an int level, or a config object: nothing lamina reads (its cudagraph_mode below)
+
+
+def _mode_of(value: Any) -> str | None:
+    config = _compilation_config(value) if not hasattr(value, "cudagraph_mode") else {"cudagraph_mode": value.cudagraph_mode}
+    mode = config.get("cudagraph_mode")
+    if mode is None:
+        return None
+    name = getattr(mode, "name", mode)  # vLLM's CUDAGraphMode enum, or its name
+    return str(name).upper()
+
+
+def _cudagraph_mode_known(value: Any) -> bool:
+    try:
+        mode = _mode_of(value)
+    except ValueError:
+        return False
+    return mode is None or mode in CUDAGRAPH_MODES
+
+
+def cudagraph_overrides(compilation_config: Any) -> dict[str, bool]:
+    """The engine arguments vLLM's `compilation_config` asks for through its cudagraph_mode: NONE ->
+    enforce_eager; FULL_DECODE_ONLY -> prefill_graphs off; anything else (or none given) -> nothing.
+    ValueError for a mode vLLM does not have."""
+    if compilation_config is None:
+        return {}
+    mode = _mode_of(compilation_config)
+    if mode is not None and mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"compilation_config cudagraph_mode {mode!r} is not one of {', '.join(CUDAGRAPH_MODES)}")
+    if mode == "NONE":
+        return {"enforce_eager": True}
+    if mode == "FULL_DECODE_ONLY":
+        return {"prefill_graphs": False}
+    return {}
+
+
 COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
     CompatOption("swap_space", _any, "no effect: lamina keeps no CPU swap space (a preempted request is recomputed)",
                  "any size"),
     CompatOption("cpu_offload_gb", _zero, "no effect", "0 (lamina does not offload weights to the CPU)"),
     CompatOption("disable_custom_all_reduce", _any, "no effect: lamina's all-reduces are torch.distributed's",
                  "true or false"),
-    CompatOption("compilation_config", _any, "no effect: lamina captures its own CUDA graphs of decode "
-                 "steps and of short prefill / mixed steps (enforce_eager turns them off, LAMINA_MIXED_GRAPHS=0 "
-                 "the latter) and does not torch.compile", "any value"),
+    CompatOption("compilation_config", _cudagraph_mode_known, "lamina does not torch.compile; of the config it "
+                 "reads only cudagraph_mode: NONE runs eagerly (enforce_eager), FULL_DECODE_ONLY keeps the decode "
+                 "graphs and runs prefill / mixed steps eagerly, the other modes capture both (lamina's own graphs)",
+                 f"a dict, its JSON or an optimisation level; cudagraph_mode one of {', '.join(CUDAGRAPH_MODES)}"),
     CompatOption("max_seq_len_to_capture", _any, "no effect: lamina's decode graphs do not depend on the "
                  "sequence length", "any length"),
     CompatOption("tokenizer_revision", _falsy, "no effect", "none (lamina reads the tokenizer of MODEL at "

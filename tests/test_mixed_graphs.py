@@ -256,3 +256,38 @@ def test_captured_mixed_graphs_equal_their_eager_replay(qwen3_5_moe_short_dir, m
     for (ids, lp), (eager_ids, eager_lp) in zip(graphed, eager):
         assert ids == eager_ids
         torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
+
+
+def test_vllm_cudagraph_mode_maps_to_the_graphs(monkeypatch):
+    """vLLM's compilation_config cudagraph_mode: NONE runs eagerly, FULL_DECODE_ONLY keeps the decode
+    graphs only, the other modes (and a level, or no mode) keep both; an unknown mode is refused before
+    any weight is read, from LLM() and from `lamina serve`'s flags."""
+    import argparse
+
+    from lamina import LLM
+    from lamina.entrypoints import llm as llm_module
+    from lamina.entrypoints.cli import engine_kwargs
+    from lamina.vllm_compat import cudagraph_overrides
+
+    assert cudagraph_overrides({"cudagraph_mode": "NONE"}) == {"enforce_eager": True}
+    assert cudagraph_overrides('{"cudagraph_mode": "full_decode_only"}') == {"prefill_graphs": False}
+    for value in ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, {"cudagraph_mode": "PIECEWISE"}, {"level": 3}, 3, "3",
+                  None, type("Config", (), {"cudagraph_mode": "FULL"})()):
+        assert cudagraph_overrides(value) == {}
+    with pytest.raises(ValueError, match="cudagraph_mode 'SOMETIMES' is not one of NONE, PIECEWISE"):
+        cudagraph_overrides({"cudagraph_mode": "sometimes"})
+    made = []
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda args: made.append(args))
+    LLM("/m", compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    LLM("/m", compilation_config={"cudagraph_mode": "NONE"})
+    LLM("/m", compilation_config={"level": 3})
+    assert [(a.enforce_eager, a.prefill_graphs) for a in made] == [(False, False), (True, True), (False, True)]
+    with pytest.raises(ValueError, match="compilation_config=.*is not supported; valid: .*cudagraph_mode one of"):
+        LLM("/m", compilation_config={"cudagraph_mode": "sometimes"})
+    assert len(made) == 3
+    serve_args = argparse.Namespace(compilation_config='{"cudagraph_mode": "FULL_DECODE_ONLY"}', tokenizer=None,
+                                    device="cpu", dtype="auto", max_model_len=None, max_num_seqs=None,
+                                    max_num_batched_tokens=None, block_size=16, seed=0, num_gpu_blocks_override=None,
+                                    gpu_memory_utilization=0.9, ple_table_device="auto", load_format="auto",
+                                    enforce_eager=False)
+    assert engine_kwargs(serve_args)["prefill_graphs"] is False

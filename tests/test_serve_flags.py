@@ -201,9 +201,11 @@ def test_vllm_only_options_accepted_where_they_ask_nothing(caplog):
         "--chat-template-content-format", "string", "--override-generation-config", '{"temperature": 0.5}'])
     with caplog.at_level(logging.INFO, logger="lamina.vllm_compat"):
         check_compat_args(args, None)
-    assert "--swap-space 4.0: no effect" in caplog.text and "--compilation-config 3: no effect" in caplog.text
+    assert "--swap-space 4.0: no effect" in caplog.text and "--compilation-config 3: lamina does not torch.compile" in caplog.text
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
     assert engine_kwargs(args)["override_generation_config"] == {"temperature": 0.5}
+    kwargs = engine_kwargs(args)  # -O 3: no cudagraph_mode, both kinds of graphs
+    assert kwargs["enforce_eager"] is False and kwargs["prefill_graphs"] is True
     for flags, named in ((["--enable-lora"], "--enable-lora is not supported; valid: false (lamina has no LoRA"),
                          (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8.0 is not supported; valid: 0"),
                          (["--enable-sleep-mode"], "--enable-sleep-mode is not supported"),

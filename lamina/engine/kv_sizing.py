@@ -60,7 +60,7 @@ class KVCacheSizing:
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
             mixed = 0  # the prefill / mixed steps' graphs: single rank, without MTP (lamina.worker.mixed_graphs)
-            if not args.enforce_eager and not k and self.parallel_config.is_single_rank:
+            if not args.enforce_eager and args.prefill_graphs and not k and self.parallel_config.is_single_rank:
                 from lamina.worker import mixed_graphs
 
                 if mixed_graphs.why_not_capturable(self.executor.runner.model) is None:

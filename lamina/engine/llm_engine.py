@@ -149,7 +149,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
 
                 self.cuda_graphs = self.executor.runner.capture_decode_graphs(
                     max_num_seqs, self.max_model_len, num_speculative_tokens=k,
-                    mixed_max_tokens=mixed_graph_max_tokens() if k == 0 else 0,
+                    mixed_max_tokens=mixed_graph_max_tokens() if k == 0 and args.prefill_graphs else 0,
                 )
             elif not args.enforce_eager and self.device.type == "cuda":
                 self._capture_multirank_graphs(max_num_seqs)

@@ -140,6 +140,9 @@ def parallel_kwargs(args: argparse.Namespace) -> dict:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    from lamina.vllm_compat import cudagraph_overrides
+
+    graphs = cudagraph_overrides(getattr(args, "compilation_config", None))  # vLLM's cudagraph_mode (lamina serve)
     return dict(
         tokenizer=args.tokenizer, skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None),
@@ -151,7 +154,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"), load_format=args.load_format,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager or graphs.get("enforce_eager", False),
+        prefill_graphs=graphs.get("prefill_graphs", True),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
         prefix_cache_min_tokens=getattr(args, "prefix_cache_min_tokens", 256),
         prefix_cache_junctions=getattr(args, "prefix_cache_junctions", True),

@@ -15,7 +15,7 @@ from lamina.inputs import PromptType
 from lamina.entrypoints.chat_messages import normalize_messages
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import RequestOutputKind, SamplingParams
-from lamina.vllm_compat import COMPAT_OPTIONS, check_compat_options
+from lamina.vllm_compat import COMPAT_OPTIONS, check_compat_options, cudagraph_overrides
 
 
 class LLM:
@@ -41,7 +41,8 @@ class LLM:
     later prompts (off unless asked: lamina.engine.prefix_cache; a dict prompt's `cache_salt` keeps
     requests with different salts apart); also taken are
     vLLM's options for what lamina does not have (`swap_space`, `compilation_config`, `enable_lora`,
-    ...: lamina.vllm_compat), where they ask for nothing lamina lacks.
+    ...: lamina.vllm_compat), where they ask for nothing lamina lacks; of `compilation_config` its
+    `cudagraph_mode` is honoured (NONE: `enforce_eager`; FULL_DECODE_ONLY: `prefill_graphs=False`).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -50,7 +51,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; valid: {', '.join(sorted(fields))}, and "
                             f"vLLM's {', '.join(sorted(COMPAT_OPTIONS))} (lamina.vllm_compat)")
-        check_compat_options({name: kwargs.pop(name) for name in list(kwargs) if name in COMPAT_OPTIONS})
+        compat = {name: kwargs.pop(name) for name in list(kwargs) if name in COMPAT_OPTIONS}
+        check_compat_options(compat)
+        kwargs.update(cudagraph_overrides(compat.get("compilation_config")))  # vLLM's cudagraph_mode
         args = EngineArgs(model=None if model is None else str(model), **kwargs)
         self.llm_engine: LLMEngine | None = LLMEngine(args)
 

@@ -131,7 +131,8 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     graphs = not engine_args.enforce_eager
     hint = state_dtype_hint(ssm_state_dtype, kv_cache_dtype)  # (a GPU of FP8's generation assumed)
     single_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size * engine_args.data_parallel_size == 1
-    prefill_graphs = graphs and not k and single_rank and estimate.get("prefill_graphs_blocked_by") is None
+    prefill_graphs = (graphs and engine_args.prefill_graphs and not k and single_rank
+                      and estimate.get("prefill_graphs_blocked_by") is None)
     mixed = mixed_graph_max_tokens() if prefill_graphs else 0  # their pool (lamina.worker.mixed_graphs)
     try:
         plan = plan_gpu_memory(
