@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1329,17 +1329,21 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
-    s43d)  # session 43's unrun checks (an H200: 256 sequences' states and a 262k sequence must fit): the graphs' GPU
-      # tests on the final code, then batch-1 decode at the preset's 262k max_model_len and 256 sequences (the
-      # default; 33.5 MB of block tables), .baseline (git archive 8ef4a90: whole-buffer uploads) against this
-      # tree, alternating, one process each
+    s44t)  # session 43's unrun checks on the final code: the graphs' GPU tests (mixed, engine) and the short-chunk delta
+      # rule at real width (its new 512-token case), then s43c's 512 / 1,024-token chunks
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_gpu_engine.py -m gpu \
-        > $OUT/s43d_tests.txt 2>&1; tail -2 $OUT/s43d_tests.txt; grep -E "^(E  |FAILED)" $OUT/s43d_tests.txt | head -8
+        > $OUT/s44t_tests.txt 2>&1; tail -2 $OUT/s44t_tests.txt; grep -E "^(E  |FAILED)" $OUT/s44t_tests.txt | head -8
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gdn_varlen.py -m gpu -k real_width \
+        > $OUT/s44t_width.txt 2>&1; tail -2 $OUT/s44t_width.txt; grep -E "^(E  |FAILED)" $OUT/s44t_width.txt | head -8 ;;
+    s43d)  # session 43's upload fix: batch-1 decode at 256 sequences and a 262k max_model_len (the real model's context,
+      # laid over the preset's 32k; 256 table rows of 16,384 entries: 16.8 MB a step before the fix), FP8 experts so
+      # that 256 states fit an 80 GB card too; .baseline (git archive 8ef4a90: whole-buffer uploads) against this
+      # tree, alternating, one process each
+      C="--batch-size 1 --input-len 128 --output-len 64 --max-num-seqs 256 --max-model-len 262144 --quantization fp8"
       for i in 1 2; do
-        (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 \
-          --max-num-seqs 256 --max-model-len 262144 --output-json /tmp/s43d_base_$i.json 2>&1 | tail -1)
-        timeout 90 $L --batch-size 1 --input-len 128 --output-len 64 --max-num-seqs 256 --max-model-len 262144 \
-          --output-json /tmp/s43d_new_$i.json 2>&1 | tail -1
+        (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout 120 $L $C --hf-overrides '{"max_position_embeddings": 262144}' \
+          --output-json /tmp/s43d_base_$i.json 2>&1 | tail -1)
+        timeout 120 $L $C --hf-overrides '{"max_position_embeddings": 262144}' --output-json /tmp/s43d_new_$i.json 2>&1 | tail -1
       done
       merge_latency s43d ;;
     s43c)  # session 43: chunks of 512 / 1,024 tokens: the short-chunk delta rule in graphs against eager, and fla against
