@@ -124,15 +124,20 @@ def main() -> None:
             layer.short_prefill_tokens = default
         captured = sorted(graphs.graphs) if graphs is not None else []
         capture_s = graphs.capture_seconds if graphs is not None else 0.0
+        # each shape's capture in order: the engine's warm-up's first (Triton compiles included),
+        # then those first met by the timed steps (what a new shape costs mid-serving)
+        capture_ms = {f"{t}x{r}": round(ms, 1) for (t, r), ms in graphs.capture_ms.items()} if graphs is not None else {}
         if captured:
-            print(f"{len(captured)} shapes captured in {capture_s:.2f} s", flush=True)
+            print(f"{len(captured)} shapes captured in {capture_s:.2f} s: " +
+                  ", ".join(f"{k} {v:.0f} ms" for k, v in capture_ms.items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python benchmarks/bench_short_prefill.py " + " ".join(sys.argv[1:]),
                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
                        "default_short_prefill_tokens": default, "compare": args.compare,
-                       "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s, "records": records}, f,
+                       "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s,
+                       "mixed_graph_capture_ms": capture_ms, "records": records}, f,
                       indent=1)
 
 

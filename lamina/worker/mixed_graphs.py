@@ -164,6 +164,7 @@ class MixedGraphs:
         self.stream = (stream or torch.cuda.Stream(device)) if device.type == "cuda" else None
         self.captures = 0  # shapes captured (tests, logs)
         self.capture_seconds = 0.0  # host time spent capturing them (warm-ups included)
+        self.capture_ms: dict[tuple[int, int], float] = {}  # each shape's, in capture order (a stall of every request)
         self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: their steps run eagerly
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -315,6 +316,7 @@ class MixedGraphs:
         self.captures += 1
         took = time.perf_counter() - start
         self.capture_seconds += took
+        self.capture_ms[shape] = took * 1e3
         logger.info("captured the prefill / mixed step graph of %d tokens and %d requests in %.0f ms", *shape, took * 1e3)
 
     # ---- replay ------------------------------------------------------------------------------
