@@ -79,6 +79,13 @@ class EngineArgs:
     # CUDA graphs of short prefill and mixed steps too (lamina.worker.mixed_graphs; LAMINA_MIXED_GRAPHS sets
     # their size); vLLM's compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"} turns them off
     prefill_graphs: bool = True
+    # vLLM's compilation_config keys (the same names): the step sizes, in tokens, that replay a CUDA graph.
+    # A decode step of B requests of Q tokens (Q = 1, or K + 1 under MTP) replays the graph of the
+    # smallest size S with S // Q >= B; larger steps run eagerly. None: 1, 2, 4, 8, 16, 24, ... up to
+    # max_num_seqs requests (lamina.worker.cuda_graphs.graph_sizes), or up to max_cudagraph_capture_size
+    # tokens when only that is given, which also caps the prefill / mixed graphs' tokens.
+    cudagraph_capture_sizes: tuple[int, ...] | list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
     # vLLM's name: plan and launch step N+1 while step N runs (lamina.engine.async_scheduling).
     # None: on for a single-rank CUDA engine, with or without speculative decoding (MTP).
     async_scheduling: bool | None = None
@@ -166,10 +173,11 @@ class EngineArgs:
             raise ValueError(f"hf_overrides must be a dict of config.json keys (nested dicts are merged), got "
                              f"{type(self.hf_overrides).__name__}: {self.hf_overrides!r}")
         for name in ("max_num_seqs", "default_max_num_seqs", "max_num_batched_tokens",
-                     "num_gpu_blocks_override"):
+                     "num_gpu_blocks_override", "max_cudagraph_capture_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.cudagraph_capture_sizes = check_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size)
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 (no limit below the vocabulary), "
                              f"got {self.max_logprobs!r}")
@@ -181,6 +189,26 @@ class EngineArgs:
         from lamina.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises on a malformed config
+
+
+def check_capture_sizes(sizes, max_size) -> tuple[int, ...] | None:
+    """vLLM's cudagraph_capture_sizes as a sorted tuple of distinct positive ints (None stays None);
+    ValueError for anything else, or for a max_cudagraph_capture_size other than the largest size
+    when both are given (vLLM's rule)."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"cudagraph_capture_sizes must be a list of positive token counts, got {sizes!r}")
+    sizes = list(sizes)
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
+    if bad or not sizes:
+        raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive token counts, got {sizes!r}"
+                         + (f" ({bad[0]!r} is not one)" if bad else ""))
+    sizes = tuple(sorted(set(sizes)))
+    if max_size is not None and max_size != sizes[-1]:
+        raise ValueError(f"max_cudagraph_capture_size = {max_size!r} differs from the largest of cudagraph_capture_sizes "
+                         f"({sizes[-1]}): give one of them, or make them agree")
+    return sizes
 
 
 def _keyword(name: str, value) -> str:

@@ -90,20 +90,31 @@ def _cudagraph_mode_known(value: Any) -> bool:
     return mode is None or mode in CUDAGRAPH_MODES
 
 
-def cudagraph_overrides(compilation_config: Any) -> dict[str, bool]:
-    """The engine arguments vLLM's `compilation_config` asks for through its cudagraph_mode: NONE ->
-    enforce_eager; FULL_DECODE_ONLY -> prefill_graphs off; anything else (or none given) -> nothing.
+# vLLM's CompilationConfig keys lamina takes as EngineArgs fields of the same name (in tokens)
+CAPTURE_SIZE_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def cudagraph_overrides(compilation_config: Any) -> dict[str, Any]:
+    """The engine arguments vLLM's `compilation_config` asks for: through its cudagraph_mode, NONE ->
+    enforce_eager and FULL_DECODE_ONLY -> prefill_graphs off (other modes, or none, -> nothing);
+    its cudagraph_capture_sizes / max_cudagraph_capture_size where given (EngineArgs checks them).
     ValueError for a mode vLLM does not have."""
     if compilation_config is None:
         return {}
     mode = _mode_of(compilation_config)
     if mode is not None and mode not in CUDAGRAPH_MODES:
         raise ValueError(f"compilation_config cudagraph_mode {mode!r} is not one of {', '.join(CUDAGRAPH_MODES)}")
+    overrides: dict[str, Any] = {}
     if mode == "NONE":
-        return {"enforce_eager": True}
-    if mode == "FULL_DECODE_ONLY":
-        return {"prefill_graphs": False}
-    return {}
+        overrides["enforce_eager"] = True
+    elif mode == "FULL_DECODE_ONLY":
+        overrides["prefill_graphs"] = False
+    config = compilation_config if hasattr(compilation_config, "cudagraph_mode") else _compilation_config(compilation_config)
+    for key in CAPTURE_SIZE_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if value is not None:
+            overrides[key] = value
+    return overrides
 
 
 COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
@@ -113,8 +124,10 @@ COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
     CompatOption("disable_custom_all_reduce", _any, "no effect: lamina's all-reduces are torch.distributed's",
                  "true or false"),
     CompatOption("compilation_config", _cudagraph_mode_known, "lamina does not torch.compile; of the config it "
-                 "reads only cudagraph_mode: NONE runs eagerly (enforce_eager), FULL_DECODE_ONLY keeps the decode "
-                 "graphs and runs prefill / mixed steps eagerly, the other modes capture both (lamina's own graphs)",
+                 "reads cudagraph_mode: NONE runs eagerly (enforce_eager), FULL_DECODE_ONLY keeps the decode "
+                 "graphs and runs prefill / mixed steps eagerly, the other modes capture both (lamina's own graphs); "
+                 "and cudagraph_capture_sizes / max_cudagraph_capture_size: which decode steps replay a graph "
+                 "(EngineArgs fields of the same names)",
                  f"a dict, its JSON or an optimisation level; cudagraph_mode one of {', '.join(CUDAGRAPH_MODES)}"),
     CompatOption("max_seq_len_to_capture", _any, "no effect: lamina's decode graphs do not depend on the "
                  "sequence length", "any length"),

@@ -150,6 +150,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
                 self.cuda_graphs = self.executor.runner.capture_decode_graphs(
                     max_num_seqs, self.max_model_len, num_speculative_tokens=k,
                     mixed_max_tokens=mixed_graph_max_tokens() if k == 0 and args.prefill_graphs else 0,
+                    capture_sizes=args.cudagraph_capture_sizes, max_capture_size=args.max_cudagraph_capture_size,
                 )
             elif not args.enforce_eager and self.device.type == "cuda":
                 self._capture_multirank_graphs(max_num_seqs)
@@ -221,7 +222,9 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
             logger.info("decode steps run eagerly (no CUDA graphs): %s", self.no_graphs_reason)
             return
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
-        per_rank = self.executor.capture_decode_graphs(max_num_seqs, self.max_model_len, num_speculative_tokens=k)
+        per_rank = self.executor.capture_decode_graphs(
+            max_num_seqs, self.max_model_len, num_speculative_tokens=k,
+            capture_sizes=self.args.cudagraph_capture_sizes, max_capture_size=self.args.max_cudagraph_capture_size)
         self.cuda_graphs = all(ok for ok, _ in per_rank)
         if not self.cuda_graphs:
             self.no_graphs_reason = "; ".join(f"rank {r}: {why}" for r, (ok, why) in enumerate(per_rank) if not ok)

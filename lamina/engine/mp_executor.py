@@ -232,12 +232,14 @@ class MultiprocExecutor:
         self._call(("allocate", num_blocks, block_size, num_slots), "allocated")
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0,
-                              static_off_cuda: bool = False) -> list:
+                              static_off_cuda: bool = False, capture_sizes: tuple[int, ...] | None = None,
+                              max_capture_size: int | None = None) -> list:
         """Every rank captures its decode graphs (`ModelRunner.capture_decode_graphs`; with MTP the
         verification graphs of K = `num_speculative_tokens`); returns each rank's (captured, why not).
         Ranks keep their graphs only when all captured. `static_off_cuda` (tests on the CPU): the
         graphs' static buffers run eagerly."""
-        return self._call(("capture", max_batch, max_model_len, num_speculative_tokens, static_off_cuda), "captured")
+        return self._call(("capture", max_batch, max_model_len, num_speculative_tokens, static_off_cuda,
+                           capture_sizes, max_capture_size), "captured")
 
     def graph_replays(self) -> list[int]:
         """Each rank's count of decode steps replayed from its graphs."""

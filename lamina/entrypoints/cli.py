@@ -156,6 +156,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=getattr(args, "quantization", None), hf_overrides=getattr(args, "hf_overrides", None),
         enforce_eager=args.enforce_eager or graphs.get("enforce_eager", False),
         prefill_graphs=graphs.get("prefill_graphs", True),
+        cudagraph_capture_sizes=graphs.get("cudagraph_capture_sizes"),
+        max_cudagraph_capture_size=graphs.get("max_cudagraph_capture_size"),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
         prefix_cache_min_tokens=getattr(args, "prefix_cache_min_tokens", 256),
         prefix_cache_junctions=getattr(args, "prefix_cache_junctions", True),

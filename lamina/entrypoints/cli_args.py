@@ -7,6 +7,8 @@
   `--hf-overrides '{"rope_parameters": {"rope_type": "yarn"}}'`; a value is read as JSON when it
   parses (`2`, `true`, `[1, 2]`), else taken as a string; `--json-arg.key+ value` appends to a list
   (`value` may hold several, comma-separated). Several of them, and a whole-JSON form, merge.
+  `--compilation-config` (vLLM's `-O`) takes them too (`-O.cudagraph_mode FULL_DECODE_ONLY`,
+  `-O.max_cudagraph_capture_size 64`); an optimisation level (`-O3`) adds nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-# the options that take a JSON object
-JSON_OPTIONS = ("--hf-overrides", "--speculative-config", "--override-generation-config")
+# the options that take a JSON object (--compilation-config also an optimisation level: -O3, -O 3)
+JSON_OPTIONS = ("--hf-overrides", "--speculative-config", "--override-generation-config", "--compilation-config")
 
 
 def expand_argv(argv: list[str], boolean_flags: dict[str, bool]) -> list[str]:
@@ -86,7 +88,7 @@ def _merge_json_options(argv: list[str]) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(argv):
-        token = argv[i]
+        token = _long_compilation_config(argv[i])
         option = next((o for o in JSON_OPTIONS if token == o or token.startswith((o + ".", o + "="))), None)
         if option is None:
             out.append(token)
@@ -103,6 +105,8 @@ def _merge_json_options(argv: list[str]) -> list[str]:
         if option not in first_at:
             first_at[option] = len(out)
             out.append(option)  # placeholder: the merged JSON goes after it
+        if name == option and option == "--compilation-config" and _optimisation_level(value_text):
+            continue  # -O3: nothing lamina reads (lamina does not torch.compile)
         if name == option:  # the whole object
             try:
                 value = json.loads(value_text)
@@ -131,6 +135,21 @@ def _merge_json_options(argv: list[str]) -> list[str]:
     for option, at in sorted(first_at.items(), key=lambda kv: -kv[1]):
         out.insert(at + 1, json.dumps(merged[option]))
     return out
+
+
+def _long_compilation_config(token: str) -> str:
+    """vLLM's short form of --compilation-config: `-O3`, `-O 3`, `-O '{...}'`, `-O.key value`, `-O.key=value`."""
+    if not token.startswith("-O") or token.startswith("--"):
+        return token
+    rest = token[2:]
+    if rest == "" or rest.startswith((".", "=")):
+        return "--compilation-config" + rest
+    return "--compilation-config=" + rest  # -O3
+
+
+def _optimisation_level(text: str) -> bool:
+    """vLLM's -O levels: 0-3, also spelt O3."""
+    return text.strip().removeprefix("O").isdigit()
 
 
 def _deep_update(target: dict, value: dict) -> None:

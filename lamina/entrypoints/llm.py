@@ -42,7 +42,8 @@ class LLM:
     requests with different salts apart); also taken are
     vLLM's options for what lamina does not have (`swap_space`, `compilation_config`, `enable_lora`,
     ...: lamina.vllm_compat), where they ask for nothing lamina lacks; of `compilation_config` its
-    `cudagraph_mode` is honoured (NONE: `enforce_eager`; FULL_DECODE_ONLY: `prefill_graphs=False`).
+    `cudagraph_mode` is honoured (NONE: `enforce_eager`; FULL_DECODE_ONLY: `prefill_graphs=False`), and
+    its `cudagraph_capture_sizes` / `max_cudagraph_capture_size` (EngineArgs fields of the same names).
     """
 
     def __init__(self, model: str | None = None, **kwargs):

@@ -137,7 +137,7 @@ class ModelRunner:
 
     def capture_decode_graphs(
         self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0, static_off_cuda: bool = False,
-        mixed_max_tokens: int = 0,
+        mixed_max_tokens: int = 0, capture_sizes: tuple[int, ...] | None = None, max_capture_size: int | None = None,
     ) -> bool:
         """Capture CUDA graphs of decode steps for padded batch sizes up to `max_batch` (single-rank
         CUDA runs whose decode kernels are graph-safe): one-token steps without MTP; with MTP the
@@ -146,10 +146,13 @@ class ModelRunner:
         (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly.
         `mixed_max_tokens` > 0 (single rank, without MTP): short prefill and mixed steps of up to
         that many tokens run from graphs too, each shape captured when first needed
-        (lamina.worker.mixed_graphs)."""
+        (lamina.worker.mixed_graphs). `capture_sizes` / `max_capture_size`: vLLM's
+        cudagraph_capture_sizes / max_cudagraph_capture_size, in tokens (EngineArgs): which sizes
+        (`cuda_graphs.graph_sizes`), and a cap on the mixed graphs' tokens."""
         from lamina.worker import cuda_graphs
 
-        self.no_graphs_reason = None
+        self.no_graphs_reason = self.no_mixed_graphs_reason = None
+        self.decode_graphs = self.verify_graphs = self.mixed_graphs = None  # a capture replaces what was there
         if self.device.type != "cuda" and not static_off_cuda:
             self.no_graphs_reason = f"CUDA graphs need a CUDA device, not {self.device}"
             return False
@@ -168,6 +171,7 @@ class ModelRunner:
             graphs = VerifyGraphs(
                 self.model, device=self.device, max_batch=max_batch, num_speculative_tokens=num_speculative_tokens,
                 block_size=self.block_size, max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
+                capture_sizes=capture_sizes, max_capture_size=max_capture_size,
             )
             try:
                 graphs.capture()
@@ -180,12 +184,25 @@ class ModelRunner:
                 ) from error
             self.verify_graphs = graphs
             return True
+        sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)
+        if not sizes:
+            self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} "
+                                     f"holds between 1 and max_num_seqs = {max_batch} requests")
+            logger.info("decode steps run eagerly: %s", self.no_graphs_reason)
+            return False
         graphs = cuda_graphs.DecodeGraphs(
-            self.model, device=self.device, max_batch=max_batch, block_size=self.block_size,
+            self.model, device=self.device, max_batch=sizes[-1], block_size=self.block_size,
             max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
         )
-        graphs.capture(cuda_graphs.capture_sizes(max_batch))
+        graphs.capture(sizes)
         self.decode_graphs = graphs
+        limit = cuda_graphs.graph_token_limit(capture_sizes, max_capture_size)
+        if limit is not None and mixed_max_tokens > limit:  # vLLM's cap on any graph's tokens
+            from lamina.worker.mixed_graphs import MIN_TOKENS
+
+            mixed_max_tokens = 1 << (limit.bit_length() - 1) if limit >= MIN_TOKENS else 0  # a bucket within it
+            if not mixed_max_tokens:
+                self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {MIN_TOKENS}"
         if mixed_max_tokens > 0:
             self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, graphs)
         return True

@@ -34,7 +34,7 @@ import torch
 from lamina.kernels.pending_fill import fill_pending_reference
 from lamina.layers.metadata import ForwardMetadata, StateCapture
 from lamina.layers.spec_state import CaptureBuffers
-from lamina.worker.cuda_graphs import capture_sizes
+from lamina.worker.cuda_graphs import graph_sizes
 from lamina.worker.pending_step import PreviousVerify
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ def verify_buffer_bytes(model, max_batch: int, num_speculative_tokens: int) -> i
 class VerifyGraphs:
     def __init__(
         self, model, *, device: torch.device, max_batch: int, num_speculative_tokens: int, block_size: int,
-        max_blocks_per_seq: int, spare_state_slot: int,
+        max_blocks_per_seq: int, spare_state_slot: int, capture_sizes: tuple[int, ...] | None = None,
+        max_capture_size: int | None = None,
     ):
         from lamina.kernels.selection import MAX_DECODE_QUERY_LEN, kernel_set, pending_fill_kernels
 
@@ -88,6 +89,7 @@ class VerifyGraphs:
             fill = fill_pending_reference
         self._fill = fill
         self.spare_state_slot = spare_state_slot
+        self.capture_sizes, self.max_capture_size = capture_sizes, max_capture_size  # vLLM's, in tokens (graph_sizes)
         self.max_tokens = max(max_batch, self.verify_batch * self.max_queries)
         # Flat layout: per-token fields (max_tokens each), per-request fields (max_batch each), tables.
         self._requests_at = len(_TOKEN_FIELDS) * self.max_tokens
@@ -166,7 +168,7 @@ class VerifyGraphs:
     # ---- capture -----------------------------------------------------------------------------
     def sizes(self, queries: int) -> list[int]:
         batch = self.max_batch if queries == 1 else self.verify_batch
-        return capture_sizes(batch) if batch > 0 else []
+        return graph_sizes(batch, queries, self.capture_sizes, self.max_capture_size) if batch > 0 else []
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -175,6 +177,10 @@ class VerifyGraphs:
         eagerly, so packing, padding and the persistent outputs are tested without a GPU."""
         keys = sorted(((q, s) for q in range(1, self.max_queries + 1) for s in self.sizes(q)),
                       key=lambda qs: (qs[0] * qs[1], qs[0]), reverse=True)
+        if not keys:  # no capture size holds a request (vLLM's cudagraph_capture_sizes): every step runs eagerly
+            logger.info("MTP graphs: none captured (no capture size holds a step of Q = 1..%d tokens a request)",
+                        self.max_queries)
+            return
         if self.device.type != "cuda":
             self._fill_padding(keys[0][0], 0, keys[0][1])
             self.inputs.copy_(self.host)

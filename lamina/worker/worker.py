@@ -171,9 +171,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 if rank == 0:
                     conn.send(("allocated", None))
             elif kind == "capture":  # decode graphs on every rank, in step with the others (lamina.worker.cuda_graphs)
-                _, max_batch, max_model_len, num_speculative_tokens, static_off_cuda = command
+                _, max_batch, max_model_len, num_speculative_tokens, static_off_cuda, sizes, max_size = command
                 captured = runner.capture_decode_graphs(max_batch, max_model_len, num_speculative_tokens=num_speculative_tokens,
-                                                        static_off_cuda=static_off_cuda)
+                                                        static_off_cuda=static_off_cuda, capture_sizes=sizes,
+                                                        max_capture_size=max_size)
                 per_rank = pdist.gather_objects((captured, runner.no_graphs_reason), groups)  # on rank 0
                 every_rank = pdist.broadcast_object(all(ok for ok, _ in per_rank) if rank == 0 else None, groups)
                 if not every_rank:
