@@ -1330,11 +1330,13 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
     s44t)  # session 43's unrun checks on the final code: the graphs' GPU tests (mixed, engine) and the short-chunk delta
-      # rule at real width (its new 512-token case), then s43c's 512 / 1,024-token chunks
+      # rule at real width (its new 512-token case); session 44's capture sizes with graphs captured
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_gpu_engine.py -m gpu \
         > $OUT/s44t_tests.txt 2>&1; tail -2 $OUT/s44t_tests.txt; grep -E "^(E  |FAILED)" $OUT/s44t_tests.txt | head -8
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gdn_varlen.py -m gpu -k real_width \
-        > $OUT/s44t_width.txt 2>&1; tail -2 $OUT/s44t_width.txt; grep -E "^(E  |FAILED)" $OUT/s44t_width.txt | head -8 ;;
+        > $OUT/s44t_width.txt 2>&1; tail -2 $OUT/s44t_width.txt; grep -E "^(E  |FAILED)" $OUT/s44t_width.txt | head -8
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_capture_sizes.py \
+        > $OUT/s44t_sizes.txt 2>&1; tail -2 $OUT/s44t_sizes.txt; grep -E "^(E  |FAILED)" $OUT/s44t_sizes.txt | head -8 ;;
     s43d)  # session 43's upload fix: batch-1 decode at 256 sequences and a 262k max_model_len (the real model's context,
       # laid over the preset's 32k; 256 table rows of 16,384 entries: 16.8 MB a step before the fix), FP8 experts so
       # that 256 states fit an 80 GB card too; .baseline (git archive 8ef4a90: whole-buffer uploads) against this

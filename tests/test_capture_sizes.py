@@ -3,7 +3,7 @@ decode and MTP verification steps replay a CUDA graph, and the cap on the prefil
 tokens (lamina.worker.cuda_graphs.graph_sizes). Larger steps run eagerly, with the same results.
 
 On the CPU the graphs' static buffers run eagerly on the Triton kernels under Triton's interpreter
-(`static_off_cuda`), as in tests/test_mixed_graphs.py.
+(`static_off_cuda`), as in tests/test_mixed_graphs.py; on a GPU they are captured.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from lamina.config import EngineArgs  # noqa: E402
 from lamina.entrypoints.cli_args import expand_argv  # noqa: E402
 from lamina.vllm_compat import cudagraph_overrides  # noqa: E402
 from lamina.worker.cuda_graphs import capture_sizes, graph_sizes, graph_token_limit  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the graphs are captured
 
 
 def test_sizes_count_tokens_as_vllm_does():
@@ -101,7 +103,7 @@ def _decode(path, monkeypatch, *, graphs: bool, **capture):
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     prompts = [[5, 17, 300], [9] * 6, list(range(40, 49))]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (3, 5, 7)]
-    with LLM(str(path), device="cpu", dtype="float32", show_progress=False, enforce_eager=True, max_num_seqs=4) as llm:
+    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True, max_num_seqs=4) as llm:
         runner = llm.engine.executor.runner
         sizes = []
         if graphs:
@@ -132,13 +134,13 @@ def test_sizes_shape_the_verify_and_mixed_graphs(mtp_short_dir, qwen3_5_moe_shor
 
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    with LLM(str(mtp_short_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True,
+    with LLM(str(mtp_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
              max_num_seqs=4, speculative_config=spec) as llm:
         runner = llm.engine.executor.runner
         assert runner.capture_decode_graphs(4, llm.engine.max_model_len, num_speculative_tokens=1, static_off_cuda=True,
                                             capture_sizes=(2, 4))
         assert sorted(runner.verify_graphs.graphs) == [(1, 2), (1, 4), (2, 1), (2, 2)]
-    with LLM(str(qwen3_5_moe_short_dir), device="cpu", dtype="float32", show_progress=False, enforce_eager=True,
+    with LLM(str(qwen3_5_moe_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
              max_num_seqs=4) as llm:
         runner = llm.engine.executor.runner
         for max_size, mixed in ((20, 16), (8, None)):
