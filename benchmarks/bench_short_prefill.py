@@ -6,6 +6,7 @@ same steps run eagerly, both on the short path.
 
     python benchmarks/bench_short_prefill.py --input-len 16,32,64,128,256 --rounds 5 --out short_prefill.json
     python benchmarks/bench_short_prefill.py --compare graphs --input-len 16,128,256 --out mixed_graphs.json
+    python benchmarks/bench_short_prefill.py --compare alone --input-len 384,512 --out short_alone.json
 
 One engine (the preset's dummy weights, prefix caching off) is loaded and warmed once; the path is
 switched by setting every delta-net layer's `short_prefill_tokens` (what LAMINA_GDN_SHORT_PREFILL
@@ -37,8 +38,10 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--compare", choices=("short", "graphs"), default="short",
-                    help="short: fla against the short-chunk path; graphs: eager against the mixed steps' graphs")
+    ap.add_argument("--compare", choices=("short", "graphs", "alone"), default="short",
+                    help="short: fla against the short-chunk path; graphs: eager against the mixed steps' graphs; "
+                         "alone: the short-chunk limit of every step (LAMINA_GDN_SHORT_PREFILL_ALONE=0) against "
+                         "the longer one of small steps (the default)")
     args = ap.parse_args()
 
     import torch
@@ -56,12 +59,12 @@ def main() -> None:
         engine = llm.engine
         runner = engine.executor.runner
         layers = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
-        default = layers[0].short_prefill_tokens
+        default, default_alone = layers[0].short_prefill_tokens, layers[0].short_prefill_alone_tokens
         graphs = runner.mixed_graphs
         if args.compare == "graphs" and graphs is None:
             raise SystemExit(f"no mixed-step graphs: {runner.no_mixed_graphs_reason or 'not captured (enforce_eager?)'}")
-        runner.mixed_graphs = None if args.compare == "short" else graphs
-        names = ("fla", "short") if args.compare == "short" else ("eager", "graphs")
+        runner.mixed_graphs = graphs if args.compare == "graphs" else None
+        names = {"short": ("fla", "short"), "graphs": ("eager", "graphs"), "alone": ("fixed", "alone")}[args.compare]
         vocab = min(engine.model_config.vocab_size, 200_000)
 
         def fresh(n: int) -> list[int]:
@@ -104,7 +107,11 @@ def main() -> None:
                 runner.mixed_graphs = graphs if second else None
                 return
             for layer in layers:
+                if args.compare == "alone":  # the step-following limit off, then on (the model's own)
+                    layer.short_prefill_alone_tokens = default_alone if second else 0
+                    continue
                 layer.short_prefill_tokens = 1 << 30 if second else 0
+                layer.short_prefill_alone_tokens = 0
 
         for n in lengths:
             samples: dict[str, list[float]] = {f"{name}_{kind}": [] for kind in ("ttft", "mixed") for name in names}
@@ -121,7 +128,7 @@ def main() -> None:
             print(f"input {n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in summary.items()), flush=True)
             records.append({"input_len": n, "ms": samples, "median_ms": summary})
         for layer in layers:
-            layer.short_prefill_tokens = default
+            layer.short_prefill_tokens, layer.short_prefill_alone_tokens = default, default_alone
         captured = sorted(graphs.graphs) if graphs is not None else []
         capture_s = graphs.capture_seconds if graphs is not None else 0.0
         # each shape's capture in order: the engine's warm-up's first (Triton compiles included),
@@ -135,7 +142,8 @@ def main() -> None:
             json.dump({"command": "python benchmarks/bench_short_prefill.py " + " ".join(sys.argv[1:]),
                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
-                       "default_short_prefill_tokens": default, "compare": args.compare,
+                       "default_short_prefill_tokens": default,
+                       "default_short_prefill_alone_tokens": default_alone, "compare": args.compare,
                        "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s,
                        "mixed_graph_capture_ms": capture_ms, "records": records}, f,
                       indent=1)

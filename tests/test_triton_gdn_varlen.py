@@ -105,13 +105,60 @@ def test_short_prefill_at_real_width(lens):
 
 
 def test_selection_reads_the_switch(monkeypatch):
-    from lamina.kernels.selection import gdn_short_prefill_max_tokens
+    from lamina.kernels.selection import gdn_short_prefill_alone_tokens, gdn_short_prefill_max_tokens
 
     monkeypatch.delenv("LAMINA_GDN_SHORT_PREFILL", raising=False)
+    monkeypatch.delenv("LAMINA_GDN_SHORT_PREFILL_ALONE", raising=False)
     assert gdn_short_prefill_max_tokens("triton") == 256 and gdn_short_prefill_max_tokens("reference") == 0
-    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", "0")
-    assert gdn_short_prefill_max_tokens("triton") == 0
-    for bad in ("-1", "many"):
-        monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", bad)
-        with pytest.raises(ValueError, match="LAMINA_GDN_SHORT_PREFILL"):
-            gdn_short_prefill_max_tokens("triton")
+    assert gdn_short_prefill_alone_tokens("triton") == 512 and gdn_short_prefill_alone_tokens("reference") == 0
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL_ALONE", "0")
+    assert gdn_short_prefill_alone_tokens("triton") == 0
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL_ALONE", "1024")
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", "0")  # the short path off: both limits
+    assert gdn_short_prefill_max_tokens("triton") == 0 and gdn_short_prefill_alone_tokens("triton") == 0
+    for name in ("LAMINA_GDN_SHORT_PREFILL", "LAMINA_GDN_SHORT_PREFILL_ALONE"):
+        for bad in ("-1", "many"):
+            monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", "256")
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=name):
+                gdn_short_prefill_alone_tokens("triton")
+        monkeypatch.setenv(name, "256")
+
+
+def test_small_steps_run_longer_chunks_token_by_token(qwen3_5_moe_short_dir, monkeypatch):
+    """LAMINA_GDN_SHORT_PREFILL=4, _ALONE=8: a 7-token prompt alone (a step of 7 <= 16 tokens)
+    runs the short-chunk kernel, three of them in one step (21 tokens) the other prefill path (the
+    reference on the CPU), and 4-token chunks the short-chunk kernel in either; every run gives the
+    reference kernels' tokens and logprobs."""
+    from lamina import LLM, SamplingParams
+    from lamina.kernels import triton_gdn_varlen
+
+    calls = []
+    real = triton_gdn_varlen.gated_delta_rule_short_prefill
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])  # the step's tokens
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_gdn_varlen, "gated_delta_rule_short_prefill", counting)
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL", "4")
+    monkeypatch.setenv("LAMINA_GDN_SHORT_PREFILL_ALONE", "8")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
+
+    def run(kernels, prompts):
+        monkeypatch.setenv("LAMINA_KERNELS", kernels)
+        with LLM(str(qwen3_5_moe_short_dir), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True,
+                 max_num_seqs=4) as llm:
+            calls.clear()  # (on CUDA the engine's warm-up ran prompts too)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
+
+    for prompts, short_steps in (([list(range(30, 37))], [7]), ([list(range(30, 37)), [5] * 7, [9] * 7], []),
+                                 ([[1, 2, 3, 4], [6, 7, 8, 9], [3] * 4, [8] * 3], [15])):
+        ref = run("reference", prompts)
+        ours = run("triton", prompts)
+        assert sorted(set(calls)) == short_steps, calls  # the prompt step's tokens, once per delta-net layer
+        assert len(calls) == 2 * len(short_steps), calls  # two delta-net layers (tc.SHORT_LAYER_TYPES)
+        for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+            assert ids == ref_ids
+            torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)

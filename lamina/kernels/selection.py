@@ -179,6 +179,20 @@ def gdn_short_prefill_max_tokens(kernels: str) -> int:
     return tokens if kernels == "triton" else 0
 
 
+def gdn_short_prefill_alone_tokens(kernels: str) -> int:
+    """The short-chunk delta rule's longer limit for small steps: a step of at most twice this many
+    tokens (one prompt chunk with some decodes, or two) takes its chunks of up to this many tokens
+    token by token too; larger steps keep `gdn_short_prefill_max_tokens`. `LAMINA_GDN_SHORT_PREFILL_ALONE`
+    = that many tokens (0: off; off with LAMINA_GDN_SHORT_PREFILL=0); default 512. On an H100 (session
+    44, benchmarks/results/short_prefill_long_h100_s44.json, throughput_short_limit_512_ab_h100_s44.json):
+    one 512-token prompt's TTFT was 51-55 ms token by token against fla-core's 84-101, while a limit of
+    512 for every step cost offline throughput of 512-token prompts 12% (steps of sixteen such chunks).
+    Read at model build time."""
+    if gdn_short_prefill_max_tokens(kernels) == 0:
+        return 0
+    return env_token_count("LAMINA_GDN_SHORT_PREFILL_ALONE", 512)
+
+
 def env_token_count(name: str, default: int) -> int:
     """A token count >= 0 from the environment variable `name` (0: off), `default` when unset; a
     clear error naming the variable otherwise."""

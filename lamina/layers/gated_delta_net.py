@@ -19,8 +19,9 @@ H200, see lamina.kernels.selection); an MTP verification step (Q = K + 1 tokens 
 decode) run the conv on `triton_conv` and the delta rule on fla-core (`fla_prefill`) where
 `gdn_prefill_kernels` picked them, else on the torch references, which also take every
 speculative verification step (fla cannot report the states after inner tokens); steps whose
-chunks are all short (`gdn_short_prefill_max_tokens`, 256 tokens) run the delta rule token by token
-in one launch instead (`triton_gdn_varlen`: fla's ~10 launches cost more host time than they save).
+chunks are all short (`gdn_short_prefill_max_tokens`, 256 tokens; `gdn_short_prefill_alone_tokens`,
+512, in a step of at most 1,024 tokens: `short_chunk_limit`) run the delta rule token by token in one
+launch instead (`triton_gdn_varlen`: fla's ~10 launches cost more host time than they save).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.gated_delta_rule import gated_delta_rule_varlen
-from lamina.kernels.selection import decode_query_len, gdn_prefill_kernels, gdn_short_prefill_max_tokens, kernel_set
+from lamina.kernels.selection import (
+    decode_query_len, gdn_prefill_kernels, gdn_short_prefill_alone_tokens, gdn_short_prefill_max_tokens, kernel_set,
+)
 from lamina.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, decode_linear, share_weight_storage
 from lamina.layers.metadata import ForwardMetadata
 from lamina.layers.norm import GatedRMSNorm
@@ -97,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.fused_decode = fused_gdn_decode_enabled(self.kernels)  # one-token decode in one launch
         self.prefill_kernels = gdn_prefill_kernels(device if device is not None else ctx.device, self.kernels, dtype)
         self.short_prefill_tokens = gdn_short_prefill_max_tokens(self.kernels)  # delta rule token by token up to here
+        self.short_prefill_alone_tokens = gdn_short_prefill_alone_tokens(self.kernels)  # ... or this, in small steps
         self.in_proj_rows = share_weight_storage(self.in_proj_qkvz, self.in_proj_ba)  # [qkvz + ba rows, H]
         self._decode_linear = decode_linear(device if device is not None else ctx.device)
 
@@ -174,7 +178,7 @@ class GatedDeltaNet(nn.Module):
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        if fast and 0 < meta.max_query_len <= self.short_prefill_tokens:
+        if fast and 0 < meta.max_query_len <= self.short_chunk_limit(meta.num_tokens):
             from lamina.kernels.triton_gdn_varlen import gated_delta_rule_short_prefill
 
             core = gated_delta_rule_short_prefill(
@@ -202,6 +206,16 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state.index_copy_(0, slots, state_out.to(self.ssm_state.dtype))
 
         return self._output(core, z, num_tokens)
+
+    def short_chunk_limit(self, num_tokens: int) -> int:
+        """The longest chunk a step of `num_tokens` tokens runs on the short-chunk delta rule: the
+        longer `short_prefill_alone_tokens` in a step of at most twice that (a prompt or two alone,
+        or with decodes: host-bound on fla-core's kernels), `short_prefill_tokens` otherwise (a step
+        of many long chunks walks each token by token, slower than fla-core's chunked form)."""
+        alone = self.short_prefill_alone_tokens
+        if alone > self.short_prefill_tokens and num_tokens <= 2 * alone:
+            return alone
+        return self.short_prefill_tokens
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         beta = torch.sigmoid(b.float())  # [T, Hv]
