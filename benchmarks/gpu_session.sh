@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1329,6 +1329,17 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
+    s44b)  # s44a in less device time: TTFT / joining step at 512 tokens (1 round), throughput off / on (1 round), the rule's
+      # test and the short-chunk kernels' GPU tests
+      timeout 110 python3 benchmarks/bench_short_prefill.py --compare alone --input-len 512 --rounds 1 \
+        --out $OUT/short_alone_s44.json 2>&1 | grep -E "^input|rror" | head -4
+      T="python3 -m lamina.entrypoints.cli bench throughput --dtype bfloat16 --num-prompts 192 --input-len 512 --output-len 32 --max-num-seqs 48"
+      for A in 0 512; do
+        LAMINA_GDN_SHORT_PREFILL_ALONE=$A timeout 80 $T --output-json /tmp/s44b_thr_alone${A}.json 2>&1 | tail -1
+      done
+      merge_throughput s44b_thr throughput_alone_ab_s44
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gdn_varlen.py \
+        > $OUT/s44b_tests.txt 2>&1; tail -2 $OUT/s44b_tests.txt; grep -E "^(E  |FAILED)" $OUT/s44b_tests.txt | head -8 ;;
     s44a)  # session 44: the short-chunk delta rule's longer limit in small steps (LAMINA_GDN_SHORT_PREFILL_ALONE):
       # TTFT and the joining step at 300 / 512 tokens against the fixed 256 limit (one process, alternating), offline
       # throughput of 512-token prompts with it off / on (alternating, one process each), its tests on CUDA
