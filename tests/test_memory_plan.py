@@ -272,6 +272,26 @@ def test_lamina_plan_previews_the_memory_plan_on_a_given_gpu(capsys):
     assert "gpu_memory" not in _plan_json(capsys)["ranks"][0]
 
 
+def test_lamina_plan_previews_fp8_experts_as_a_gpu_keeps_them(capsys, monkeypatch):
+    """Previewing a GPU from a machine without one: the experts of an FP8 model stay FP8 on a GPU
+    engine's kernel set (session 44 on an H100: 256 requests at a 262k max_model_len ran with
+    --quantization fp8), so half their bytes are counted; without triton installed (the layers of
+    that kernel set import it) they are counted dequantized, as before."""
+    from lamina.entrypoints import plan_cmd
+
+    flags = ("--quantization", "fp8", "--gpu-memory-gib", "79.2", "--max-num-seqs", "256", "--max-model-len", "32768")
+    kept = _plan_json(capsys, *flags)["ranks"][0]
+    bf16 = _plan_json(capsys, *flags[2:])["ranks"][0]
+    assert kept["gpu_memory"]["fits"] and kept["gpu_memory"]["max_num_seqs"] == 256
+    assert kept["estimate"]["weight_bytes"] < 0.6 * bf16["estimate"]["weight_bytes"]
+    assert not bf16["gpu_memory"]["fits"]
+    cpu = _plan_json(capsys, *flags, "--device", "cpu")["ranks"][0]  # a CPU engine dequantizes them
+    assert cpu["estimate"]["weight_bytes"] == bf16["estimate"]["weight_bytes"]
+    real_find_spec = plan_cmd.importlib.util.find_spec
+    monkeypatch.setattr(plan_cmd.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert _plan_json(capsys, *flags)["ranks"][0]["estimate"]["weight_bytes"] == bf16["estimate"]["weight_bytes"]
+
+
 def test_lamina_plan_refuses_a_bad_gpu_size(capsys):
     from lamina.entrypoints.cli import main as cli_main
 

@@ -300,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                       help="also show what fits on GPUs of this many GiB (e.g. 79.2 for an 80 GB H100): max_num_seqs "
-                           "and KV cache tokens under --gpu-memory-utilization, --max-num-seqs, --max-model-len")
+                           "and KV cache tokens under --gpu-memory-utilization, --max-num-seqs, --max-model-len "
+                           "(with the weights a GPU engine keeps: FP8 experts stay FP8, counted so where triton is "
+                           "installed, else dequantized)")
     plan.set_defaults(func=_plan)
     add_serve_parser(sub)
     from lamina.entrypoints.bench import add_bench_parser

@@ -11,6 +11,7 @@ GPU of N GiB (max_num_seqs, KV cache tokens), or why it would not start.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -250,12 +251,16 @@ def run_plan(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         if gib is not None and gib <= 0:
             raise ValueError(f"--gpu-memory-gib must be positive, got {gib}")
         max_model_len = resolve_max_model_len(engine_args, cfg) if gib is not None else None
+        # the weights a CUDA engine holds (FP8 experts stay FP8 on its kernel set): on a CUDA device,
+        # or when previewing a GPU (--gpu-memory-gib) from a machine without one, unless --device cpu
+        # (building the Triton set's layers, even on the meta device, imports triton)
+        on_gpu = device_type == "cuda" or (gib is not None and engine_args.device != "cpu"
+                                           and importlib.util.find_spec("triton") is not None)
         for me in plan.ranks:
             key = (me.pp, me.tp, me.experts)
             if key not in cache:
                 est = estimate_rank(model_cls, cfg, plan, me.rank, dtype, engine_args.block_size, ssm_state_dtype,
-                                    quantization, "triton" if device_type == "cuda" else "reference", fp8_experts,
-                                    drafter, kv_cache_dtype)
+                                    quantization, "triton" if on_gpu else "reference", fp8_experts, drafter, kv_cache_dtype)
                 memory = None if gib is None else gpu_memory_preview(
                     est, cfg, engine_args, gib, max_model_len, dtype, spec.num_speculative_tokens if spec else 0,
                     ssm_state_dtype, kv_cache_dtype)
