@@ -94,22 +94,35 @@ def _cudagraph_mode_known(value: Any) -> bool:
 CAPTURE_SIZE_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
 
 
-def cudagraph_overrides(compilation_config: Any) -> dict[str, Any]:
+def _level(value: Any) -> bool:
+    """vLLM's optimization_level: 0-3."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3
+
+
+def cudagraph_overrides(compilation_config: Any, optimization_level: int | None = None) -> dict[str, Any]:
     """The engine arguments vLLM's `compilation_config` asks for: through its cudagraph_mode, NONE ->
-    enforce_eager and FULL_DECODE_ONLY -> prefill_graphs off (other modes, or none, -> nothing);
-    its cudagraph_capture_sizes / max_cudagraph_capture_size where given (EngineArgs checks them).
-    ValueError for a mode vLLM does not have."""
-    if compilation_config is None:
+    enforce_eager and FULL_DECODE_ONLY -> prefill_graphs off (other modes -> nothing); with no mode,
+    vLLM's optimization level 0 (`optimization_level`, or the config's key of that name that `-O0`
+    writes) -> enforce_eager, as its default mode there is NONE; its cudagraph_capture_sizes /
+    max_cudagraph_capture_size where given (EngineArgs checks them). ValueError for a mode or a
+    level vLLM does not have."""
+    if compilation_config is None and optimization_level is None:
         return {}
-    mode = _mode_of(compilation_config)
+    mode = _mode_of(compilation_config) if compilation_config is not None else None
     if mode is not None and mode not in CUDAGRAPH_MODES:
         raise ValueError(f"compilation_config cudagraph_mode {mode!r} is not one of {', '.join(CUDAGRAPH_MODES)}")
+    config = compilation_config if hasattr(compilation_config, "cudagraph_mode") else _compilation_config(compilation_config)
+    level = optimization_level if optimization_level is not None else (
+        config.get("optimization_level") if isinstance(config, dict) else None)
+    if level is not None and not _level(level):
+        raise ValueError(f"optimization_level {level!r} is not one of 0, 1, 2, 3")
+    if mode is None and level == 0:
+        mode = "NONE"
     overrides: dict[str, Any] = {}
     if mode == "NONE":
         overrides["enforce_eager"] = True
     elif mode == "FULL_DECODE_ONLY":
         overrides["prefill_graphs"] = False
-    config = compilation_config if hasattr(compilation_config, "cudagraph_mode") else _compilation_config(compilation_config)
     for key in CAPTURE_SIZE_KEYS:
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if value is not None:
@@ -129,6 +142,9 @@ COMPAT_OPTIONS: dict[str, CompatOption] = {option.name: option for option in (
                  "and cudagraph_capture_sizes / max_cudagraph_capture_size: which decode steps replay a graph "
                  "(EngineArgs fields of the same names)",
                  f"a dict, its JSON or an optimisation level; cudagraph_mode one of {', '.join(CUDAGRAPH_MODES)}"),
+    CompatOption("optimization_level", _level, "lamina does not torch.compile: level 0 runs eagerly (vLLM's "
+                 "cudagraph_mode NONE there, unless compilation_config names a mode), 1-3 keep lamina's graphs",
+                 "0, 1, 2 or 3"),
     CompatOption("max_seq_len_to_capture", _any, "no effect: lamina's decode graphs do not depend on the "
                  "sequence length", "any length"),
     CompatOption("tokenizer_revision", _falsy, "no effect", "none (lamina reads the tokenizer of MODEL at "

@@ -30,11 +30,13 @@ def test_sizes_count_tokens_as_vllm_does():
     assert graph_sizes(20, 1, None, 8) == [1, 2, 4, 8]  # only a max: the default sizes up to it
     assert graph_sizes(20, 3, None, 24) == [1, 2, 4, 8]  # 24 tokens hold 8 requests of K + 1 = 3
     assert graph_sizes(20, 1, None, 100) == capture_sizes(20)  # never past max_num_seqs
-    assert graph_sizes(4, 1, (1, 3, 6)) == [1, 3]  # 6 requests are more than max_num_seqs
+    assert graph_sizes(4, 1, (1, 3, 6)) == [1, 3, 4]  # 6 requests are more than max_num_seqs: its 4
+    assert graph_sizes(4, 1, (512,)) == [4]
     assert graph_sizes(64, 2, (1, 3, 6, 16)) == [1, 3, 8]  # S // Q requests; 1 token holds none of 2
     assert graph_sizes(64, 4, (2,)) == []
     assert graph_sizes(64, 1, None, 0) == []
-    assert graph_token_limit((1, 3, 6), None) == 6 and graph_token_limit(None, 32) == 32
+    assert graph_token_limit((1, 3, 6), None) == 6 and graph_token_limit((8, 1), None) == 8
+    assert graph_token_limit(None, 32) == 32
     assert graph_token_limit(None, None) is None
 
 
@@ -81,10 +83,27 @@ def test_compilation_config_carries_the_sizes(monkeypatch):
     assert parsed("-O", '{"cudagraph_mode": "NONE"}', "-O.cudagraph_capture_sizes=[1,2]") == [
         "serve", "/m", "--compilation-config", '{"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2]}']
     assert parsed("--compilation-config.cudagraph_capture_sizes+", "1,2", "-O3") == [
-        "serve", "/m", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}']
-    assert parsed("-O", "3") == ["serve", "/m", "--compilation-config", "{}"]
+        "serve", "/m", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2], "optimization_level": 3}']
+    assert parsed("-O", "3") == ["serve", "/m", "--compilation-config", '{"optimization_level": 3}']
+    assert parsed("-O0", "-cc.max_cudagraph_capture_size=8") == [
+        "serve", "/m", "--compilation-config", '{"optimization_level": 0, "max_cudagraph_capture_size": 8}']
+    assert parsed("-cc", '{"cudagraph_mode": "FULL"}') == ["serve", "/m", "--compilation-config",
+                                                           '{"cudagraph_mode": "FULL"}']
+    for text in ("-O my god", "-Obvious", "-ccx"):  # free text (a prompt, a stop string) is not an option
+        assert expand_argv(["generate", "/m", "--prompt", text], {}) == ["generate", "/m", "--prompt", text]
     with pytest.raises(ValueError, match="--compilation-config is not valid JSON"):
         parsed("-O", "fast")
+    # vLLM's optimisation level 0: no CUDA graphs, unless a mode is named; 1-3 keep them
+    assert cudagraph_overrides('{"optimization_level": 0}') == {"enforce_eager": True}
+    assert cudagraph_overrides(None, 0) == {"enforce_eager": True}
+    assert cudagraph_overrides({"cudagraph_mode": "FULL_DECODE_ONLY"}, 0) == {"prefill_graphs": False}
+    assert cudagraph_overrides(None, 2) == {} and cudagraph_overrides({"optimization_level": 3}) == {}
+    with pytest.raises(ValueError, match="optimization_level 4 is not one of 0, 1, 2, 3"):
+        cudagraph_overrides(None, 4)
+    LLM("/m", optimization_level=0)
+    assert made[-1].enforce_eager
+    with pytest.raises(ValueError, match="optimization_level=7 is not supported; valid: 0, 1, 2 or 3"):
+        LLM("/m", optimization_level=7)
     serve_args = argparse.Namespace(compilation_config='{"cudagraph_capture_sizes": [1, 2]}', tokenizer=None,
                                     device="cpu", dtype="auto", max_model_len=None, max_num_seqs=None,
                                     max_num_batched_tokens=None, block_size=16, seed=0, num_gpu_blocks_override=None,
@@ -92,6 +111,8 @@ def test_compilation_config_carries_the_sizes(monkeypatch):
                                     enforce_eager=False)
     kwargs = engine_kwargs(serve_args)
     assert kwargs["cudagraph_capture_sizes"] == [1, 2] and kwargs["max_cudagraph_capture_size"] is None
+    serve_args.optimization_level, serve_args.compilation_config = 0, None
+    assert engine_kwargs(serve_args)["enforce_eager"] is True
 
 
 def _decode(path, monkeypatch, *, graphs: bool, **capture):
@@ -151,5 +172,5 @@ def test_sizes_shape_the_verify_and_mixed_graphs(mtp_short_dir, qwen3_5_moe_shor
                 assert runner.mixed_graphs is None and "below 16" in runner.no_mixed_graphs_reason
             else:
                 assert runner.mixed_graphs.max_tokens == mixed
-        assert not runner.capture_decode_graphs(4, llm.engine.max_model_len, static_off_cuda=True, capture_sizes=(8,))
-        assert "max_num_seqs = 4" in runner.no_graphs_reason
+        assert runner.capture_decode_graphs(4, llm.engine.max_model_len, static_off_cuda=True, capture_sizes=(8,))
+        assert sorted(runner.decode_graphs.graphs) == [4]  # 8 requests' size serves max_num_seqs

@@ -125,6 +125,18 @@ def test_selection_reads_the_switch(monkeypatch):
         monkeypatch.setenv(name, "256")
 
 
+def test_the_step_bound_of_the_longer_limit():
+    from lamina.layers.gated_delta_net import GatedDeltaNet
+
+    layer = object.__new__(GatedDeltaNet)  # short_chunk_limit reads the two limits only
+    layer.short_prefill_tokens, layer.short_prefill_alone_tokens = 256, 512
+    assert [layer.short_chunk_limit(t) for t in (1, 1024, 1025, 8192)] == [512, 512, 256, 256]
+    layer.short_prefill_tokens = 1024  # a longer limit for every step wins
+    assert layer.short_chunk_limit(100) == 1024
+    layer.short_prefill_tokens, layer.short_prefill_alone_tokens = 0, 0  # off
+    assert layer.short_chunk_limit(100) == 0
+
+
 def test_small_steps_run_longer_chunks_token_by_token(qwen3_5_moe_short_dir, monkeypatch):
     """LAMINA_GDN_SHORT_PREFILL=4, _ALONE=8: a 7-token prompt alone (a step of 7 <= 16 tokens)
     runs the short-chunk kernel, three of them in one step (21 tokens) the other prefill path (the

@@ -142,7 +142,8 @@ def parallel_kwargs(args: argparse.Namespace) -> dict:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from lamina.vllm_compat import cudagraph_overrides
 
-    graphs = cudagraph_overrides(getattr(args, "compilation_config", None))  # vLLM's cudagraph_mode (lamina serve)
+    # vLLM's cudagraph_mode, capture sizes and optimization level 0 (lamina serve)
+    graphs = cudagraph_overrides(getattr(args, "compilation_config", None), getattr(args, "optimization_level", None))
     return dict(
         tokenizer=args.tokenizer, skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None),
@@ -301,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                       help="also show what fits on GPUs of this many GiB (e.g. 79.2 for an 80 GB H100): max_num_seqs "
                            "and KV cache tokens under --gpu-memory-utilization, --max-num-seqs, --max-model-len "
-                           "(with the weights a GPU engine keeps: FP8 experts stay FP8, counted so where triton is "
-                           "installed, else dequantized)")
+                           "(with the weights a GPU engine keeps: FP8 experts stay FP8 on GPUs of compute capability "
+                           "8.9 or newer, counted so where triton is installed, else dequantized)")
     plan.set_defaults(func=_plan)
     add_serve_parser(sub)
     from lamina.entrypoints.bench import add_bench_parser

@@ -7,8 +7,9 @@
   `--hf-overrides '{"rope_parameters": {"rope_type": "yarn"}}'`; a value is read as JSON when it
   parses (`2`, `true`, `[1, 2]`), else taken as a string; `--json-arg.key+ value` appends to a list
   (`value` may hold several, comma-separated). Several of them, and a whole-JSON form, merge.
-  `--compilation-config` (vLLM's `-O`) takes them too (`-O.cudagraph_mode FULL_DECODE_ONLY`,
-  `-O.max_cudagraph_capture_size 64`); an optimisation level (`-O3`) adds nothing.
+  `--compilation-config` (vLLM's `-cc`, and the older `-O`) takes them too (`-cc.cudagraph_mode
+  FULL_DECODE_ONLY`, `-O.max_cudagraph_capture_size 64`); an optimisation level (`-O0` .. `-O3`) becomes
+  its `optimization_level` key.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _merge_json_options(argv: list[str]) -> list[str]:
         if option not in first_at:
             first_at[option] = len(out)
             out.append(option)  # placeholder: the merged JSON goes after it
-        if name == option and option == "--compilation-config" and _optimisation_level(value_text):
-            continue  # -O3: nothing lamina reads (lamina does not torch.compile)
+        if name == option and option == "--compilation-config" and _optimisation_level(value_text) is not None:
+            target["optimization_level"] = _optimisation_level(value_text)  # -O3 (lamina.vllm_compat reads -O0)
+            continue
         if name == option:  # the whole object
             try:
                 value = json.loads(value_text)
@@ -138,18 +140,21 @@ def _merge_json_options(argv: list[str]) -> list[str]:
 
 
 def _long_compilation_config(token: str) -> str:
-    """vLLM's short form of --compilation-config: `-O3`, `-O 3`, `-O '{...}'`, `-O.key value`, `-O.key=value`."""
-    if not token.startswith("-O") or token.startswith("--"):
-        return token
-    rest = token[2:]
-    if rest == "" or rest.startswith((".", "=")):
-        return "--compilation-config" + rest
-    return "--compilation-config=" + rest  # -O3
+    """vLLM's short forms of --compilation-config, exactly: `-cc` / `-O` alone (a JSON object or a
+    level follows), `-cc.key`, `-O.key` (with `=value` or a value following), `-cc=...`, `-O=...`, and
+    the optimisation levels `-O0` .. `-O3`. Anything else (a prompt reading "-O my god") is left."""
+    for short in ("-cc", "-O"):
+        if token == short or token.startswith((short + ".", short + "=")):
+            return "--compilation-config" + token[len(short):]
+    if token[:2] == "-O" and token[2:].isdigit():
+        return "--compilation-config=" + token[2:]  # -O3
+    return token
 
 
-def _optimisation_level(text: str) -> bool:
-    """vLLM's -O levels: 0-3, also spelt O3."""
-    return text.strip().removeprefix("O").isdigit()
+def _optimisation_level(text: str) -> int | None:
+    """vLLM's optimisation level (-O 0 .. 3, also spelt O3), or None."""
+    text = text.strip().removeprefix("O")
+    return int(text) if text.isdigit() else None
 
 
 def _deep_update(target: dict, value: dict) -> None:

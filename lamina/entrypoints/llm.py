@@ -43,7 +43,8 @@ class LLM:
     vLLM's options for what lamina does not have (`swap_space`, `compilation_config`, `enable_lora`,
     ...: lamina.vllm_compat), where they ask for nothing lamina lacks; of `compilation_config` its
     `cudagraph_mode` is honoured (NONE: `enforce_eager`; FULL_DECODE_ONLY: `prefill_graphs=False`), and
-    its `cudagraph_capture_sizes` / `max_cudagraph_capture_size` (EngineArgs fields of the same names).
+    its `cudagraph_capture_sizes` / `max_cudagraph_capture_size` (EngineArgs fields of the same names);
+    `optimization_level=0` runs eagerly too (vLLM's cudagraph_mode NONE there).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -54,7 +55,8 @@ class LLM:
                             f"vLLM's {', '.join(sorted(COMPAT_OPTIONS))} (lamina.vllm_compat)")
         compat = {name: kwargs.pop(name) for name in list(kwargs) if name in COMPAT_OPTIONS}
         check_compat_options(compat)
-        kwargs.update(cudagraph_overrides(compat.get("compilation_config")))  # vLLM's cudagraph_mode
+        # vLLM's cudagraph_mode, capture sizes and optimization_level 0
+        kwargs.update(cudagraph_overrides(compat.get("compilation_config"), compat.get("optimization_level")))
         args = EngineArgs(model=None if model is None else str(model), **kwargs)
         self.llm_engine: LLMEngine | None = LLMEngine(args)
 

@@ -77,17 +77,18 @@ def graph_sizes(max_batch: int, tokens_per_request: int = 1, sizes: tuple[int, .
                 max_size: int | None = None) -> list[int]:
     """Request counts to capture for steps of `tokens_per_request` (Q) tokens a request, none above
     `max_batch`. vLLM's compilation_config counts tokens: each of `sizes` (cudagraph_capture_sizes)
-    holds size // Q requests; with only `max_size` (max_cudagraph_capture_size) the default sizes up
-    to max_size // Q requests; with neither, `capture_sizes(max_batch)`."""
-    if sizes is not None:
-        return sorted({s // tokens_per_request for s in sizes if 1 <= s // tokens_per_request <= max_batch})
+    holds size // Q requests (max_batch where that is more: vLLM pads such a batch into its larger
+    graph); with only `max_size` (max_cudagraph_capture_size) the default sizes up to max_size // Q
+    requests; with neither, `capture_sizes(max_batch)`."""
+    if sizes is not None:  # a size holding more than max_batch requests serves max_batch (its buffers hold no more)
+        return sorted({min(s // tokens_per_request, max_batch) for s in sizes if s // tokens_per_request >= 1 and max_batch >= 1})
     top = max_batch if max_size is None else min(max_batch, max_size // tokens_per_request)
     return capture_sizes(top) if top > 0 else []
 
 
 def graph_token_limit(sizes: tuple[int, ...] | None, max_size: int | None) -> int | None:
     """The most tokens a graph may hold under vLLM's capture sizes (None: no limit asked)."""
-    return sizes[-1] if sizes else max_size
+    return max(sizes) if sizes else max_size
 
 
 def why_not_capturable(model, *, verify: bool = False) -> str | None:

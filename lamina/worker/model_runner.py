@@ -182,12 +182,18 @@ class ModelRunner:
                     f"capturing the MTP verification CUDA graphs failed ({type(error).__name__}: {error}); "
                     f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
                 ) from error
+            if not graphs.graphs:
+                self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} / "
+                                         f"max_cudagraph_capture_size {max_capture_size} holds a step of 1 to "
+                                         f"{num_speculative_tokens + 1} tokens a request")
+                logger.info("verification steps run eagerly: %s", self.no_graphs_reason)
+                return False
             self.verify_graphs = graphs
             return True
         sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)
         if not sizes:
-            self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} "
-                                     f"holds between 1 and max_num_seqs = {max_batch} requests")
+            self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} / "
+                                     f"max_cudagraph_capture_size {max_capture_size} holds a request")
             logger.info("decode steps run eagerly: %s", self.no_graphs_reason)
             return False
         graphs = cuda_graphs.DecodeGraphs(
