@@ -81,7 +81,8 @@ class EngineArgs:
     prefill_graphs: bool = True
     # vLLM's compilation_config keys (the same names): the step sizes, in tokens, that replay a CUDA graph.
     # A decode step of B requests of Q tokens (Q = 1, or K + 1 under MTP) replays the graph of the
-    # smallest size S with S // Q >= B; larger steps run eagerly. None: 1, 2, 4, 8, 16, 24, ... up to
+    # smallest size S with S // Q >= B (a size past max_num_seqs requests serves max_num_seqs); larger
+    # steps run eagerly. None: 1, 2, 4, 8, 16, 24, ... up to
     # max_num_seqs requests (lamina.worker.cuda_graphs.graph_sizes), or up to max_cudagraph_capture_size
     # tokens when only that is given, which also caps the prefill / mixed graphs' tokens.
     cudagraph_capture_sizes: tuple[int, ...] | list[int] | None = None
