@@ -25,7 +25,7 @@ from lamina.worker.cuda_graphs import capture_sizes, graph_sizes, graph_token_li
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the graphs are captured
 
 
-def test_sizes_count_tokens_as_vllm_does():
+def test_sizes_count_tokens_as_vllm_does(monkeypatch):
     assert graph_sizes(20) == capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_sizes(20, 1, None, 8) == [1, 2, 4, 8]  # only a max: the default sizes up to it
     assert graph_sizes(20, 3, None, 24) == [1, 2, 4, 8]  # 24 tokens hold 8 requests of K + 1 = 3
@@ -37,6 +37,12 @@ def test_sizes_count_tokens_as_vllm_does():
     assert graph_sizes(64, 1, None, 0) == []
     assert graph_token_limit((1, 3, 6), None) == 6 and graph_token_limit((8, 1), None) == 8
     assert graph_token_limit(None, 32) == 32
+    from lamina.worker.mixed_graphs import capped_tokens, mixed_graph_max_tokens
+
+    assert [capped_tokens(512, limit) for limit in (None, 512, 1000, 300, 16, 15)] == [512, 512, 512, 256, 16, 0]
+    assert capped_tokens(0, 64) == 0
+    monkeypatch.delenv("LAMINA_MIXED_GRAPHS", raising=False)
+    assert mixed_graph_max_tokens(100) == 64  # the memory plan's reserve and the runner's graphs agree
     assert graph_token_limit(None, None) is None
 
 

@@ -64,7 +64,10 @@ class KVCacheSizing:
                 from lamina.worker import mixed_graphs
 
                 if mixed_graphs.why_not_capturable(self.executor.runner.model) is None:
-                    mixed = mixed_graphs.mixed_graph_max_tokens()
+                    from lamina.worker.cuda_graphs import graph_token_limit
+
+                    mixed = mixed_graphs.mixed_graph_max_tokens(
+                        graph_token_limit(args.cudagraph_capture_sizes, args.max_cudagraph_capture_size))
             hint = state_dtype_hint(self.ssm_state_dtype, self.kv_cache_dtype if self.fp8_kv_cache_possible else None)
             plan = plan_gpu_memory(
                 usable_bytes=usable_gpu_bytes(free, total, args.gpu_memory_utilization),

@@ -120,6 +120,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     rank's weights (PLE tables too with --ple-table-device gpu) and CUDA_CONTEXT_BYTES; MTP's reserve
     counts its verification graphs' buffers."""
     from lamina.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+    from lamina.worker.cuda_graphs import graph_token_limit
     from lamina.worker.mixed_graphs import mixed_graph_max_tokens
     from lamina.worker.verify_graphs import max_verify_batch
 
@@ -134,7 +135,8 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     single_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size * engine_args.data_parallel_size == 1
     prefill_graphs = (graphs and engine_args.prefill_graphs and not k and single_rank
                       and estimate.get("prefill_graphs_blocked_by") is None)
-    mixed = mixed_graph_max_tokens() if prefill_graphs else 0  # their pool (lamina.worker.mixed_graphs)
+    limit = graph_token_limit(engine_args.cudagraph_capture_sizes, engine_args.max_cudagraph_capture_size)
+    mixed = mixed_graph_max_tokens(limit) if prefill_graphs else 0  # their pool (lamina.worker.mixed_graphs)
     try:
         plan = plan_gpu_memory(
             usable_bytes=usable_gpu_bytes(free, total, engine_args.gpu_memory_utilization),

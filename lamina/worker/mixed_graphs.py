@@ -56,13 +56,21 @@ _TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping", "request_index", "pen
 _REQUEST_FIELDS = ("seq_lens", "state_slots", "keep")
 
 
-def mixed_graph_max_tokens() -> int:
+def mixed_graph_max_tokens(token_limit: int | None = None) -> int:
     """`LAMINA_MIXED_GRAPHS`: the largest token bucket of captured prefill / mixed steps (0: off;
-    default 512; rounded up to a power of two >= 16)."""
+    default 512; rounded up to a power of two >= 16), within `token_limit` (vLLM's largest capture
+    size, `cuda_graphs.graph_token_limit`; None: none)."""
     from lamina.kernels.selection import env_token_count
 
     tokens = env_token_count(MIXED_GRAPHS_ENV, DEFAULT_MAX_TOKENS)
-    return 0 if tokens == 0 else max(MIN_TOKENS, 1 << (tokens - 1).bit_length())
+    return capped_tokens(0 if tokens == 0 else max(MIN_TOKENS, 1 << (tokens - 1).bit_length()), token_limit)
+
+
+def capped_tokens(max_tokens: int, token_limit: int | None) -> int:
+    """The largest token bucket of `max_tokens` that holds at most `token_limit` tokens (0: none)."""
+    if token_limit is None or max_tokens <= token_limit:
+        return max_tokens
+    return 1 << (token_limit.bit_length() - 1) if token_limit >= MIN_TOKENS else 0
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -203,10 +203,10 @@ class ModelRunner:
         graphs.capture(sizes)
         self.decode_graphs = graphs
         limit = cuda_graphs.graph_token_limit(capture_sizes, max_capture_size)
-        if limit is not None and mixed_max_tokens > limit:  # vLLM's cap on any graph's tokens
-            from lamina.worker.mixed_graphs import MIN_TOKENS
+        if mixed_max_tokens > 0:  # within vLLM's cap on any graph's tokens
+            from lamina.worker.mixed_graphs import MIN_TOKENS, capped_tokens
 
-            mixed_max_tokens = 1 << (limit.bit_length() - 1) if limit >= MIN_TOKENS else 0  # a bucket within it
+            mixed_max_tokens = capped_tokens(mixed_max_tokens, limit)
             if not mixed_max_tokens:
                 self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {MIN_TOKENS}"
         if mixed_max_tokens > 0:
