@@ -182,20 +182,9 @@ class ModelRunner:
                     f"capturing the MTP verification CUDA graphs failed ({type(error).__name__}: {error}); "
                     f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
                 ) from error
-            if not graphs.graphs:
-                self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} / "
-                                         f"max_cudagraph_capture_size {max_capture_size} holds a step of 1 to "
-                                         f"{num_speculative_tokens + 1} tokens a request")
-                logger.info("verification steps run eagerly: %s", self.no_graphs_reason)
-                return False
             self.verify_graphs = graphs
             return True
-        sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)
-        if not sizes:
-            self.no_graphs_reason = (f"no CUDA graph size of cudagraph_capture_sizes {list(capture_sizes or ())} / "
-                                     f"max_cudagraph_capture_size {max_capture_size} holds a request")
-            logger.info("decode steps run eagerly: %s", self.no_graphs_reason)
-            return False
+        sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)  # never empty: Q = 1
         graphs = cuda_graphs.DecodeGraphs(
             self.model, device=self.device, max_batch=sizes[-1], block_size=self.block_size,
             max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot,
