@@ -121,34 +121,59 @@ def test_compilation_config_carries_the_sizes(monkeypatch):
     assert engine_kwargs(serve_args)["enforce_eager"] is True
 
 
-def _decode(path, monkeypatch, *, graphs: bool, **capture):
+def _decode(path, monkeypatch, *, graphs: bool, k: int = 0, **capture):
     """Greedy tokens and logprobs of three requests that finish one after another (decode batches
     of 3, 2 and 1); with `graphs`, through the decode graphs of `capture`'s sizes (static buffers on
-    the CPU). Returns (results, decode graph sizes, replays)."""
+    the CPU), or with `k` > 0 MTP's verification graphs. Returns (results, graph sizes (decode) or
+    keys (verification), the model runner)."""
     from lamina import LLM, SamplingParams
 
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
     prompts = [[5, 17, 300], [9] * 6, list(range(40, 49))]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (3, 5, 7)]
-    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True, max_num_seqs=4) as llm:
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=True, max_num_seqs=4,
+             **spec) as llm:
         runner = llm.engine.executor.runner
         sizes = []
         if graphs:
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True,
-                                                **capture)
-            sizes = sorted(runner.decode_graphs.graphs)
+                                                num_speculative_tokens=k, **capture)
+            sizes = sorted(runner.verify_graphs.graphs) if k else sorted(runner.decode_graphs.graphs)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
-    return results, sizes, runner.graph_replays
+    return results, sizes, runner
 
 
 def test_steps_past_the_largest_size_run_eagerly(qwen3_5_moe_short_dir, monkeypatch):
     """Sizes 1 and 2 of max_num_seqs 4: a decode of three requests runs eagerly, those of two and
     one replay; the tokens and logprobs are the eager run's."""
     eager, _, _ = _decode(qwen3_5_moe_short_dir, monkeypatch, graphs=False)
-    ours, sizes, replays = _decode(qwen3_5_moe_short_dir, monkeypatch, graphs=True, capture_sizes=(1, 2))
+    ours, sizes, runner = _decode(qwen3_5_moe_short_dir, monkeypatch, graphs=True, capture_sizes=(1, 2))
     assert sizes == [1, 2]
-    assert replays == 2 + 2, replays  # 2 decodes of three requests eager; 2 of two, 2 of one replayed
+    assert runner.graph_replays == 2 + 2, runner.graph_replays  # 2 decodes of three requests eager; 2 of two, 2 of one replayed
+    for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
+        assert ids == eager_ids
+        torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
+
+
+def test_sizes_shrink_the_verification_state_buffers(mtp_short_dir, monkeypatch):
+    """The verify graphs' state capture rows follow the capture sizes (at K = 3, 8 tokens at most:
+    6 rows instead of 192), as the memory plan's reserve does; MTP K = 2 under a 6-token cap (3
+    requests of 2 tokens, 2 of 3: 4 rows instead of 8) gives the eager run's tokens and logprobs."""
+    from lamina.worker.verify_graphs import verify_state_rows
+
+    monkeypatch.delenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", raising=False)
+    assert verify_state_rows(256, 3) == 64 * 3
+    assert verify_state_rows(256, 3, None, 8) == 2 * 3  # Q = 4: two requests; Q = 2: four requests, one row each
+    assert verify_state_rows(256, 1, (1, 2, 4, 512)) == 64  # 512 tokens: 256 requests of 2, past the 64 cap
+    assert verify_state_rows(256, 2, (2,)) == 1 and verify_state_rows(256, 2, (1,)) == 0
+    assert verify_state_rows(256, 0) == 0 and verify_state_rows(4, 2) == 8
+    eager, _, _ = _decode(mtp_short_dir, monkeypatch, graphs=False, k=2)
+    ours, keys, runner = _decode(mtp_short_dir, monkeypatch, graphs=True, k=2, max_capture_size=6)
+    assert keys == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2)], keys
+    assert runner.verify_graphs.buffers.capacity == 4  # was max_num_seqs 4 * K 2 = 8
+    assert runner.graph_replays > 0
     for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
         assert ids == eager_ids
         torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)

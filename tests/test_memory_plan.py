@@ -210,6 +210,24 @@ def test_engine_plan_counts_mtp(h100):
         LLMEngine._num_kv_blocks(_fake_engine(max_num_seqs=48, spec_config=SpeculativeConfig.parse(mtp)), 48, 8192)
 
 
+def test_engine_plan_counts_the_verify_graphs_rows_its_capture_sizes_keep(h100, monkeypatch):
+    """With verification graphs, the reserve holds their state capture rows: max_num_seqs 16 * K 2
+    = 32 rows; under vLLM's max_cudagraph_capture_size 8 (4 requests of 2 tokens, 2 of 3) 4 rows."""
+    from lamina.engine.spec_decode import SpeculativeConfig
+    from lamina.worker import cuda_graphs
+
+    monkeypatch.delenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", raising=False)
+    monkeypatch.setattr(cuda_graphs, "model_is_capturable", lambda model, verify: True)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    vocab = _preset_config().vocab_size
+    for max_size, rows in ((None, 32), (8, 4)):
+        engine = _fake_engine(max_num_seqs=16, spec_config=SpeculativeConfig.parse(mtp), enforce_eager=False,
+                              cudagraph_capture_sizes=None, max_cudagraph_capture_size=max_size)
+        engine.parallel_config = types.SimpleNamespace(is_single_rank=True)
+        engine.executor.runner = types.SimpleNamespace(model=None)
+        assert engine._speculation_reserve(16) == 16 * 2 * (STATE + 4 * vocab) + rows * STATE
+
+
 def test_out_of_memory_at_start_up_names_the_plan_and_shuts_down():
     shut = []
     engine = _fake_engine()
@@ -290,6 +308,21 @@ def test_lamina_plan_previews_fp8_experts_as_a_gpu_keeps_them(capsys, monkeypatc
     real_find_spec = plan_cmd.importlib.util.find_spec
     monkeypatch.setattr(plan_cmd.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
     assert _plan_json(capsys, *flags)["ranks"][0]["estimate"]["weight_bytes"] == bf16["estimate"]["weight_bytes"]
+
+
+def test_lamina_plan_counts_the_verify_graphs_rows_its_capture_sizes_keep(capsys, monkeypatch):
+    """MTP K = 3 at 64 requests: the verification graphs' state capture rows are 64 x 3 (~11.5 GiB
+    of float32 states on this model); under vLLM's max_cudagraph_capture_size 8 (-cc key by key, as
+    `lamina plan` now takes it) 6, and the KV cache gets the difference."""
+    monkeypatch.delenv("LAMINA_VERIFY_GRAPH_MAX_BATCH", raising=False)
+    flags = ("--load-format", "dummy", "--hf-overrides", '{"mtp_num_hidden_layers": 1}', "--speculative-config",
+             '{"method": "mtp", "num_speculative_tokens": 3}', "--gpu-memory-gib", "141", "--max-num-seqs", "64")
+    full, capped = (_plan_json(capsys, *flags, *more)["ranks"][0] for more in ((), ("-cc.max_cudagraph_capture_size", "8")))
+    per_slot = full["estimate"]["state_bytes_per_request"]
+    full, capped = full["gpu_memory"], capped["gpu_memory"]
+    assert full["speculation_bytes"] - capped["speculation_bytes"] == (64 * 3 - 6) * per_slot
+    assert capped["kv_cache_bytes"] - full["kv_cache_bytes"] > 0.95 * (64 * 3 - 6) * per_slot
+    assert 11 * GIB < 64 * 3 * per_slot < 12 * GIB
 
 
 def test_lamina_plan_refuses_a_bad_gpu_size(capsys):

@@ -131,12 +131,13 @@ class KVCacheSizing:
         graph_rows = 0
         if not self.args.enforce_eager and self.device.type == "cuda":
             from lamina.worker.cuda_graphs import model_is_capturable, multirank_graphs_reason
-            from lamina.worker.verify_graphs import max_verify_batch
+            from lamina.worker.verify_graphs import verify_state_rows
 
             if self.parallel_config.is_single_rank:
                 graphs = model_is_capturable(self.executor.runner.model, verify=True)
             else:  # every rank of one stage captures when the layout allows it (a rank that cannot: none does)
                 graphs = multirank_graphs_reason(self.plan, speculative=True) is None
             if graphs:
-                graph_rows = max_verify_batch(max_num_seqs) * k
+                graph_rows = verify_state_rows(max_num_seqs, k, self.args.cudagraph_capture_sizes,
+                                               self.args.max_cudagraph_capture_size)
         return speculation_bytes(max_num_seqs, k, per_slot, self.model_config.vocab_size, graph_rows)

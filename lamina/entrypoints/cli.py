@@ -75,6 +75,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "needs a GPU of compute capability 8.9 or later, or the CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--compilation-config", "-cc", "-O", default=None, metavar="JSON|LEVEL",
+                   help="of vLLM's compilation config lamina reads cudagraph_mode (NONE = --enforce-eager, "
+                        "FULL_DECODE_ONLY = decode graphs only: prefill / mixed steps eagerly) and "
+                        "cudagraph_capture_sizes / max_cudagraph_capture_size (tokens: which decode steps replay a "
+                        "graph); the rest has no effect. Key by key too: -cc.max_cudagraph_capture_size 64. "
+                        "-O0 (vLLM's optimisation level 0) runs eagerly unless a cudagraph_mode is given, -O1..3 "
+                        "keep the graphs")
+    g.add_argument("--optimization-level", type=int, default=None, metavar="0-3",
+                   help="vLLM's: 0 runs eagerly (its cudagraph_mode NONE) unless --compilation-config names a mode; "
+                        "1-3 keep lamina's graphs (no torch.compile). -O0 .. -O3 too")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch the next step while the current one runs on the GPU "
                         "(default: on for one GPU; with MTP, verification steps replayed from CUDA "

@@ -122,7 +122,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     from lamina.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
     from lamina.worker.cuda_graphs import graph_token_limit
     from lamina.worker.mixed_graphs import mixed_graph_max_tokens
-    from lamina.worker.verify_graphs import max_verify_batch
+    from lamina.worker.verify_graphs import verify_state_rows
 
     total = int(gpu_memory_gib * GIB)
     resident = estimate["weight_bytes"] + (estimate["ple_table_bytes"] if engine_args.ple_table_device == "gpu" else 0)
@@ -144,7 +144,8 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
             max_model_len=max_model_len, max_num_seqs=seqs, max_num_seqs_is_default=engine_args.max_num_seqs is None,
             state_bytes_per_slot=per_slot,
             speculation_bytes=lambda n: speculation_bytes(
-                n, k, per_slot, cfg.vocab_size, max_verify_batch(n) * k if (graphs and k) else 0),
+                n, k, per_slot, cfg.vocab_size, verify_state_rows(
+                    n, k, engine_args.cudagraph_capture_sizes, engine_args.max_cudagraph_capture_size) if graphs else 0),
             activation_bytes=lambda n: activation_headroom_bytes(cfg, dtype.itemsize, batched, n, k, mixed),
             state_hint=hint, fit_max_model_len=max_model_len_is_auto(engine_args),
         )

@@ -18,9 +18,10 @@ length Q, and no state: for Q = 1 the one-token kernels write a spare state slot
 owns (as the plain decode graphs do), for Q > 1 the Q-token kernels skip rows with state slot -1,
 so padding writes no state and no capture row.
 
-Memory: the capture buffers hold max_verify_batch * K states of every recurrent layer
-(`verify_buffer_bytes`), so verify graphs (Q > 1) are captured only up to `max_verify_batch`
-requests (`LAMINA_VERIFY_GRAPH_MAX_BATCH`, default 64); larger verification steps run eagerly.
+Memory: the capture buffers hold max_verify_batch * K states of every recurrent layer, so verify
+graphs (Q > 1) are captured only up to `max_verify_batch` requests (`LAMINA_VERIFY_GRAPH_MAX_BATCH`,
+default 64); larger verification steps run eagerly. vLLM's capture sizes shrink them to what the
+largest graphs hold (`verify_state_rows`; the engine's memory plan reserves the same).
 """
 
 from __future__ import annotations
@@ -52,11 +53,20 @@ def max_verify_batch(max_batch: int) -> int:
     return min(max_batch, int(wanted))
 
 
-def verify_buffer_bytes(model, max_batch: int, num_speculative_tokens: int) -> int:
-    """Bytes of the verify graphs' state capture buffers (every state pool of the model must be
-    bound): max_verify_batch * K rows of every recurrent state."""
-    pools = [t for m in model.state_modules() for t in m.state_tensors()]
-    return CaptureBuffers.bytes_for(pools, max_verify_batch(max_batch) * num_speculative_tokens)
+def verify_state_rows(max_batch: int, num_speculative_tokens: int, capture_sizes: tuple[int, ...] | None = None,
+                      max_capture_size: int | None = None) -> int:
+    """Rows of the verify graphs' state capture buffers (per state pool): the most any graph of
+    Q = 2..K+1 tokens a request writes, (Q - 1) for each of its requests. Without vLLM's capture
+    sizes that is max_verify_batch * K; under them (`graph_sizes`), what their largest graphs hold
+    (max_cudagraph_capture_size 8 at K = 3: two requests of 4 tokens, 6 rows instead of 192)."""
+    from lamina.kernels.selection import MAX_DECODE_QUERY_LEN
+
+    batch = max_verify_batch(max_batch)
+    most = min(num_speculative_tokens + 1, MAX_DECODE_QUERY_LEN)
+    if batch <= 0:
+        return 0
+    return max((max(graph_sizes(batch, q, capture_sizes, max_capture_size), default=0) * (q - 1)
+                for q in range(2, most + 1)), default=0)
 
 
 class VerifyGraphs:
@@ -106,8 +116,9 @@ class VerifyGraphs:
         self._token_req = {q: rows[:-1].repeat_interleave(q) for q in range(1, self.max_queries + 1)}  # [max_batch*Q]
         pools = [t for m in model.state_modules() for t in m.state_tensors()]
         self.buffers = None
-        if self.max_queries > 1 and pools and self.verify_batch > 0:
-            self.buffers = CaptureBuffers(pools, self.verify_batch * (self.max_queries - 1))
+        rows = verify_state_rows(max_batch, num_speculative_tokens, capture_sizes, max_capture_size)
+        if pools and rows > 0:  # as many rows as the largest graph of Q > 1 writes
+            self.buffers = CaptureBuffers(pools, rows)
         self.hidden_out: torch.Tensor | None = None  # [max_tokens, H], allocated at the first warm-up
         self.logits_out: torch.Tensor | None = None  # [max_tokens, V] float32
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}

@@ -62,16 +62,6 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="accepted, no effect")
     g.add_argument("--cpu-offload-gb", type=float, default=None, metavar="GIB", help="0 only")
     g.add_argument("--disable-custom-all-reduce", action="store_true", default=None, help="accepted, no effect")
-    g.add_argument("--compilation-config", "-cc", "-O", default=None, metavar="JSON|LEVEL",
-                   help="of vLLM's compilation config lamina reads cudagraph_mode (NONE = --enforce-eager, "
-                        "FULL_DECODE_ONLY = decode graphs only: prefill / mixed steps eagerly) and "
-                        "cudagraph_capture_sizes / max_cudagraph_capture_size (tokens: which decode steps replay a "
-                        "graph); the rest has no effect. Key by key too: -cc.max_cudagraph_capture_size 64. "
-                        "-O0 (vLLM's optimisation level 0) runs eagerly unless a cudagraph_mode is given, -O1..3 "
-                        "keep the graphs")
-    g.add_argument("--optimization-level", type=int, default=None, metavar="0-3",
-                   help="vLLM's: 0 runs eagerly (its cudagraph_mode NONE) unless --compilation-config names a mode; "
-                        "1-3 keep lamina's graphs (no torch.compile). -O0 .. -O3 too")
     g.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N", help="accepted, no effect")
     g.add_argument("--tokenizer-revision", default=None, metavar="REV",
                    help="refused: lamina reads the tokenizer of MODEL at --revision (or --tokenizer)")
