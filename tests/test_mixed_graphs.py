@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -55,6 +57,13 @@ def test_buckets_and_the_switch(monkeypatch):
         monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, bad)
         with pytest.raises(ValueError, match="LAMINA_MIXED_GRAPHS = .* must be a token count >= 0"):
             mixed_graph_max_tokens()
+    monkeypatch.delenv(mixed_graphs.AT_START_ENV, raising=False)
+    assert mixed_graphs.mixed_graphs_at_start()
+    monkeypatch.setenv(mixed_graphs.AT_START_ENV, "0")
+    assert not mixed_graphs.mixed_graphs_at_start()
+    monkeypatch.setenv(mixed_graphs.AT_START_ENV, "yes")
+    with pytest.raises(ValueError, match="LAMINA_MIXED_GRAPHS_AT_START = 'yes' must be 0 or 1"):
+        mixed_graphs.mixed_graphs_at_start()
 
 
 def test_shapes_pad_within_the_query_bound():
@@ -95,6 +104,26 @@ def test_shapes_pad_within_the_query_bound():
     assert tables[0, :3].tolist() == [3, 5, 7] and tables[1, :2].tolist() == [4, 6]
     assert not np.any(tables[2:, :2])  # the padding requests' blocks (5 tokens: 2 blocks of 4): block 0
     # (entries past a row's context are not cleared: nothing reads them)
+
+
+def test_reachable_shapes_are_those_steps_take():
+    """`reachable_shapes` (a closed form per token bucket and request count) is exactly the set of
+    shapes `shape_for` gives every step of at most the budget's tokens in at most max_reqs requests
+    of chunks within the query bound; `capture_all` captures each once, largest first."""
+    for max_tokens, max_reqs, limit, budget in itertools.product((16, 64), (1, 3, 8, 20), (1, 5, 16, 24), (16, 40, 8192)):
+        graphs = MixedGraphs(_ShortModel(limit), device=torch.device("cpu"), max_tokens=max_tokens, max_reqs=max_reqs,
+                             block_size=4, max_blocks_per_seq=64, spare_state_slot=99, vocab_size=8)
+        every = {graphs.shape_for(t, r) for t in range(1, min(graphs.max_tokens, budget) + 1)
+                 for r in range(1, min(t, max_reqs) + 1) if t <= r * graphs.max_query_len} - {None}
+        shapes = graphs.reachable_shapes(budget)
+        assert set(shapes) == every and shapes == sorted(shapes, reverse=True), (max_tokens, max_reqs, limit, budget)
+    graphs = MixedGraphs(_ShortModel(256), device=torch.device("cpu"), max_tokens=512, max_reqs=256, block_size=16,
+                         max_blocks_per_seq=64, spare_state_slot=99, vocab_size=8)
+    shapes = graphs.reachable_shapes(8192)
+    assert len(shapes) == 43 and shapes[0] == (512, 257) and (512, 2) not in shapes  # one chunk holds 256 at most
+    graphs.failed.add((16, 2))
+    assert graphs.capture_all(8192) == 42 and list(graphs.graphs) == [s for s in shapes if s != (16, 2)]
+    assert graphs.capture_all(8192) == 0
 
 
 def test_the_query_bound_keeps_padding_inside_a_block_table():
@@ -154,9 +183,11 @@ def test_why_not_capturable(qwen3_5_moe_short_dir, monkeypatch):
     assert "varlen kernel" in reason(LAMINA_KERNELS="triton", LAMINA_PREFILL_ATTENTION="sdpa")
 
 
-def _generate(path, prompts, monkeypatch, *, kernels, mixed_tokens=0, max_tokens=3, **kwargs):
+def _generate(path, prompts, monkeypatch, *, kernels, mixed_tokens=0, max_tokens=3, at_start=None, **kwargs):
     """Greedy tokens and logprobs; `mixed_tokens` > 0: decode and mixed graphs (on the CPU their
-    static buffers, eagerly). Returns (outputs, the runner's mixed replays, shapes captured)."""
+    static buffers, eagerly); `at_start`: LAMINA_MIXED_GRAPHS_AT_START (the CPU engine runs its
+    start-up capture here, as a CUDA engine does after its warm-up). Returns (outputs, the runner's
+    mixed replays, (shapes captured, the shapes, how many of them before the first request))."""
     from lamina import LLM
 
     monkeypatch.setenv("LAMINA_KERNELS", kernels)
@@ -164,18 +195,22 @@ def _generate(path, prompts, monkeypatch, *, kernels, mixed_tokens=0, max_tokens
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     graphs = mixed_tokens > 0
     monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, str(mixed_tokens))
+    if at_start is not None:
+        monkeypatch.setenv(mixed_graphs.AT_START_ENV, str(int(at_start)))
     with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
              **kwargs) as llm:
         runner = llm.engine.executor.runner
         if graphs and DEVICE == "cpu":
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, static_off_cuda=True,
                                                 mixed_max_tokens=mixed_tokens)
+            llm.engine._capture_mixed_graphs_at_start()
         assert (runner.mixed_graphs is not None) == graphs, runner.no_mixed_graphs_reason
+        before = len(runner.mixed_graphs.graphs) if graphs else 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         captured = runner.mixed_graphs.captures if graphs else 0
         shapes = sorted(runner.mixed_graphs.graphs) if graphs else []
     results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
-    return results, runner.mixed_replays, (captured, shapes)
+    return results, runner.mixed_replays, (captured, shapes, before)
 
 
 def test_engine_through_mixed_graphs_matches_reference(qwen3_5_moe_short_dir, monkeypatch):
@@ -195,8 +230,9 @@ def test_engine_through_mixed_graphs_matches_reference(qwen3_5_moe_short_dir, mo
         real_pack(self, chunks, shape, pending_rows)
 
     monkeypatch.setattr(MixedGraphs, "_pack", pack)
-    ours, replays, (_, shapes) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32,
-                                           async_scheduling=True, **options)
+    ours, replays, (captured, shapes, before) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32,
+                                                          at_start=True, async_scheduling=True, **options)
+    assert before == len(shapes), (before, shapes)  # every shape at start-up, none mid-serving
     assert replays >= 3, replays  # the prompt steps and the steps where decodes ride the last chunks
     assert any(pending), pending  # a decode's pending token filled in the mixed graphs' static buffer
     assert shapes and all(t == 16 for t, _ in shapes), shapes
@@ -222,7 +258,8 @@ def test_a_failed_capture_runs_that_shape_eagerly(qwen3_5_moe_short_dir, monkeyp
 
     monkeypatch.setattr(MixedGraphs, "_capture", first_fails)
     ref, _, _ = _generate(path, prompts, monkeypatch, kernels="reference", **options)
-    ours, replays, (_, shapes) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32, **options)
+    ours, replays, (_, shapes, _) = _generate(path, prompts, monkeypatch, kernels="triton", mixed_tokens=32,
+                                              at_start=False, **options)
     assert len(attempts) == len(set(attempts)) == len(shapes) + 1  # the failed shape was never tried again
     assert attempts[0] not in shapes and replays > 0
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
@@ -239,9 +276,10 @@ def test_captured_mixed_graphs_equal_their_eager_replay(qwen3_5_moe_short_dir, m
     path = qwen3_5_moe_short_dir
     prompts = [[5, 17, 300], list(range(40, 90)), [9] * 20, list(range(7, 140))]
     options = dict(max_num_seqs=4, max_num_batched_tokens=48, max_tokens=6)
-    graphed, replays, (captured, shapes) = _generate(path, prompts, monkeypatch, kernels="triton",
-                                                     mixed_tokens=64, **options)
+    graphed, replays, (captured, shapes, before) = _generate(path, prompts, monkeypatch, kernels="triton",
+                                                             mixed_tokens=64, **options)
     assert replays >= 4 and captured == len(shapes) >= 2, (replays, captured, shapes)
+    assert before == len(shapes)  # every shape at start-up: none mid-serving
     real_capture = MixedGraphs._capture
 
     def no_graph(self, shape):

@@ -189,8 +189,25 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         if self.device.type == "cuda":
             with self._out_of_memory_explained("warming up (a step of max_num_batched_tokens tokens)"):
                 self.warm_up()
+            self._capture_mixed_graphs_at_start()
             seed_unseeded_stream(args.seed, self.device)
             torch.cuda.set_rng_state(callers_cuda_rng, self.device)
+
+    def _capture_mixed_graphs_at_start(self) -> None:
+        """Single-rank CUDA engines with prefill / mixed graphs: capture every shape a step can take
+        that the warm-up did not, as vLLM captures its graphs at start-up, so none is captured
+        mid-serving, stalling the running requests (`LAMINA_MIXED_GRAPHS_AT_START=0`: each shape
+        when first met, as before)."""
+        from lamina.worker.mixed_graphs import mixed_graphs_at_start
+
+        graphs = getattr(getattr(self.executor, "runner", None), "mixed_graphs", None)
+        if graphs is None or not mixed_graphs_at_start():
+            return
+        start, before = time.perf_counter(), graphs.captures
+        with self._out_of_memory_explained("capturing the prefill / mixed step graphs"):
+            added = graphs.capture_all(self.max_num_batched_tokens)
+        logger.info("prefill / mixed step graphs: %d shapes captured at start-up in %.1f s (%d by the warm-up)",
+                    added, time.perf_counter() - start, before)
 
     def _reset_statistics(self) -> None:
         """Speculative decoding's K policy and counters, and the token counters for metrics (as

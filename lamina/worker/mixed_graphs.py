@@ -23,10 +23,12 @@ the eager step is rounding only (docs/ARCHITECTURE.md, "Batch invariance"): a de
 prompt chunk takes the varlen attention kernel rather than the decode kernel, and the MoE's tiles
 follow Tc rather than T.
 
-Graphs are captured the first time a shape is needed (a warm-up and the capture on a side stream,
-with an all-padding layout so no request's cache or state is touched), into the decode graphs'
-memory pool; the engine's start-up warm-up (steps of 8 to 512 tokens) captures the common ones.
-A shape whose capture fails (out of memory, say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
+Graphs are captured (a warm-up and the capture on a side stream, with an all-padding layout so no
+request's cache or state is touched) into the decode graphs' memory pool: the engine captures every
+shape a step can take at start-up, largest first (`capture_all`, `reachable_shapes`: 43 at 256
+requests; `LAMINA_MIXED_GRAPHS_AT_START=0` leaves each to the first step that needs it, which then
+stalls every running request while it is captured). A shape whose capture fails (out of memory,
+say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
 when the engine captures its graphs. Single-rank engines without speculative decoding; models whose
 prefill needs host work (N-gram PLE history, QSA's block selection) run these steps eagerly
 (`why_not_capturable`).
@@ -47,6 +49,7 @@ from lamina.worker.cuda_graphs import why_not_capturable as why_decode_not_captu
 logger = logging.getLogger(__name__)
 
 MIXED_GRAPHS_ENV = "LAMINA_MIXED_GRAPHS"
+AT_START_ENV = "LAMINA_MIXED_GRAPHS_AT_START"
 DEFAULT_MAX_TOKENS = 512
 MIN_TOKENS = 16  # the smallest token bucket: above MAX_DECODE_QUERY_LEN, so no decode kernel is taken
 
@@ -64,6 +67,17 @@ def mixed_graph_max_tokens(token_limit: int | None = None) -> int:
 
     tokens = env_token_count(MIXED_GRAPHS_ENV, DEFAULT_MAX_TOKENS)
     return capped_tokens(0 if tokens == 0 else max(MIN_TOKENS, 1 << (tokens - 1).bit_length()), token_limit)
+
+
+def mixed_graphs_at_start() -> bool:
+    """`LAMINA_MIXED_GRAPHS_AT_START`: capture every reachable shape when the engine starts (1, the
+    default) or each when first needed (0)."""
+    import os
+
+    value = os.environ.get(AT_START_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{AT_START_ENV} = {value!r} must be 0 or 1")
+    return value == "1"
 
 
 def capped_tokens(max_tokens: int, token_limit: int | None) -> int:
@@ -207,6 +221,39 @@ class MixedGraphs:
             return None
         return None
 
+    def reachable_shapes(self, max_step_tokens: int) -> list[tuple[int, int]]:
+        """Every (Tc, Rc) that `shape_for` gives a step of at most `max_step_tokens` tokens (the
+        scheduler's budget) in at most max_reqs - 1 requests, each chunk at most the query bound,
+        largest first. For a token bucket Tc and R requests, a step of T tokens needs
+        n(T) = max(R + 1, R + ceil((Tc - T) / bound)) requests, which takes every integer between
+        n(T_hi) and n(T_lo) as T falls one token at a time, so its buckets are a contiguous run."""
+        shapes: set[tuple[int, int]] = set()
+        top = self.request_sizes[-1]
+        for index, tokens in enumerate(self.token_sizes):
+            bound = self.query_bound(tokens)
+            low = self.token_sizes[index - 1] + 1 if index else 1
+            for reqs in range(1, min(tokens, top - 1) + 1):
+                t_lo, t_hi = max(low, reqs), min(tokens, reqs * self.max_query_len, max_step_tokens)
+                if t_lo > t_hi:
+                    continue
+                n_lo = max(reqs + 1, reqs - (-(tokens - t_hi) // bound))  # the fewest requests: T = T_hi
+                n_hi = min(max(reqs + 1, reqs - (-(tokens - t_lo) // bound)), top)
+                # the smallest bucket >= n for each n in [n_lo, n_hi]: those >= n_lo whose predecessor is < n_hi
+                shapes.update((tokens, r) for r, below in zip(self.request_sizes, [0] + self.request_sizes[:-1])
+                              if r >= n_lo and below < n_hi)
+        return sorted(shapes, reverse=True)
+
+    def capture_all(self, max_step_tokens: int) -> int:
+        """Capture every shape a step of at most `max_step_tokens` tokens can take that is not yet
+        captured, largest first (each later one reuses the pool's blocks), so that no shape is first
+        met mid-serving, where its capture stalls every running request (77-137 ms a shape on an
+        H100, session 44). Returns how many shapes were added (off CUDA: their static-buffer entries)."""
+        before = len(self.graphs)
+        for shape in self.reachable_shapes(max_step_tokens):
+            if shape not in self.graphs and shape not in self.failed:
+                self._try_capture(shape)
+        return len(self.graphs) - before
+
     # ---- buffers -----------------------------------------------------------------------------
     def _token(self, buffer, name: str, tokens: int):
         start = _TOKEN_FIELDS.index(name) * self.max_tokens
@@ -327,6 +374,17 @@ class MixedGraphs:
         self.capture_ms[shape] = took * 1e3
         logger.info("captured the prefill / mixed step graph of %d tokens and %d requests in %.0f ms", *shape, took * 1e3)
 
+    def _try_capture(self, shape: tuple[int, int]) -> bool:
+        """`_capture`, or on failure (out of memory, a capture error) mark the shape to run eagerly."""
+        try:
+            self._capture(shape)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            self.failed.add(shape)
+            logger.warning("capturing the prefill / mixed step graph of %d tokens and %d requests failed (%s: %s); "
+                           "steps of that shape run eagerly", *shape, type(error).__name__, error)
+            return False
+        return True
+
     # ---- replay ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks, previous=None) -> torch.Tensor | None:
@@ -338,14 +396,8 @@ class MixedGraphs:
         shape = self.shape_for(num_tokens, len(chunks))
         if shape is None or shape in self.failed:
             raise ValueError(f"no prefill / mixed graph fits {num_tokens} tokens of {len(chunks)} requests")
-        if shape not in self.graphs:
-            try:
-                self._capture(shape)
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                self.failed.add(shape)
-                logger.warning("capturing the prefill / mixed step graph of %d tokens and %d requests failed (%s: %s); "
-                               "steps of that shape run eagerly", *shape, type(error).__name__, error)
-                return None
+        if shape not in self.graphs and not self._try_capture(shape):
+            return None
         pending_rows = previous.source_rows(chunks) if previous is not None else None
         if self._uploaded is not None:
             self._uploaded.synchronize()
