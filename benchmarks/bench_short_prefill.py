@@ -7,6 +7,7 @@ same steps run eagerly, both on the short path.
     python benchmarks/bench_short_prefill.py --input-len 16,32,64,128,256 --rounds 5 --out short_prefill.json
     python benchmarks/bench_short_prefill.py --compare graphs --input-len 16,128,256 --out mixed_graphs.json
     python benchmarks/bench_short_prefill.py --compare alone --input-len 384,512 --out short_alone.json
+    python benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --input-len 16,128 --out mtp_graphs.json
 
 One engine (the preset's dummy weights, prefix caching off) is loaded and warmed once; the path is
 switched by setting every delta-net layer's `short_prefill_tokens` (what LAMINA_GDN_SHORT_PREFILL
@@ -38,6 +39,9 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="an MTP engine of K drafts (the preset given one MTP layer, dummy weights): its prompt-alone "
+                         "steps replay the prefill graphs too; joining steps hold drafts and run eagerly both ways")
     ap.add_argument("--compare", choices=("short", "graphs", "alone"), default="short",
                     help="short: fla against the short-chunk path; graphs: eager against the mixed steps' graphs; "
                          "alone: the short-chunk limit of every step (LAMINA_GDN_SHORT_PREFILL_ALONE=0) against "
@@ -54,8 +58,10 @@ def main() -> None:
     rng = random.Random(0)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     records = []
+    mtp = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": args.mtp},
+            "hf_overrides": {"mtp_num_hidden_layers": 1}} if args.mtp else {})
     with LLM(str(preset_dir(args.preset, args.num_layers)), dtype=args.dtype, load_format="dummy", max_num_seqs=16,
-             max_model_len=max(lengths) + 512, show_progress=False) as llm:
+             max_model_len=max(lengths) + 512, show_progress=False, **mtp) as llm:
         engine = llm.engine
         runner = engine.executor.runner
         layers = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
@@ -144,6 +150,7 @@ def main() -> None:
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
                        "default_short_prefill_tokens": default,
                        "default_short_prefill_alone_tokens": default_alone, "compare": args.compare,
+                       "mtp_num_speculative_tokens": args.mtp,
                        "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s,
                        "mixed_graph_capture_ms": capture_ms, "records": records}, f,
                       indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45s|s45b|s45g|s45k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45s|s45m|s45b|s45g|s45k ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1338,6 +1338,12 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       done
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_capture_sizes.py \
         > $OUT/s45s_tests.txt 2>&1; tail -2 $OUT/s45s_tests.txt; grep -E "^(E  |FAILED)" $OUT/s45s_tests.txt | head -8 ;;
+    s45m)  # session 45: an MTP engine's prompt-alone steps on the prefill graphs (hidden states kept, drafter eager):
+      # TTFT graphs vs eager at K = 2 (joining steps hold drafts: eager both ways); MTP GPU tests with the graphs on
+      timeout 200 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --input-len 16,128,256 --rounds 2 \
+        --out $OUT/mtp_prefill_graphs_s45.json > $OUT/s45m_bench.txt 2>&1; echo "rc $?"; grep -E "^input|shapes|rror" $OUT/s45m_bench.txt | head -6
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_triton.py tests/test_gpu_engine.py \
+        > $OUT/s45m_tests.txt 2>&1; tail -2 $OUT/s45m_tests.txt; grep -E "^(E  |FAILED)" $OUT/s45m_tests.txt | head -8 ;;
     s45b)  # s44b's TTFT / joining-step comparison, which ran past its 110 s limit there: the step-following short limit
       # (LAMINA_GDN_SHORT_PREFILL_ALONE) off / on at 300 and 512 tokens, one process, alternating
       timeout 330 python3 benchmarks/bench_short_prefill.py --compare alone --input-len 512,300 --rounds 2 \

@@ -267,6 +267,55 @@ def test_a_failed_capture_runs_that_shape_eagerly(qwen3_5_moe_short_dir, monkeyp
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
 
 
+def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
+    """MTP K = `k`, greedy on the Triton kernels, eagerly or with the verification and prefill /
+    mixed graphs (static buffers on the CPU). Returns (tokens and logprobs, every proposal of the
+    drafter, the runner's mixed replays)."""
+    from lamina import LLM
+    from lamina.worker.proposer import MTPProposer
+
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    monkeypatch.setenv(mixed_graphs.MIXED_GRAPHS_ENV, "32")
+    proposals = []
+    real_propose = getattr(MTPProposer.propose, "unwrapped", MTPProposer.propose)  # not an earlier call's wrapper
+
+    def propose(self, *args, **kwargs):
+        tokens, probs = real_propose(self, *args, **kwargs)
+        proposals.append([t.tolist() for t in tokens])
+        return tokens, probs
+
+    propose.unwrapped = real_propose
+    monkeypatch.setattr(MTPProposer, "propose", propose)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
+             max_num_seqs=4, max_num_batched_tokens=16, speculative_config=spec) as llm:
+        runner = llm.engine.executor.runner
+        if graphs and DEVICE == "cpu":
+            assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, num_speculative_tokens=k,
+                                                static_off_cuda=True, mixed_max_tokens=32)
+        assert (runner.mixed_graphs is not None) == graphs, runner.no_mixed_graphs_reason
+        proposals.clear()  # (a CUDA engine's warm-up proposed too)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
+    return results, proposals, runner.mixed_replays
+
+
+def test_mtp_prompt_steps_through_mixed_graphs(mtp_short_dir, monkeypatch):
+    """MTP engines replay prefill / mixed graphs for steps without drafts (the graph keeps the final
+    hidden states; the drafter's first pass and the sampling run eagerly over the padded step): the
+    eager run's tokens, logprobs and every proposal of the drafter (its KV history written from the
+    padded step). Steps holding drafts run as before."""
+    prompts = [[5, 17, 300], list(range(40, 49)), [9] * 3]  # one 15-token step, then decodes with drafts
+    eager, eager_proposals, none = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=False)
+    ours, proposals, replays = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=True)
+    assert none == 0 and replays == 1, replays
+    assert proposals == eager_proposals and len(proposals) > 2
+    for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
+        assert ids == eager_ids
+        torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_mixed_graphs_equal_their_eager_replay(qwen3_5_moe_short_dir, monkeypatch):

@@ -59,11 +59,13 @@ class KVCacheSizing:
             total = torch.cuda.get_device_properties(self.device).total_memory
             k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
             per_slot = self.executor.state_bytes_per_slot()
-            mixed = 0  # the prefill / mixed steps' graphs: single rank, without MTP (lamina.worker.mixed_graphs)
-            if not args.enforce_eager and args.prefill_graphs and not k and self.parallel_config.is_single_rank:
+            mixed = 0  # the prefill / mixed steps' graphs: single rank (lamina.worker.mixed_graphs)
+            if not args.enforce_eager and args.prefill_graphs and self.parallel_config.is_single_rank:
                 from lamina.worker import mixed_graphs
 
-                if mixed_graphs.why_not_capturable(self.executor.runner.model) is None:
+                runner = self.executor.runner
+                drafter = runner.spec.mtp if runner.spec is not None else None
+                if (k == 0 or drafter is not None) and mixed_graphs.why_not_capturable(runner.model, drafter) is None:
                     from lamina.worker.cuda_graphs import graph_token_limit
 
                     mixed = mixed_graphs.mixed_graph_max_tokens(

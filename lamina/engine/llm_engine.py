@@ -149,7 +149,7 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
 
                 self.cuda_graphs = self.executor.runner.capture_decode_graphs(
                     max_num_seqs, self.max_model_len, num_speculative_tokens=k,
-                    mixed_max_tokens=mixed_graph_max_tokens() if k == 0 and args.prefill_graphs else 0,
+                    mixed_max_tokens=mixed_graph_max_tokens() if args.prefill_graphs else 0,
                     capture_sizes=args.cudagraph_capture_sizes, max_capture_size=args.max_cudagraph_capture_size,
                 )
             elif not args.enforce_eager and self.device.type == "cuda":

@@ -103,7 +103,9 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
             "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch."),
             "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch."),
             # why short prefill / mixed steps could not replay graphs whatever the kernels (None: they can)
-            "prefill_graphs_blocked_by": prefill_needs_host(model)}
+            "prefill_graphs_blocked_by": prefill_needs_host(model) or (
+                None if mtp is None or getattr(mtp, "reads_final_hidden", False)
+                else f"the MTP drafter {type(mtp).__name__} reads more of the target's step than its final hidden states")}
 
 
 # Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):
@@ -133,7 +135,7 @@ def gpu_memory_preview(estimate: dict, cfg, engine_args: EngineArgs, gpu_memory_
     graphs = not engine_args.enforce_eager
     hint = state_dtype_hint(ssm_state_dtype, kv_cache_dtype)  # (a GPU of FP8's generation assumed)
     single_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size * engine_args.data_parallel_size == 1
-    prefill_graphs = (graphs and engine_args.prefill_graphs and not k and single_rank
+    prefill_graphs = (graphs and engine_args.prefill_graphs and single_rank
                       and estimate.get("prefill_graphs_blocked_by") is None)
     limit = graph_token_limit(engine_args.cudagraph_capture_sizes, engine_args.max_cudagraph_capture_size)
     mixed = mixed_graph_max_tokens(limit) if prefill_graphs else 0  # their pool (lamina.worker.mixed_graphs)

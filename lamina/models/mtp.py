@@ -102,6 +102,10 @@ class MTPBase(nn.Module):
 class HybridMTP(MTPBase):
     """Qwen3-Next / Qwen3.5-MoE drafter: `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.{i}`, `mtp.norm`."""
 
+    # its first pass reads the target's final hidden states alone (`target_hidden`), so a target step
+    # replayed from a graph that keeps them feeds it (lamina.worker.mixed_graphs.why_not_capturable)
+    reads_final_hidden = True
+
     def __init__(self, target: nn.Module, *, num_layers: int, prefix: str, device, available_names=(),
                  fp8_experts=None):
         """`fp8_experts`: keep the drafter's experts block FP8 (as the target's, `attach_mtp`)."""

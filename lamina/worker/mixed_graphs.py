@@ -29,9 +29,12 @@ shape a step can take at start-up, largest first (`capture_all`, `reachable_shap
 requests; `LAMINA_MIXED_GRAPHS_AT_START=0` leaves each to the first step that needs it, which then
 stalls every running request while it is captured). A shape whose capture fails (out of memory,
 say) runs eagerly from then on. `LAMINA_MIXED_GRAPHS` = the largest token bucket (default 512; 0: off), read
-when the engine captures its graphs. Single-rank engines without speculative decoding; models whose
-prefill needs host work (N-gram PLE history, QSA's block selection) run these steps eagerly
-(`why_not_capturable`).
+when the engine captures its graphs. Single-rank engines; models whose prefill needs host work
+(N-gram PLE history, QSA's block selection) run these steps eagerly (`why_not_capturable`). Under
+MTP (`keep_hidden`) a graph ends at the final hidden states, kept in a persistent buffer: the
+verification and the drafter's passes run eagerly over the padded step (`run_hidden`), for steps
+without drafts (prompts alone, or beside requests that draft nothing); a step with drafts needs
+their states' capture rows and runs on the verification graphs or eagerly.
 """
 
 from __future__ import annotations
@@ -126,17 +129,21 @@ def prefill_needs_host(model) -> str | None:
     return None
 
 
-def why_not_capturable(model) -> str | None:
+def why_not_capturable(model, drafter=None) -> str | None:
     """Why the model's short prefill / mixed steps cannot be captured, or None: the decode step's
     conditions (lamina.worker.cuda_graphs.why_not_capturable), plus no token history (the N-gram PLE's
     windows are per request, built on the host), no QSA attention (its prefill selection is not
     fixed-shape), the varlen attention kernel for prompt chunks, the Triton prefill conv and the
-    short-chunk delta rule for chunks of at least MIN_TOKENS tokens."""
+    short-chunk delta rule for chunks of at least MIN_TOKENS tokens. `drafter`: an MTP engine's
+    drafter, which must read the target's final hidden states (what the graph keeps), not streams
+    its forward sets aside on the host side (Qwen4-Exp's hyper-connection streams)."""
     from lamina.layers.attention import GatedAttention
 
     reason = why_decode_not_capturable(model) or prefill_needs_host(model)
     if reason is not None:
         return reason
+    if drafter is not None and not getattr(drafter, "reads_final_hidden", False):
+        return f"the MTP drafter {type(drafter).__name__} reads more of the target's step than its final hidden states"
     for name, module in model.named_modules():
         if isinstance(module, GatedAttention) and not module.triton_prefill_attention:
             return f"attention {name}: prompt chunks on SDPA (LAMINA_PREFILL_ATTENTION=sdpa), not the varlen kernel"
@@ -153,8 +160,14 @@ class MixedGraphs:
     def __init__(
         self, model, *, device: torch.device, max_tokens: int, max_reqs: int, block_size: int,
         max_blocks_per_seq: int, spare_state_slot: int, vocab_size: int, pool=None, stream=None,
+        keep_hidden: bool = False,
     ):
         self.model = model
+        # MTP engines (`keep_hidden`): the graph ends at the final hidden states, copied into a
+        # persistent buffer that the drafter's eager passes and the verification read (`run_hidden`);
+        # no LM head in the graph (finish_step computes the sampling rows' logits itself)
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # [max_tokens, H], allocated by the first forward
         self.device = device
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
@@ -181,7 +194,7 @@ class MixedGraphs:
         # One float32 logits buffer for every shape (rows: requests), outside the graphs' pool; the
         # graphs capture on one stream (the decode graphs', when given) so that each capture reuses
         # the blocks the previous ones freed in the shared pool.
-        self.logits = torch.empty(r, vocab_size, dtype=torch.float32, device=device)  # [Rc_max, vocab]
+        self.logits = None if keep_hidden else torch.empty(r, vocab_size, dtype=torch.float32, device=device)  # [Rc_max, vocab]
         self.pool = pool
         self.stream = (stream or torch.cuda.Stream(device)) if device.type == "cuda" else None
         self.captures = 0  # shapes captured (tests, logs)
@@ -335,10 +348,15 @@ class MixedGraphs:
 
     def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         """Logits `[Rc, vocab]` of every request's last row (padding requests' included), written
-        into the shared buffer."""
-        reqs = shape[1]
+        into the shared buffer; with `keep_hidden`, the final hidden states `[Tc, H]` written into
+        theirs instead."""
+        tokens, reqs = shape
         token_ids, meta = self._meta(shape)
         hidden = self.model(token_ids, meta)  # [Tc, H]
+        if self.keep_hidden:
+            if self.hidden is None:  # the first forward is a warm-up, outside any graph (or the CPU's)
+                self.hidden = torch.empty((self.max_tokens, hidden.shape[-1]), dtype=hidden.dtype, device=self.device)
+            return self.hidden[:tokens].copy_(hidden)  # [Tc, H]
         last_rows = (meta.query_start_loc[1:] - 1).clamp(min=0)  # [Rc]
         return self.model.compute_logits(hidden.index_select(0, last_rows), out=self.logits[:reqs])  # [Rc, vocab]
 
@@ -392,6 +410,29 @@ class MixedGraphs:
         hold); None when the step's shape could not be captured (out of memory, or a capture error:
         the caller runs the step eagerly, as it will every later step of that shape). Pending
         tokens (asynchronous scheduling) are taken from `previous` (`PreviousTokens`) on the device."""
+        shape = self._replay(chunks, previous)
+        if shape is None:
+            return None
+        logits = self.logits
+        rows = [row for row, c in enumerate(chunks) if c.sample]
+        if len(rows) == len(chunks):
+            return logits[: len(chunks)]
+        return logits.index_select(0, to_device(rows, self.device))  # [B_sample, vocab]
+
+    @torch.inference_mode()
+    def run_hidden(self, chunks) -> tuple[torch.Tensor, torch.Tensor, ForwardMetadata] | None:
+        """MTP engines (`keep_hidden`): the step replayed, then (final hidden states `[Tc, H]`, token
+        ids `[Tc]`, the padded step's metadata) for the drafter and the verification, which run
+        eagerly over the padded step (its requests first, in chunk order; padding rows write no KV);
+        None when the shape could not be captured. Chunks carry no pending tokens here."""
+        shape = self._replay(chunks, None)
+        if shape is None:
+            return None
+        token_ids, meta = self._meta(shape)  # views of the device buffer the replay read
+        return self.hidden[: shape[0]], token_ids, meta
+
+    def _replay(self, chunks, previous) -> tuple[int, int] | None:
+        """Pack, upload and replay the step's shape (captured first when new); its shape, or None."""
         num_tokens = sum(c.num_tokens for c in chunks)
         shape = self.shape_for(num_tokens, len(chunks))
         if shape is None or shape in self.failed:
@@ -413,8 +454,4 @@ class MixedGraphs:
             self._forward(shape)
         else:
             graph.replay()
-        logits = self.logits
-        rows = [row for row, c in enumerate(chunks) if c.sample]
-        if len(rows) == len(chunks):
-            return logits[: len(chunks)]
-        return logits.index_select(0, to_device(rows, self.device))  # [B_sample, vocab]
+        return shape

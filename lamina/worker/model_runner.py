@@ -144,9 +144,9 @@ class ModelRunner:
         target's step of Q = 1..K+1 tokens per request (lamina.worker.verify_graphs, K =
         `num_speculative_tokens`). Returns whether graphs were captured. `static_off_cuda`
         (tests): on the CPU, run decode steps through the graphs' static buffers and padding, eagerly.
-        `mixed_max_tokens` > 0 (single rank, without MTP): short prefill and mixed steps of up to
-        that many tokens run from graphs too, each shape captured when first needed
-        (lamina.worker.mixed_graphs). `capture_sizes` / `max_capture_size`: vLLM's
+        `mixed_max_tokens` > 0 (single rank): short prefill and mixed steps of up to that many
+        tokens run from graphs too (under MTP those without drafts), each shape captured when first
+        needed or by the engine's `capture_all` at start-up (lamina.worker.mixed_graphs). `capture_sizes` / `max_capture_size`: vLLM's
         cudagraph_capture_sizes / max_cudagraph_capture_size, in tokens (EngineArgs): which sizes
         (`cuda_graphs.graph_sizes`), and a cap on the mixed graphs' tokens."""
         from lamina.worker import cuda_graphs
@@ -183,6 +183,8 @@ class ModelRunner:
                     f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
                 ) from error
             self.verify_graphs = graphs
+            self._make_mixed_graphs(max_batch, max_blocks, self._mixed_tokens(mixed_max_tokens, capture_sizes, max_capture_size),
+                                    graphs)
             return True
         sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)  # never empty: Q = 1
         graphs = cuda_graphs.DecodeGraphs(
@@ -191,21 +193,34 @@ class ModelRunner:
         )
         graphs.capture(sizes)
         self.decode_graphs = graphs
-        limit = cuda_graphs.graph_token_limit(capture_sizes, max_capture_size)
-        if mixed_max_tokens > 0:  # within vLLM's cap on any graph's tokens
-            from lamina.worker.mixed_graphs import MIN_TOKENS, capped_tokens
-
-            mixed_max_tokens = capped_tokens(mixed_max_tokens, limit)
-            if not mixed_max_tokens:
-                self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {MIN_TOKENS}"
-        if mixed_max_tokens > 0:
-            self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, graphs)
+        self._make_mixed_graphs(max_batch, max_blocks, self._mixed_tokens(mixed_max_tokens, capture_sizes, max_capture_size),
+                                graphs)
         return True
 
+    def _mixed_tokens(self, mixed_max_tokens: int, capture_sizes, max_capture_size) -> int:
+        """The prefill / mixed graphs' largest token bucket within vLLM's cap on any graph's tokens
+        (0: none; `no_mixed_graphs_reason` says why when the cap left none)."""
+        from lamina.worker.cuda_graphs import graph_token_limit
+        from lamina.worker.mixed_graphs import MIN_TOKENS, capped_tokens
+
+        if mixed_max_tokens <= 0:
+            return 0
+        limit = graph_token_limit(capture_sizes, max_capture_size)
+        tokens = capped_tokens(mixed_max_tokens, limit)
+        if not tokens:
+            self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {MIN_TOKENS}"
+        return tokens
+
     def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, decode_graphs) -> None:
+        """Prefill / mixed step graphs of up to `max_tokens` tokens (0: none) in the decode (or MTP
+        verification) graphs' pool and stream. Under MTP they end at the hidden states, which the
+        drafter and the verification read eagerly (`MixedGraphs.run_hidden`), and serve steps
+        without drafts only (`fits_mixed_graphs`)."""
         from lamina.worker import mixed_graphs
 
-        reason = mixed_graphs.why_not_capturable(self.model)
+        if max_tokens <= 0:
+            return
+        reason = mixed_graphs.why_not_capturable(self.model, self.spec.mtp if self.spec is not None else None)
         if reason is not None:
             logger.info("prefill and mixed steps run eagerly (no CUDA graphs): %s", reason)
             self.no_mixed_graphs_reason = reason
@@ -214,6 +229,7 @@ class ModelRunner:
             self.model, device=self.device, max_tokens=max_tokens, max_reqs=max_batch, block_size=self.block_size,
             max_blocks_per_seq=max_blocks, spare_state_slot=self.spare_state_slot, vocab_size=self.vocab_size,
             pool=decode_graphs.pool, stream=decode_graphs.stream,  # one pool, captured on one stream
+            keep_hidden=self.spec is not None,
         )
 
     # ---- inputs --------------------------------------------------------------------------
@@ -363,6 +379,12 @@ class ModelRunner:
             return False
         return 1 <= queries <= graphs.max_queries and graphs.size_for(queries, num_reqs) is not None
 
+    def fits_mixed_graphs(self, plan: StepPlan) -> bool:
+        """MTP: whether a step replays a prefill / mixed graph: a step of the graphs' shapes with
+        no drafts to verify (their states would need capture rows) and no pending tokens."""
+        return (self.mixed_graphs is not None and self.mixed_graphs.fits(plan.chunks)
+                and not any(c.num_draft_tokens or PENDING_TOKEN_ID in c.token_ids for c in plan.chunks))
+
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Single-rank step: the whole model, then sampling."""
         return self.launch(plan).result()
@@ -391,6 +413,14 @@ class ModelRunner:
             queries = self.verify_graphs.queries_for(plan.chunks) if self.verify_graphs is not None else None
             if queries is not None:
                 return self._launch_verify(plan, queries)
+            if self.fits_mixed_graphs(plan):
+                prefilled = self.mixed_graphs.run_hidden(plan.chunks)  # None: the shape could not be captured
+                if prefilled is not None:
+                    self.mixed_replays += 1
+                    hidden, token_ids, meta = prefilled  # the padded step's: [Tc, H], [Tc]
+                    self.spec.capture_for(plan)  # no drafts: no state to keep
+                    with torch.inference_mode():
+                        return self.spec.finish_step(plan, hidden, token_ids, meta, self.block_size)
             if any(PENDING_TOKEN_ID in c.token_ids for c in plan.chunks):
                 raise RuntimeError(
                     "a speculative step planned ahead of the last step's results does not fit the verification "

@@ -124,6 +124,7 @@ class VerifyGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self._captures: dict[tuple[int, int], StateCapture] = {}
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # the capture stream (CUDA)
 
     # ---- buffers ---------------------------------------------------------------------------
     def _token_field(self, buffer, name: str, count: int):
@@ -199,7 +200,7 @@ class VerifyGraphs:
             self.graphs = {key: None for key in keys}
             self._warm_fill()
             return
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream = torch.cuda.Stream(self.device)  # the MTP engine's prefill graphs capture on it too
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for queries, size in keys:
