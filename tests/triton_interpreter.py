@@ -15,7 +15,8 @@ restored, in Triton as here. So every kernel runs the same interpreted operation
 faster. `worker_main` is the rank processes' entry with the same change (spawned processes do not
 run the conftest).
 
-It also stops the interpreter computing the int32 overflow checks that Triton drops outside its
+It also sums the interpreter's float dots in an order no BLAS kernel or tile shape changes
+(`_order_free_dots`), and stops the interpreter computing the int32 overflow checks that Triton drops outside its
 debug mode (`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and
 `test_triton_kernels.py` together, 254 s before and 179 s after on this 2-core machine; one
 interpreted one-token MoE GEMV call 181 -> 93 ms.
@@ -90,6 +91,7 @@ def install() -> bool:
     interpreter.GridExecutor.__call__ = launch
     _skip_dead_overflow_checks(interpreter)
     _exact_fp8_downcasts(interpreter)
+    _order_free_dots(interpreter)
     _installed = True
     return True
 
@@ -121,6 +123,37 @@ def _exact_fp8_downcasts(interpreter) -> None:
         return fp8.view(torch.uint8).numpy().reshape(input.shape)
 
     interpreter._convert_float = to_fp8
+
+
+def _order_free_dots(interpreter) -> None:
+    """The interpreter's `tl.dot` is NumPy's matmul, i.e. the BLAS NumPy ships (OpenBLAS), whose
+    float32 sum of an element depends on the CPU's kernel and on the matrix's shape: on an AMD EPYC
+    (OpenBLAS's Zen / Haswell kernels) a query row summed in a 32-row tile differs in its last bit
+    from the same row in a 4-row tile, where the SkylakeX and generic kernels agree, so the tests
+    that hold kernels bit for bit with each other (MTP verification rows against the one-token
+    decode kernel) passed on one CI machine and failed on another. A GPU's MMA sums each element
+    in an order fixed by the instruction, whatever the number of rows. Here a floating-point dot of
+    16- or 32-bit operands is summed in float64 and rounded once to the accumulator's dtype (each
+    element's correctly rounded value, barring double-rounding ties), then added to the
+    accumulator as before: the same value for a row whatever the tile or the machine. Other dots
+    (FP8 operands, integers) are the interpreter's own."""
+    import numpy as np
+
+    builder_cls = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder_cls, "create_dot", None)
+    handle_cls = getattr(interpreter, "TensorHandle", None)
+    if original is None or handle_cls is None:
+        return
+    exact_kinds = (np.float16, np.float32, np.float64)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data
+        if a.data.dtype not in exact_kinds or b.data.dtype not in exact_kinds or acc.dtype not in exact_kinds:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc.dtype)
+        return handle_cls(product + acc, d.dtype.scalar)
+
+    builder_cls.create_dot = create_dot
 
 
 def _skip_dead_overflow_checks(interpreter) -> None:
