@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45s|s45m|s45b|s45g|s45k ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45q|s45s|s45m|s45b|s45g|s45k ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1329,6 +1329,16 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
+    s45q)  # s45s and s45m in less device time: start-up capture off / on, the graphs' and capture sizes' tests on CUDA
+      # (the MTP prefill-graph test included), MTP K = 2 prompt-alone TTFT graphs vs eager
+      for A in 0 1; do
+        LAMINA_MIXED_GRAPHS_AT_START=$A timeout 110 python3 benchmarks/bench_mixed_capture.py \
+          --out $OUT/mixed_capture_at_start${A}_s45.json 2>&1 | tail -1
+      done
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_capture_sizes.py \
+        > $OUT/s45q_tests.txt 2>&1; tail -2 $OUT/s45q_tests.txt; grep -E "^(E  |FAILED)" $OUT/s45q_tests.txt | head -8
+      timeout 130 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --input-len 16,128 --rounds 2 \
+        --out $OUT/mtp_prefill_graphs_s45.json > $OUT/s45q_bench.txt 2>&1; echo "rc $?"; grep -E "^input|shapes|rror" $OUT/s45q_bench.txt | head -6 ;;
     s45s)  # session 45: every prefill / mixed graph captured at start-up (LAMINA_MIXED_GRAPHS_AT_START) against each
       # when first met: start-up time, shapes captured mid-run, slowest steps of a serving-like run; then the graphs' and
       # capture sizes' tests on CUDA (the verify graphs' state rows under capture sizes, the start-up capture)
