@@ -1329,14 +1329,14 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
-    s45q)  # s45s and s45m in less device time: start-up capture off / on, the graphs' and capture sizes' tests on CUDA
-      # (the MTP prefill-graph test included), MTP K = 2 prompt-alone TTFT graphs vs eager
+    s45q)  # s45s and s45m in less device time, the tests first: the graphs' and capture sizes' tests on CUDA (the MTP
+      # prefill-graph test included), start-up capture off / on, MTP K = 2 prompt-alone TTFT graphs vs eager
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_capture_sizes.py \
+        > $OUT/s45q_tests.txt 2>&1; tail -2 $OUT/s45q_tests.txt; grep -E "^(E  |FAILED)" $OUT/s45q_tests.txt | head -8
       for A in 0 1; do
         LAMINA_MIXED_GRAPHS_AT_START=$A timeout 110 python3 benchmarks/bench_mixed_capture.py \
           --out $OUT/mixed_capture_at_start${A}_s45.json 2>&1 | tail -1
       done
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_capture_sizes.py \
-        > $OUT/s45q_tests.txt 2>&1; tail -2 $OUT/s45q_tests.txt; grep -E "^(E  |FAILED)" $OUT/s45q_tests.txt | head -8
       timeout 130 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --input-len 16,128 --rounds 2 \
         --out $OUT/mtp_prefill_graphs_s45.json > $OUT/s45q_bench.txt 2>&1; echo "rc $?"; grep -E "^input|shapes|rror" $OUT/s45q_bench.txt | head -6 ;;
     s45s)  # session 45: every prefill / mixed graph captured at start-up (LAMINA_MIXED_GRAPHS_AT_START) against each
