@@ -270,7 +270,7 @@ def test_a_failed_capture_runs_that_shape_eagerly(qwen3_5_moe_short_dir, monkeyp
 def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
     """MTP K = `k`, greedy on the Triton kernels, eagerly or with the verification and prefill /
     mixed graphs (static buffers on the CPU). Returns (tokens and logprobs, every proposal of the
-    drafter, the runner's mixed replays)."""
+    drafter, the runner's mixed replays while generating)."""
     from lamina import LLM
     from lamina.worker.proposer import MTPProposer
 
@@ -295,10 +295,11 @@ def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, num_speculative_tokens=k,
                                                 static_off_cuda=True, mixed_max_tokens=32)
         assert (runner.mixed_graphs is not None) == graphs, runner.no_mixed_graphs_reason
-        proposals.clear()  # (a CUDA engine's warm-up proposed too)
+        proposals.clear()  # (a CUDA engine's warm-up proposed and replayed too)
+        warm_up_replays = runner.mixed_replays
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
-    return results, proposals, runner.mixed_replays
+    return results, proposals, runner.mixed_replays - warm_up_replays
 
 
 def test_mtp_prompt_steps_through_mixed_graphs(mtp_short_dir, monkeypatch):
