@@ -14,8 +14,9 @@ switched by setting every delta-net layer's `short_prefill_tokens` (what LAMINA_
 sets when the model is built): 0 = fla for every prefill chunk, a large value = the short path.
 Each TTFT sample is one request of `max_tokens=1`, stepped alone until done. `mixed`: 8 running
 requests decode while a new prompt of the given length joins; the step that carries its chunk is
-timed (the one step whose plan holds more than one token for a request). With graphs, round 0
-(not kept) captures each shape when first needed.
+timed (the one step whose plan holds more than one token for a request). Round 0 is not kept: with
+graphs the engine captured every shape at start-up (LAMINA_MIXED_GRAPHS_AT_START=0: round 0
+captures each when first needed).
 """
 
 from __future__ import annotations
