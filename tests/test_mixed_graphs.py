@@ -106,7 +106,7 @@ def test_shapes_pad_within_the_query_bound():
     # (entries past a row's context are not cleared: nothing reads them)
 
 
-def test_reachable_shapes_are_those_steps_take():
+def test_reachable_shapes_are_those_steps_take(monkeypatch):
     """`reachable_shapes` (a closed form per token bucket and request count) is exactly the set of
     shapes `shape_for` gives every step of at most the budget's tokens in at most max_reqs requests
     of chunks within the query bound; `capture_all` captures each once, largest first."""
@@ -120,6 +120,7 @@ def test_reachable_shapes_are_those_steps_take():
     graphs = MixedGraphs(_ShortModel(256), device=torch.device("cpu"), max_tokens=512, max_reqs=256, block_size=16,
                          max_blocks_per_seq=64, spare_state_slot=99, vocab_size=8)
     shapes = graphs.reachable_shapes(8192)
+    monkeypatch.setattr(MixedGraphs, "_forward", lambda self, shape: None)  # a capture's warm-up: no model here
     assert len(shapes) == 43 and shapes[0] == (512, 257) and (512, 2) not in shapes  # one chunk holds 256 at most
     graphs.failed.add((16, 2))
     assert graphs.capture_all(8192) == 42 and list(graphs.graphs) == [s for s in shapes if s != (16, 2)]
@@ -295,6 +296,12 @@ def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
             assert runner.capture_decode_graphs(llm.engine.max_num_seqs, llm.engine.max_model_len, num_speculative_tokens=k,
                                                 static_off_cuda=True, mixed_max_tokens=32)
         assert (runner.mixed_graphs is not None) == graphs, runner.no_mixed_graphs_reason
+        if graphs and DEVICE == "cpu":  # as a CUDA engine: shapes captured by the warm-up's steps, then the rest
+            llm.generate([{"prompt_token_ids": [3, 1, 4]}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            assert list(runner.mixed_graphs.graphs) == [(16, 2)]
+            llm.engine._capture_mixed_graphs_at_start()
+        if graphs:  # every capture went through (a failed one runs eagerly from then on)
+            assert not runner.mixed_graphs.failed and len(runner.mixed_graphs.graphs) > 1
         proposals.clear()  # (a CUDA engine's warm-up proposed and replayed too)
         warm_up_replays = runner.mixed_replays
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -132,11 +132,12 @@ def _order_free_dots(interpreter) -> None:
     from the same row in a 4-row tile, where the SkylakeX and generic kernels agree, so the tests
     that hold kernels bit for bit with each other (MTP verification rows against the one-token
     decode kernel) passed on one CI machine and failed on another. A GPU's MMA sums each element
-    in an order fixed by the instruction, whatever the number of rows. Here a floating-point dot of
-    16- or 32-bit operands is summed in float64 and rounded once to the accumulator's dtype (each
-    element's correctly rounded value, barring double-rounding ties), then added to the
-    accumulator as before: the same value for a row whatever the tile or the machine. Other dots
-    (FP8 operands, integers) are the interpreter's own."""
+    in an order fixed by the instruction, whatever the number of rows. Here a dot of float16 or
+    float32 operands is summed in float64 and rounded once to the accumulator's dtype (each
+    element's correctly rounded value, barring double-rounding ties and heavy cancellation), then
+    added to the accumulator as before: the same value for a row whatever the tile or the machine.
+    Other dots are the interpreter's own: FP8 operands, integers, and bfloat16 (which the
+    interpreter keeps as raw uint16 bits and multiplies as integers: the tests skip bf16 tiles)."""
     import numpy as np
 
     builder_cls = getattr(interpreter, "InterpreterBuilder", None)

@@ -256,6 +256,7 @@ class MixedGraphs:
                               if r >= n_lo and below < n_hi)
         return sorted(shapes, reverse=True)
 
+    @torch.inference_mode()
     def capture_all(self, max_step_tokens: int) -> int:
         """Capture every shape a step of at most `max_step_tokens` tokens can take that is not yet
         captured, largest first (each later one reuses the pool's blocks), so that no shape is first
@@ -361,18 +362,20 @@ class MixedGraphs:
         return self.model.compute_logits(hidden.index_select(0, last_rows), out=self.logits[:reqs])  # [Rc, vocab]
 
     # ---- capture -----------------------------------------------------------------------------
+    @torch.inference_mode()  # as every replay: the buffers a warm-up allocates are written by later captures
     def _capture(self, shape: tuple[int, int]) -> None:
         """Warm up and capture `shape` on an all-padding layout (no request's cache or state is
-        touched). Off CUDA (CPU tests) nothing is captured: `run` executes the static-buffer
-        forward eagerly."""
-        if self.device.type != "cuda":
-            self.graphs[shape] = None
-            return
+        touched). Off CUDA (CPU tests) the warm-up runs and nothing is captured: `run` executes the
+        static-buffer forward eagerly."""
         start = time.perf_counter()
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pack([], shape, None)
         self._upload(shape, non_blocking=False)
+        if self.device.type != "cuda":
+            self._forward(shape)
+            self.graphs[shape] = None
+            return
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
