@@ -29,7 +29,6 @@ from lamina.kernels.triton_moe import (  # noqa: E402
 from lamina.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from lamina.quantization import BlockFp8, dequantize  # noqa: E402
 from tests.fp8_checkpoint import quantize_block_fp8  # noqa: E402
-from tests.test_triton_kernels import bf16_dots  # noqa: E402,F401  (a fixture)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F = torch.nn.functional
@@ -114,8 +113,7 @@ def test_decode_gemv_on_fp8_experts(num_tokens, expert_start, num_local, with_sh
     (20, 0, 8, True, torch.bfloat16, (16, 32), DEFAULT_CONFIG_PREFILL_FP8),
     (20, 3, 4, False, torch.bfloat16, (32, 32), DEFAULT_CONFIG_LONG_PREFILL_FP8),
 ])
-def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config,
-                                        bf16_dots):
+def test_grouped_kernels_on_fp8_experts(num_tokens, expert_start, num_local, with_shared, dtype, block, config):
     """Both forms: each weight tile dequantized before its dot (the default) and the tile's products
     scaled after the dot (`fp8_scale_b` 0)."""
     x, w13, w2, weights, ids, shared, scales, ref = _case(num_tokens, expert_start, num_local, with_shared, dtype, block)

@@ -178,13 +178,13 @@ def test_paged_prefill_attention_falls_back_to_a_tile_that_fits(monkeypatch):
 def test_paged_prefill_attention_bf16_and_empty_step():
     k_cache, v_cache, block_tables, seq_lens, qsl, q_lens = _paged_step(PREFILL_STEP[:4], 2, 16, 4, seed=11)
     q = _rand(sum(q_lens), 4, 16, seed=12)
-    if DEVICE == "cuda":  # bf16 tiles: Triton's CPU interpreter computes garbage for them (the decode kernel's too)
-        k16, v16, q16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), q.to(torch.bfloat16)
-        ref = paged_attention(q16.float(), k16.float(), v16.float(), block_tables, seq_lens, qsl, max(q_lens),
-                              int(seq_lens.max()), 0.25)
-        ours = paged_prefill_attention(q16, k16, v16, block_tables, seq_lens, qsl, max(q_lens), 0.25)
-        assert ours.dtype == torch.bfloat16
-        torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=3e-2)
+    # bf16 tiles (on the CPU through tests/triton_interpreter.py's dots: the interpreter's own multiply bf16 bits)
+    k16, v16, q16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), q.to(torch.bfloat16)
+    ref = paged_attention(q16.float(), k16.float(), v16.float(), block_tables, seq_lens, qsl, max(q_lens),
+                          int(seq_lens.max()), 0.25)
+    ours = paged_prefill_attention(q16, k16, v16, block_tables, seq_lens, qsl, max(q_lens), 0.25)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=3e-2)
     empty = paged_prefill_attention(q[:0], k_cache, v_cache, block_tables[:0], seq_lens[:0],
                                     torch.zeros(1, dtype=torch.long, device=DEVICE), 0, 0.25)
     assert empty.shape == (0, 4, 16)
@@ -616,7 +616,7 @@ def test_fused_moe_with_the_shared_expert(num_tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_parts_are_unweighted_in_the_activations_dtype(dtype, bf16_dots, monkeypatch):
+def test_fused_moe_parts_are_unweighted_in_the_activations_dtype(dtype, monkeypatch):
     """The grouped path's down kernel stores each (token, slot) part unweighted, in x's dtype (as the
     torch path's grouped GEMM rounds it), and the slot sum applies the routing weights and the shared
     expert's sigmoid gate: the parts handed to `sum_slots` are each pair's down(act) (a weighted part
@@ -815,32 +815,13 @@ def test_gemv_moe_matches_grouped_experts(num_tokens, expert_start, num_local, w
     torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def bf16_dots(monkeypatch):
-    """Triton 3.9's interpreter multiplies bf16 `tl.dot` operands as their raw uint16 storage
-    (its fp8 operands are converted, bf16 ones not): convert them to float32 first, where a GPU's
-    bf16 MMA forms the same products exactly. Nothing to do on a GPU."""
-    if DEVICE == "cuda":
-        return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    create_dot = InterpreterBuilder.create_dot
-
-    def converted(self, a, b, acc, *args):
-        a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
-        return create_dot(self, a, b, acc, *args)
-
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", converted)
-
-
 @pytest.mark.parametrize("num_tokens,expert_start,num_local,with_shared,dtype,tiles", [
     (1, 0, 8, True, torch.float32, dict(down_slots=1, up_n=16, up_k=32, up_split=2)),  # tickets sum 4 slots
     (2, 0, 8, True, torch.bfloat16, dict(down_slots=8)),  # every slot in one program: no tickets
     (3, 3, 4, True, torch.float32, dict(down_slots=2)),  # experts of other EP ranks
     (4, 3, 4, False, torch.bfloat16, dict(down_slots=2)),  # 3 slots in groups of 2 and 1
 ])
-def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_shared, dtype, tiles, bf16_dots):
+def test_gemv_moe_pipelined_down(num_tokens, expert_start, num_local, with_shared, dtype, tiles):
     """The pipelined down kernel (a group's slots stepped through down_k intermediate columns at a
     time, groups' float32 partials summed in group order) and the gate/up split over the hidden
     dim (48 columns: parts of 32 and 16) against the reference: intermediate 24 in 16-column steps

@@ -15,8 +15,8 @@ restored, in Triton as here. So every kernel runs the same interpreted operation
 faster. `worker_main` is the rank processes' entry with the same change (spawned processes do not
 run the conftest).
 
-It also sums the interpreter's float dots in an order no BLAS kernel or tile shape changes
-(`_order_free_dots`), and stops the interpreter computing the int32 overflow checks that Triton drops outside its
+It also sums the interpreter's float dots in an order no BLAS kernel or tile shape changes, and
+bf16 ones from their values rather than their bits (`_order_free_dots`), and stops the interpreter computing the int32 overflow checks that Triton drops outside its
 debug mode (`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and
 `test_triton_kernels.py` together, 254 s before and 179 s after on this 2-core machine; one
 interpreted one-token MoE GEMV call 181 -> 93 ms.
@@ -132,12 +132,14 @@ def _order_free_dots(interpreter) -> None:
     from the same row in a 4-row tile, where the SkylakeX and generic kernels agree, so the tests
     that hold kernels bit for bit with each other (MTP verification rows against the one-token
     decode kernel) passed on one CI machine and failed on another. A GPU's MMA sums each element
-    in an order fixed by the instruction, whatever the number of rows. Here a dot of float16 or
-    float32 operands is summed in float64 and rounded once to the accumulator's dtype (each
-    element's correctly rounded value, barring double-rounding ties and heavy cancellation), then
-    added to the accumulator as before: the same value for a row whatever the tile or the machine.
-    Other dots are the interpreter's own: FP8 operands, integers, and bfloat16 (which the
-    interpreter keeps as raw uint16 bits and multiplies as integers: the tests skip bf16 tiles)."""
+    in an order fixed by the instruction, whatever the number of rows. Here a dot of float16,
+    bfloat16 or float32 operands is summed in float64 and rounded once to the accumulator's dtype
+    (each element's correctly rounded value, barring double-rounding ties and heavy cancellation),
+    then added to the accumulator as before: the same value for a row whatever the tile or the
+    machine. bfloat16 operands are read from their bits: the interpreter keeps them as raw uint16
+    and its own dot multiplied those as integers (bf16 tiles were tested on a GPU only, or through
+    a per-test conversion); a GPU's bf16 MMA forms the same products exactly in float32. Other dots
+    (FP8 operands, integers) are the interpreter's own."""
     import numpy as np
 
     builder_cls = getattr(interpreter, "InterpreterBuilder", None)
@@ -146,12 +148,24 @@ def _order_free_dots(interpreter) -> None:
     if original is None or handle_cls is None:
         return
     exact_kinds = (np.float16, np.float32, np.float64)
+    import triton.language as tl
+
+    def widened(operand):
+        """The operand in float64, or None: float16 / float32 data as they are, bfloat16 (kept by the
+        interpreter as its raw bits in uint16) from its bits."""
+        data = operand.data
+        if data.dtype in exact_kinds:
+            return data.astype(np.float64)
+        if operand.dtype.scalar == tl.bfloat16 and data.dtype == np.uint16:
+            return (data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return None
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         acc = d.data
-        if a.data.dtype not in exact_kinds or b.data.dtype not in exact_kinds or acc.dtype not in exact_kinds:
+        lhs, rhs = widened(a), widened(b)
+        if lhs is None or rhs is None or acc.dtype not in exact_kinds:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc.dtype)
+        product = np.matmul(lhs, rhs).astype(acc.dtype)
         return handle_cls(product + acc, d.dtype.scalar)
 
     builder_cls.create_dot = create_dot
