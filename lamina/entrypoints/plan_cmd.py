@@ -31,7 +31,7 @@ from lamina.parallel.plan import ParallelConfigError, ParallelPlan, build_plan
 from lamina.models.hub import looks_like_repo_id, resolve_model_path
 from lamina.models.loader import CheckpointError, ShardHeader, read_header, resolve_shards
 from lamina.quantization import online_blocks, read_quantization, resolve_quantization, unquantized_expert_tensors
-from lamina.worker.mixed_graphs import prefill_needs_host
+from lamina.worker.mixed_graphs import drafter_needs_more, prefill_needs_host
 from lamina.worker.model_loader import attach_drafter, read_model_config
 
 
@@ -103,9 +103,7 @@ def estimate_rank(model_cls, cfg, plan: ParallelPlan, rank: int, dtype: torch.dt
             "state_bytes_per_request": state, "ssm_state_dtype": str(ssm_state_dtype).removeprefix("torch."),
             "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch."),
             # why short prefill / mixed steps could not replay graphs whatever the kernels (None: they can)
-            "prefill_graphs_blocked_by": prefill_needs_host(model) or (
-                None if mtp is None or getattr(mtp, "reads_final_hidden", False)
-                else f"the MTP drafter {type(mtp).__name__} reads more of the target's step than its final hidden states")}
+            "prefill_graphs_blocked_by": prefill_needs_host(model) or drafter_needs_more(mtp)}
 
 
 # Memory a CUDA process holds outside torch's allocator before the caches (context, cuBLAS, modules):

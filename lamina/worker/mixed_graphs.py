@@ -129,6 +129,15 @@ def prefill_needs_host(model) -> str | None:
     return None
 
 
+def drafter_needs_more(drafter) -> str | None:
+    """Why an MTP engine's `drafter` cannot follow a graph that keeps only the target's final
+    hidden states (Qwen4-Exp's reads the hyper-connection streams its forward sets aside), or None
+    (None too without a drafter)."""
+    if drafter is None or getattr(drafter, "reads_final_hidden", False):
+        return None
+    return f"the MTP drafter {type(drafter).__name__} reads more of the target's step than its final hidden states"
+
+
 def why_not_capturable(model, drafter=None) -> str | None:
     """Why the model's short prefill / mixed steps cannot be captured, or None: the decode step's
     conditions (lamina.worker.cuda_graphs.why_not_capturable), plus no token history (the N-gram PLE's
@@ -139,11 +148,9 @@ def why_not_capturable(model, drafter=None) -> str | None:
     its forward sets aside on the host side (Qwen4-Exp's hyper-connection streams)."""
     from lamina.layers.attention import GatedAttention
 
-    reason = why_decode_not_capturable(model) or prefill_needs_host(model)
+    reason = why_decode_not_capturable(model) or prefill_needs_host(model) or drafter_needs_more(drafter)
     if reason is not None:
         return reason
-    if drafter is not None and not getattr(drafter, "reads_final_hidden", False):
-        return f"the MTP drafter {type(drafter).__name__} reads more of the target's step than its final hidden states"
     for name, module in model.named_modules():
         if isinstance(module, GatedAttention) and not module.triton_prefill_attention:
             return f"attention {name}: prompt chunks on SDPA (LAMINA_PREFILL_ATTENTION=sdpa), not the varlen kernel"

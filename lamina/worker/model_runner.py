@@ -183,8 +183,7 @@ class ModelRunner:
                     f"--enforce-eager (LLM(..., enforce_eager=True)) verifies drafts eagerly on the same kernels"
                 ) from error
             self.verify_graphs = graphs
-            self._make_mixed_graphs(max_batch, max_blocks, self._mixed_tokens(mixed_max_tokens, capture_sizes, max_capture_size),
-                                    graphs)
+            self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, capture_sizes, max_capture_size, graphs)
             return True
         sizes = cuda_graphs.graph_sizes(max_batch, 1, capture_sizes, max_capture_size)  # never empty: Q = 1
         graphs = cuda_graphs.DecodeGraphs(
@@ -193,32 +192,24 @@ class ModelRunner:
         )
         graphs.capture(sizes)
         self.decode_graphs = graphs
-        self._make_mixed_graphs(max_batch, max_blocks, self._mixed_tokens(mixed_max_tokens, capture_sizes, max_capture_size),
-                                graphs)
+        self._make_mixed_graphs(max_batch, max_blocks, mixed_max_tokens, capture_sizes, max_capture_size, graphs)
         return True
 
-    def _mixed_tokens(self, mixed_max_tokens: int, capture_sizes, max_capture_size) -> int:
-        """The prefill / mixed graphs' largest token bucket within vLLM's cap on any graph's tokens
-        (0: none; `no_mixed_graphs_reason` says why when the cap left none)."""
-        from lamina.worker.cuda_graphs import graph_token_limit
-        from lamina.worker.mixed_graphs import MIN_TOKENS, capped_tokens
-
-        if mixed_max_tokens <= 0:
-            return 0
-        limit = graph_token_limit(capture_sizes, max_capture_size)
-        tokens = capped_tokens(mixed_max_tokens, limit)
-        if not tokens:
-            self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {MIN_TOKENS}"
-        return tokens
-
-    def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, decode_graphs) -> None:
-        """Prefill / mixed step graphs of up to `max_tokens` tokens (0: none) in the decode (or MTP
-        verification) graphs' pool and stream. Under MTP they end at the hidden states, which the
-        drafter and the verification read eagerly (`MixedGraphs.run_hidden`), and serve steps
-        without drafts only (`fits_mixed_graphs`)."""
+    def _make_mixed_graphs(self, max_batch: int, max_blocks: int, max_tokens: int, capture_sizes, max_capture_size,
+                           decode_graphs) -> None:
+        """Prefill / mixed step graphs of up to `max_tokens` tokens (0: none), within vLLM's cap on
+        any graph's tokens, in the decode (or MTP verification) graphs' pool and stream. Under MTP
+        they end at the hidden states, which the drafter and the verification read eagerly
+        (`MixedGraphs.run_hidden`), and serve steps without drafts only (`fits_mixed_graphs`)."""
         from lamina.worker import mixed_graphs
+        from lamina.worker.cuda_graphs import graph_token_limit
 
         if max_tokens <= 0:
+            return
+        limit = graph_token_limit(capture_sizes, max_capture_size)
+        max_tokens = mixed_graphs.capped_tokens(max_tokens, limit)
+        if not max_tokens:
+            self.no_mixed_graphs_reason = f"the largest CUDA graph size, {limit} tokens, is below {mixed_graphs.MIN_TOKENS}"
             return
         reason = mixed_graphs.why_not_capturable(self.model, self.spec.mtp if self.spec is not None else None)
         if reason is not None:
