@@ -268,11 +268,15 @@ def test_a_failed_capture_runs_that_shape_eagerly(qwen3_5_moe_short_dir, monkeyp
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
 
 
-def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
+def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2, first_steps_drafts: list[int] = ()):
     """MTP K = `k`, greedy on the Triton kernels, eagerly or with the verification and prefill /
-    mixed graphs (static buffers on the CPU). Returns (tokens and logprobs, every proposal of the
-    drafter, the runner's mixed replays while generating)."""
+    mixed graphs (static buffers on the CPU); `first_steps_drafts`: the drafts the engine decides to
+    propose in the first steps of the generation (then `k`), as the auto policy may. Returns (tokens
+    and logprobs, every proposal of the drafter, the runner's mixed replays while generating, each
+    step's chunks as (tokens, drafts, sampled))."""
     from lamina import LLM
+    from lamina.engine.llm_engine import LLMEngine
+    from lamina.worker.model_runner import ModelRunner
     from lamina.worker.proposer import MTPProposer
 
     monkeypatch.setenv("LAMINA_KERNELS", "triton")
@@ -287,6 +291,27 @@ def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
 
     propose.unwrapped = real_propose
     monkeypatch.setattr(MTPProposer, "propose", propose)
+    decisions = iter(())  # the generation's first steps' (the warm-up's steps decide as configured)
+    real_decide = getattr(LLMEngine._decide_num_draft_tokens, "unwrapped", LLMEngine._decide_num_draft_tokens)
+
+    def decide(self):
+        decided = real_decide(self)
+        forced = next(decisions, None)
+        if forced is not None and decided:
+            self.num_draft_tokens = decided = forced
+        return decided
+
+    decide.unwrapped = real_decide
+    monkeypatch.setattr(LLMEngine, "_decide_num_draft_tokens", decide)
+    steps = []
+    real_launch = getattr(ModelRunner.launch, "unwrapped", ModelRunner.launch)
+
+    def launch(self, plan):
+        steps.append([(c.num_tokens, c.num_draft_tokens, c.sample) for c in plan.chunks])
+        return real_launch(self, plan)
+
+    launch.unwrapped = real_launch
+    monkeypatch.setattr(ModelRunner, "launch", launch)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     spec = {"method": "mtp", "num_speculative_tokens": k}
     with LLM(str(path), device=DEVICE, dtype="float32", show_progress=False, enforce_eager=not graphs,
@@ -303,10 +328,12 @@ def _mtp_generate(path, prompts, monkeypatch, *, graphs: bool, k: int = 2):
         if graphs:  # every capture went through (a failed one runs eagerly from then on)
             assert not runner.mixed_graphs.failed and len(runner.mixed_graphs.graphs) > 1
         proposals.clear()  # (a CUDA engine's warm-up proposed and replayed too)
+        steps.clear()
         warm_up_replays = runner.mixed_replays
+        decisions = iter(first_steps_drafts)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     results = [(o.outputs[0].token_ids, [float(next(iter(d.values()))) for d in o.outputs[0].logprobs]) for o in outs]
-    return results, proposals, runner.mixed_replays - warm_up_replays
+    return results, proposals, runner.mixed_replays - warm_up_replays, steps
 
 
 def test_mtp_prompt_steps_through_mixed_graphs(mtp_short_dir, monkeypatch):
@@ -315,9 +342,31 @@ def test_mtp_prompt_steps_through_mixed_graphs(mtp_short_dir, monkeypatch):
     eager run's tokens, logprobs and every proposal of the drafter (its KV history written from the
     padded step). Steps holding drafts run as before."""
     prompts = [[5, 17, 300], list(range(40, 49)), [9] * 3]  # one 15-token step, then decodes with drafts
-    eager, eager_proposals, none = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=False)
-    ours, proposals, replays = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=True)
+    eager, eager_proposals, none, _ = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=False)
+    ours, proposals, replays, _ = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=True)
     assert none == 0 and replays == 1, replays
+    assert proposals == eager_proposals and len(proposals) > 2
+    for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
+        assert ids == eager_ids
+        torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
+
+
+def test_mtp_decodes_without_drafts_beside_prompt_chunks_through_mixed_graphs(mtp_short_dir, monkeypatch):
+    """MTP steps where requests decode without drafts (the auto policy's k = 0 steps) beside another
+    request's prompt chunks replay the prefill / mixed graphs too: the eager run's tokens, logprobs
+    and proposals. Steps 1-2 propose no drafts, step 3 proposes k: step 1 holds both prompts, steps 2
+    and 3 the first request's draft-free decode beside the second prompt's chunks (step 3 then
+    drafts from the padded step), later steps verify drafts."""
+    prompts = [[5, 17, 300], list(range(40, 80))]  # 16-token budget: 3 + 13, 1 + 15, 1 + 12 tokens
+    eager, eager_proposals, none, eager_steps = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=False,
+                                                              first_steps_drafts=[0, 0])
+    ours, proposals, replays, steps = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=True,
+                                                    first_steps_drafts=[0, 0])
+    assert steps == eager_steps
+    assert eager_steps[:3] == [[(3, 0, True), (13, 0, False)], [(1, 0, True), (15, 0, False)],
+                               [(1, 0, True), (12, 0, True)]], eager_steps
+    assert any(d for step in eager_steps[3:] for _, d, _ in step)  # then drafts are verified
+    assert none == 0 and replays == 3, replays
     assert proposals == eager_proposals and len(proposals) > 2
     for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
         assert ids == eager_ids
