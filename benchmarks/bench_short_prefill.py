@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="the engine's (an MTP engine on an 80 GB card fits about 7 at the default memory share)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="an MTP engine of K drafts (the preset given one MTP layer, dummy weights): its prompt-alone "
@@ -61,7 +63,7 @@ def main() -> None:
     records = []
     mtp = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": args.mtp},
             "hf_overrides": {"mtp_num_hidden_layers": 1}} if args.mtp else {})
-    with LLM(str(preset_dir(args.preset, args.num_layers)), dtype=args.dtype, load_format="dummy", max_num_seqs=16,
+    with LLM(str(preset_dir(args.preset, args.num_layers)), dtype=args.dtype, load_format="dummy", max_num_seqs=args.max_num_seqs,
              max_model_len=max(lengths) + 512, show_progress=False, **mtp) as llm:
         engine = llm.engine
         runner = engine.executor.runner

@@ -362,12 +362,15 @@ def test_mtp_decodes_without_drafts_beside_prompt_chunks_through_mixed_graphs(mt
                                                               first_steps_drafts=[0, 0])
     ours, proposals, replays, steps = _mtp_generate(mtp_short_dir, prompts, monkeypatch, graphs=True,
                                                     first_steps_drafts=[0, 0])
-    assert steps == eager_steps
+    # On a GPU the graphed engine plans verification steps ahead (asynchronous scheduling), so its later
+    # steps may group requests otherwise; the first three steps (those under test) are the same anyway.
+    compared = len(eager_steps) if DEVICE == "cpu" else 3
+    assert steps[:compared] == eager_steps[:compared] and len(steps) >= compared
     assert eager_steps[:3] == [[(3, 0, True), (13, 0, False)], [(1, 0, True), (15, 0, False)],
                                [(1, 0, True), (12, 0, True)]], eager_steps
     assert any(d for step in eager_steps[3:] for _, d, _ in step)  # then drafts are verified
     assert none == 0 and replays == 3, replays
-    assert proposals == eager_proposals and len(proposals) > 2
+    assert proposals[:compared] == eager_proposals[:compared] and len(proposals) > 2
     for (eager_ids, eager_lp), (ids, lp) in zip(eager, ours):
         assert ids == eager_ids
         torch.testing.assert_close(lp, eager_lp, atol=1e-4, rtol=0)
