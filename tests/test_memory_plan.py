@@ -117,6 +117,9 @@ def test_headroom_covers_the_activation_peaks_measured_on_an_h100():
     prefill_512 = activation_headroom_bytes(cfg, 2, 512, 0) - fixed  # no decode rows: the prefill part alone
     assert mixed == prefill_512 + 2 * 4 * cfg.vocab_size * 257
     assert 0.5 * GIB < mixed < 0.7 * GIB
+    # MTP: the graphs end at the final hidden states (no logits buffer): a [512, hidden] buffer instead
+    mtp_mixed = activation_headroom_bytes(cfg, 2, 8192, 256, 2, 512) - activation_headroom_bytes(cfg, 2, 8192, 256, 2)
+    assert mtp_mixed == prefill_512 + 2 * cfg.hidden_size * 512
 
 
 class _FakeExecutor:

@@ -54,7 +54,8 @@ GRAPH_POOL_VOCAB_ROWS = 4  # ... and held throughout by the decode graphs' pools
 # The prefill / mixed steps' graphs (lamina.worker.mixed_graphs) hold their largest shape's activations
 # (a prefill step's per-token bytes at their largest token bucket; the shapes share one pool and one
 # capture stream) and, per request row (max_num_seqs + 1), the shared float32 logits buffer's row and
-# the LM head's bf16 row before it: 1.5 float32 rows, counted as 2. From the tensors' sizes, not measured.
+# the LM head's bf16 row before it: 1.5 float32 rows, counted as 2; under MTP no logits but the final
+# hidden states of the largest bucket (`keep_hidden`). From the tensors' sizes, not measured.
 MIXED_GRAPH_VOCAB_ROWS = 2
 FIXED_HEADROOM_BYTES = 512 * MIB
 
@@ -82,7 +83,8 @@ def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_to
     """Bytes allocated above the weights and caches: the decode graphs' pools (held from capture on),
     plus the larger peak of a whole-budget prefill step and a decode step of max_num_seqs requests
     (each (K + 1) rows under MTP), plus a fixed part; with `mixed_graph_tokens` (the largest token
-    bucket of the prefill / mixed steps' graphs) their pool too. Unsharded sizes: under tensor or pipeline
+    bucket of the prefill / mixed steps' graphs) their pool and their output buffer (under MTP the
+    final hidden states, else a logits row a request). Unsharded sizes: under tensor or pipeline
     parallelism this overestimates a rank's share (every rank counts the whole vocabulary's rows)."""
     hidden = model_config.hidden_size
     slots = model_config.num_experts_per_tok + (model_config.shared_expert_intermediate_size > 0)
@@ -93,7 +95,11 @@ def activation_headroom_bytes(model_config, dtype_bytes: int, max_num_batched_to
     vocab_row = 4 * model_config.vocab_size * max_num_seqs * (num_speculative_tokens + 1)  # one float32 row a decode row
     mixed = 0
     if mixed_graph_tokens:
-        mixed = int(PREFILL_MARGIN * per_token * mixed_graph_tokens) + MIXED_GRAPH_VOCAB_ROWS * 4 * model_config.vocab_size * (max_num_seqs + 1)
+        mixed = int(PREFILL_MARGIN * per_token * mixed_graph_tokens)
+        if num_speculative_tokens:  # MTP: the graphs keep the final hidden states [Tc, H], no logits buffer
+            mixed += dtype_bytes * hidden * mixed_graph_tokens
+        else:
+            mixed += MIXED_GRAPH_VOCAB_ROWS * 4 * model_config.vocab_size * (max_num_seqs + 1)
     return FIXED_HEADROOM_BYTES + GRAPH_POOL_VOCAB_ROWS * vocab_row + mixed + max(prefill, DECODE_VOCAB_ROWS * vocab_row)
 
 
