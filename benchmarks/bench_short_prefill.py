@@ -40,7 +40,8 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=16,
-                    help="the engine's (an MTP engine on an 80 GB card fits about 7 at the default memory share)")
+                    help="the engine's (an MTP engine on an 80 GB card fits about 7 at the default memory share); "
+                         "the joining-prompt steps ride beside min(8, this - 1) decodes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="an MTP engine of K drafts (the preset given one MTP layer, dummy weights): its prompt-alone "
@@ -75,6 +76,10 @@ def main() -> None:
         runner.mixed_graphs = graphs if args.compare == "graphs" else None
         names = {"short": ("fla", "short"), "graphs": ("eager", "graphs"), "alone": ("fixed", "alone")}[args.compare]
         vocab = min(engine.model_config.vocab_size, 200_000)
+        # the decodes a joining prompt rides beside: 8, or as many as leave it a place in the step
+        joining_decodes = min(8, engine.max_num_seqs - 1)
+        if joining_decodes < 1:
+            raise SystemExit(f"max_num_seqs = {engine.max_num_seqs}: a joining prompt needs at least 2")
 
         def fresh(n: int) -> list[int]:
             return [rng.randrange(0, vocab) for _ in range(n)]
@@ -93,10 +98,10 @@ def main() -> None:
             return (time.perf_counter() - start) * 1e3
 
         def mixed_ms(n: int) -> float:
-            """8 decoding requests; a prompt of n tokens joins: the wall time of the step carrying it."""
+            """`joining_decodes` decoding requests; a prompt of n tokens joins: the wall time of the step carrying it."""
             decoding = [engine.add_request({"prompt_token_ids": fresh(32)},
                                            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-                        for _ in range(8)]
+                        for _ in range(joining_decodes)]
             for _ in range(4):
                 engine.step()
             engine.add_request({"prompt_token_ids": fresh(n)}, first)
@@ -153,7 +158,8 @@ def main() -> None:
                        "model": preset_label(args.preset, args.num_layers), "dtype": args.dtype,
                        "default_short_prefill_tokens": default,
                        "default_short_prefill_alone_tokens": default_alone, "compare": args.compare,
-                       "mtp_num_speculative_tokens": args.mtp,
+                       "mtp_num_speculative_tokens": args.mtp, "max_num_seqs": engine.max_num_seqs,
+                       "joining_decodes": joining_decodes,
                        "mixed_graph_shapes": captured, "mixed_graph_capture_s": capture_s,
                        "mixed_graph_capture_ms": capture_ms, "records": records}, f,
                       indent=1)

@@ -1334,18 +1334,18 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
         > $OUT/s46b_new.txt 2>&1; tail -1 $OUT/s46b_new.txt; grep -E "^(E  |FAILED)" $OUT/s46b_new.txt | head -8
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_triton.py tests/test_gpu_engine.py \
         > $OUT/s46b_engine.txt 2>&1; tail -2 $OUT/s46b_engine.txt; grep -E "^(E  |FAILED)" $OUT/s46b_engine.txt | head -8
-      timeout 100 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --max-num-seqs 4 --input-len 16,128 \
+      timeout 100 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --max-num-seqs 7 --input-len 16,128 \
         --rounds 1 --out $OUT/mtp_prefill_graphs_s46.json > $OUT/s46b_bench.txt 2>&1; echo "rc $?"
       grep -E "^input|shapes|rror" $OUT/s46b_bench.txt | head -8 ;;
     s46a)  # session 46: the new MTP test (draft-free decodes beside prompt chunks) on CUDA, the engine's GPU tests on
       # session 45's code (start-up capture and MTP prefill graphs on by default), MTP K = 2 prompt-alone TTFT graphs vs
-      # eager at 4 requests (an MTP engine of the preset fits about 7 on an 80 GB card)
+      # eager at 7 requests (an MTP engine of the preset fits about 7 on an 80 GB card; the joining steps ride 6 decodes)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py -k without_drafts \
         > $OUT/s46a_new.txt 2>&1; tail -1 $OUT/s46a_new.txt; grep -E "^(E  |FAILED)" $OUT/s46a_new.txt | head -8
       timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_mtp_triton.py \
         tests/test_qwen4_graphs.py tests/test_batch_invariance.py tests/test_prefix_caching.py \
         > $OUT/s46a_engine.txt 2>&1; tail -2 $OUT/s46a_engine.txt; grep -E "^(E  |FAILED)" $OUT/s46a_engine.txt | head -8
-      timeout 130 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --max-num-seqs 4 --input-len 16,128 \
+      timeout 130 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --max-num-seqs 7 --input-len 16,128 \
         --rounds 2 --out $OUT/mtp_prefill_graphs_s46.json > $OUT/s46a_bench.txt 2>&1; echo "rc $?"
       grep -E "^input|shapes|rror" $OUT/s46a_bench.txt | head -8 ;;
     s45q)  # s45s and s45m in less device time, the tests first: the graphs' and capture sizes' tests on CUDA (the MTP
