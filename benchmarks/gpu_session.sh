@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (H200) of this session's checks and figures; results under $OUT.
 #   bash benchmarks/gpu_session.sh [tests|latency|async|kernels|router|prefill|profile|profile64|gputests|mtp|serve|
-#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45q|s45s|s45m|s45b|s45g|s45k|s46a|s46b ...]
+#                                   validate|first|compare|gemvtune|moetune|gemvab|pdl|reports|qwen4gpu|routeab|tp2graphs|profiles|demomtp|prefilltune|prefillcheck|prefillfinal|serveoffline|ttft8k|thrsteps|thrtrace|thrprofile|sdpashapes|varlenattn|prefillkernels|prefillprofile|gputests8|gputests9|varlenab|chunked16k|convfinal|varlentiles|gputests10|b1ab|boundary|gputests11|moesweep|b1|profile16k|trace16k|steps16k|l2pf|alignab|alignab2|preload|prefillfig|gemvpre|gputests12|gemvnorm|warps13|ab13|router13|gputests13|gdn13|chain13|kernelsall|stream14|fma14|fma14tests|gemvfma14|fma14b|ab15|ab15b|rows15|tests15|gemvrows16|gemvrows16b|ab16|outproj16|sharedpre16|profilenopdl|downacc17|fmarows17|final17|mtp18|commit18|draft18|commitbench18|final18|mtprounds|timeline19|launch19|gpuall19|gputests19|host20|mtpasync21|mtpasync22|fill23|tests23|s24|compare25|seeded25|s26|s26b|s27a|s27b|s27s|s28a|s28c|s28g|s28m|s28t|s29|ttftab|s30|thr30|s31|s31b|s31c|s31t|s32|s32b|s32c|s32d|s32e|s32f|s32g|s33|s33b|s33c|s33d|s34|s35|s36|s36b|s36c|s36d|s37|s37b|s38|s38n|s39|s39b|s40a|s40b|s40c|s40d|s41v|s41w|s41p|s41q|s42p|s42s|s42f|s43a|s43b|s43c|s43d|s44t|s44a|s44b|s45q|s45s|s45m|s45b|s45g|s45k|s46a|s46b|s46c ...]
 #   (default: latency profile prefill tests)
 # Wheels carried in .whl/ (fla-core, einops, uvicorn and its deps when the image lacks them) go to /tmp/site.
 set -x
@@ -1329,6 +1329,15 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_batch_invariance.py \
         tests/test_mtp_triton.py tests/test_generation_defaults.py tests/test_prefix_caching.py tests/test_gdn_prefill.py::test_engine_greedy_with_fla_prefill \
         > $OUT/s42s_engine.txt 2>&1; tail -2 $OUT/s42s_engine.txt; grep -E "^(E  |FAILED)" $OUT/s42s_engine.txt | head -12 ;;
+    s46c)  # session 46: start-up capture on / off on a warm Triton cache (s45q's first process filled an empty one):
+      # 1, 0, 1, one process each, then the MTP prompt-alone TTFT comparison at 7 sequences (2 rounds)
+      i=0; for A in 1 0 1; do i=$((i+1))
+        LAMINA_MIXED_GRAPHS_AT_START=$A timeout 110 python3 benchmarks/bench_mixed_capture.py \
+          --out $OUT/mixed_capture_${i}_at_start${A}_s46.json 2>&1 | tail -1
+      done
+      timeout 160 python3 benchmarks/bench_short_prefill.py --compare graphs --mtp 2 --max-num-seqs 7 --input-len 16,128 \
+        --rounds 2 --out $OUT/mtp_prefill_graphs_s46.json > $OUT/s46c_bench.txt 2>&1; echo "rc $?"
+      grep -E "^input|shapes|rror" $OUT/s46c_bench.txt | head -8 ;;
     s46b)  # s46a in less device time: the new test, the MTP and engine GPU tests, MTP K = 2 prompt-alone TTFT (1 round)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py -k without_drafts \
         > $OUT/s46b_new.txt 2>&1; tail -1 $OUT/s46b_new.txt; grep -E "^(E  |FAILED)" $OUT/s46b_new.txt | head -8
