@@ -438,3 +438,42 @@ def test_vllm_cudagraph_mode_maps_to_the_graphs(monkeypatch):
                                     gpu_memory_utilization=0.9, ple_table_device="auto", load_format="auto",
                                     enforce_eager=False)
     assert engine_kwargs(serve_args)["prefill_graphs"] is False
+
+
+def test_graph_forwards_take_the_captured_paths(qwen3_5_moe_short_dir, mtp_short_dir, monkeypatch):
+    """Every forward of the decode, verification and prefill / mixed graphs (warm-up, capture, the
+    static-buffer stand-in run here on the CPU) runs under `in_graph_forward()`, which keeps kernels
+    on the path a capture records (the fused MoE's opt-in grouped GEMM stays out of graphs), and no
+    eager step does."""
+    from lamina.kernels.graph_forward import in_graph_forward
+    from lamina.models.qwen3_next import HybridDecoderLayer
+    from lamina.worker.cuda_graphs import DecodeGraphs
+    from lamina.worker.verify_graphs import VerifyGraphs
+
+    seen = []  # (the layer ran inside a graph class's forward, in_graph_forward() there)
+    inside = [None]
+    for cls in (DecodeGraphs, VerifyGraphs, MixedGraphs):
+        real = cls._forward
+
+        def spy(self, *args, _real=real, _name=cls.__name__):
+            inside[0] = _name
+            try:
+                return _real(self, *args)
+            finally:
+                inside[0] = None
+
+        monkeypatch.setattr(cls, "_forward", spy)
+    real_layer = HybridDecoderLayer.forward
+
+    def layer(self, *args, **kwargs):
+        seen.append((inside[0], in_graph_forward()))
+        return real_layer(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridDecoderLayer, "forward", layer)
+    prompts = [[5, 17, 300], list(range(40, 57)), [9] * 6]
+    _generate(qwen3_5_moe_short_dir, prompts, monkeypatch, kernels="triton", mixed_tokens=32, max_num_seqs=4,
+              max_num_batched_tokens=12)
+    _mtp_generate(mtp_short_dir, [[5, 17, 300], list(range(40, 49))], monkeypatch, graphs=True)
+    assert all((name is not None) == flag for name, flag in seen), sorted(set(seen), key=str)
+    assert {name for name, _ in seen} == {"DecodeGraphs", "VerifyGraphs", "MixedGraphs", None}
+    assert not in_graph_forward()

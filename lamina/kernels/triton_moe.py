@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.expert_scales import ExpertScales
+from lamina.kernels.graph_forward import in_graph_forward
 from lamina.kernels.launch_options import FP_FUSION
 from lamina.kernels.pdl import pdl_kwargs, wait_for_producer
 from lamina.kernels.grouped_mm_moe import grouped_mm_moe, grouped_mm_usable
@@ -296,11 +297,12 @@ def fused_moe(
 
 
 def _prefill_on_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """LAMINA_MOE_PREFILL=grouped_mm applies (bf16 on sm90+), outside CUDA-graph capture: decode
-    steps of more than 64 tokens are captured too, and the grouped GEMM path is not checked there."""
+    """LAMINA_MOE_PREFILL=grouped_mm applies (bf16 on sm90+), outside CUDA graphs' forwards (their
+    warm-ups and static-buffer stand-ins included, `in_graph_forward`): decode steps of more than 64
+    tokens and prefill / mixed steps are captured too, and the grouped GEMM path is not checked there."""
     return (moe_prefill_grouped_mm() and x.dtype == torch.bfloat16 and x.is_cuda
             and torch.cuda.get_device_capability(x.device)[0] >= 9 and grouped_mm_usable(x, w13, w2)
-            and not torch.cuda.is_current_stream_capturing())
+            and not in_graph_forward())
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from lamina.kernels.graph_forward import graph_forward
 from lamina.layers.metadata import ForwardMetadata
 
 # `pending_row`: asynchronous scheduling, the row of the last step's sampled ids that holds this
@@ -234,6 +235,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
+    @graph_forward()  # warm-up, capture and static stand-in take the captured kernels' paths
     def _forward(self, size: int) -> torch.Tensor:
         token_ids, meta = self._meta(size)
         hidden = self.model(token_ids, meta, None if self.first_stage else self.stream_in[:size])

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from lamina.host_to_device import to_device
+from lamina.kernels.graph_forward import graph_forward
 from lamina.layers.metadata import ForwardMetadata
 from lamina.worker.cuda_graphs import why_not_capturable as why_decode_not_capturable
 
@@ -354,6 +355,7 @@ class MixedGraphs:
         )
         return self._token(buf, "token_ids", tokens), meta
 
+    @graph_forward()  # warm-up, capture and static stand-in take the captured kernels' paths
     def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         """Logits `[Rc, vocab]` of every request's last row (padding requests' included), written
         into the shared buffer; with `keep_hidden`, the final hidden states `[Tc, H]` written into
