@@ -16,9 +16,9 @@ faster. `worker_main` is the rank processes' entry with the same change (spawned
 run the conftest).
 
 It also sums the interpreter's float dots in an order no BLAS kernel or tile shape changes, and
-bf16 ones from their values rather than their bits (`_order_free_dots`), and stops the interpreter computing the int32 overflow checks that Triton drops outside its
-debug mode (`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and
-`test_triton_kernels.py` together, 254 s before and 179 s after on this 2-core machine; one
+bf16 ones from their values rather than their bits (`_order_free_dots`), and stops the interpreter
+computing the int32 overflow checks that Triton drops outside its debug mode
+(`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and `test_triton_kernels.py` together, 254 s before and 179 s after on this 2-core machine; one
 interpreted one-token MoE GEMV call 181 -> 93 ms.
 """
 
@@ -141,6 +141,7 @@ def _order_free_dots(interpreter) -> None:
     a per-test conversion); a GPU's bf16 MMA forms the same products exactly in float32. Other dots
     (FP8 operands, integers) are the interpreter's own."""
     import numpy as np
+    import triton.language as tl
 
     builder_cls = getattr(interpreter, "InterpreterBuilder", None)
     original = getattr(builder_cls, "create_dot", None)
@@ -148,7 +149,6 @@ def _order_free_dots(interpreter) -> None:
     if original is None or handle_cls is None:
         return
     exact_kinds = (np.float16, np.float32, np.float64)
-    import triton.language as tl
 
     def widened(operand):
         """The operand in float64, or None: float16 / float32 data as they are, bfloat16 (kept by the
