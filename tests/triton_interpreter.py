@@ -18,8 +18,9 @@ run the conftest).
 It also sums the interpreter's float dots in an order no BLAS kernel or tile shape changes, and
 bf16 ones from their values rather than their bits (`_order_free_dots`), and stops the interpreter
 computing the int32 overflow checks that Triton drops outside its debug mode
-(`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and `test_triton_kernels.py` together, 254 s before and 179 s after on this 2-core machine; one
-interpreted one-token MoE GEMV call 181 -> 93 ms.
+(`_skip_dead_overflow_checks`): in `test_multirank_graphs.py` and `test_triton_kernels.py` together,
+254 s before and 179 s after on this 2-core machine; one interpreted one-token MoE GEMV call
+181 -> 93 ms.
 """
 
 from __future__ import annotations
