@@ -143,6 +143,31 @@ def test_raising_rank_is_named_with_its_error(qwen3_next_dir):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_idle_engine_outlives_the_collective_timeout(qwen3_next_dir, monkeypatch):
+    """The other ranks wait for rank 0's next command inside a control-group broadcast, which fails
+    after the process groups' timeout: an engine left idle for longer (a server without traffic)
+    lost every rank but 0 (gloo: "Timed out waiting ... for recv operation"). Rank 0 now sends a
+    no-op every sixth of the timeout; here the timeout is 8 s and the engine idles 10 s between
+    two requests, then 10 s before shutting down."""
+    monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", "8")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with LLM(str(qwen3_next_dir), tensor_parallel_size=2, **ENGINE) as llm:
+        procs = llm.engine.executor.procs
+        first = llm.generate(prompts()[:2], params, use_tqdm=False)
+        time.sleep(10)
+        again = llm.generate(prompts()[:2], params, use_tqdm=False)
+        time.sleep(10)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert [p.exitcode for p in procs.procs.values()] == [0, 0]  # every rank ended cleanly ("bye"), none timed out
+
+
+@pytest.mark.parametrize("raw", ["0.5", "soon", "nan", "inf"])
+def test_bad_collective_timeout_raises_before_the_ranks_start(qwen3_next_dir, monkeypatch, raw):
+    monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match=f"LAMINA_DIST_TIMEOUT_S = '{raw}' must be a number of seconds >= 1"):
+        LLM(str(qwen3_next_dir), tensor_parallel_size=2, **ENGINE)
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_rank_start_methods_give_single_rank_tokens(qwen3_next_dir, method, monkeypatch):
     """Both ways of starting rank processes (`worker_start_method`; the suite runs on forkserver,

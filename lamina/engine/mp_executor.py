@@ -17,6 +17,7 @@ import time
 import warnings
 
 from lamina.engine.setup import EngineSetup, resolve_setup
+from lamina.parallel.distributed import timeout_from_env
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.rpc import check_picklable, raise_failures
 from lamina.worker.worker import WorkerSpec, worker_main
@@ -280,7 +281,7 @@ def worker_spec(setup: EngineSetup) -> WorkerSpec:
         seed=args.seed, model_options=setup.model_options(), debug_layouts=args.debug_layouts,
         gpu_memory_utilization=args.gpu_memory_utilization,
         fail_at_step=args.fail_at_step, fail_rank=args.fail_rank, fail_mode=args.fail_mode,
-        logprobs_mode=args.logprobs_mode,
+        logprobs_mode=args.logprobs_mode, dist_timeout_s=timeout_from_env(),
     )
 
 

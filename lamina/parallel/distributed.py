@@ -9,6 +9,7 @@ over NCCL.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,26 @@ import torch.distributed as dist
 
 from lamina.parallel.context import GroupCollectives, ParallelContext
 from lamina.parallel.plan import ParallelPlan
+
+
+TIMEOUT_ENV = "LAMINA_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_from_env() -> float:
+    """How long a rank waits for its peers in a collective (rendezvous included) before it fails:
+    `LAMINA_DIST_TIMEOUT_S`, default 120 s. Raise it where ranks load or step at very different
+    speeds (slow shared storage, huge prompts on CPUs)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} = {raw!r} must be a number of seconds >= 1")
+    return value
 
 
 class DistGroup(GroupCollectives):
@@ -69,7 +90,7 @@ def init_rank(
     master_port: int,
     device: torch.device,
     debug_layouts: bool = False,
-    timeout_s: float = 120.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RankGroups:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(

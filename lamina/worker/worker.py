@@ -4,6 +4,10 @@ Rank 0 receives commands from the engine over a pipe and broadcasts them on the 
 so every rank of every replica gets the same step plans (ranks on other nodes included). Each
 rank derives its inputs from its replica's plan; only activations cross pipeline boundaries.
 Sampled tokens come back from each replica's last-stage TP-rank-0 through a gather to rank 0.
+While the engine sends nothing (an idle server), rank 0 broadcasts a no-op command every sixth of
+the process groups' timeout (`WorkerSpec.dist_timeout_s`, 120 s by default): the other ranks wait
+for commands inside a control-group broadcast, which fails after that timeout (every multi-rank
+engine went down after two idle minutes before).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from lamina.step_plan import StepPlan
 from lamina.worker.cuda_graphs import replay_size
 from lamina.worker.rpc import call_reporting
 from lamina.worker.sampling_rng import seed_unseeded_stream
+
+IDLE = ("idle",)  # rank 0's no-op command while the engine is idle
 
 
 @dataclass
@@ -46,6 +52,7 @@ class WorkerSpec:
     fail_rank: int | None = None
     fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises
     logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode
+    dist_timeout_s: float = pdist.DEFAULT_TIMEOUT_S  # the process groups' (lamina.parallel.distributed.timeout_from_env)
 
 
 def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
@@ -128,7 +135,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             device = torch.device("cpu")
         groups = pdist.init_rank(
             spec.plan, rank, master_addr=spec.master_addr, master_port=spec.master_port, device=device,
-            debug_layouts=spec.debug_layouts,
+            debug_layouts=spec.debug_layouts, timeout_s=spec.dist_timeout_s,
         )
         torch.manual_seed(spec.seed)
         hf_config = read_model_config(spec.model_path, spec.hf_overrides)
@@ -150,10 +157,13 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         if rank == 0:
             conn.send(("ready", info))
         step = 0
+        idle_ping_s = spec.dist_timeout_s / 6
         while True:
-            command = conn.recv() if rank == 0 else None
+            command = (conn.recv() if conn.poll(idle_ping_s) else IDLE) if rank == 0 else None
             command = pdist.broadcast_object(command, groups)
             kind = command[0]
+            if kind == "idle":
+                continue
             if kind == "shutdown":
                 break
             if kind == "bytes_per_block":
