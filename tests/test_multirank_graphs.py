@@ -57,14 +57,21 @@ def test_multirank_graphs_reason(monkeypatch):
 
 LAYOUTS = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(data_parallel_size=2),
            dict(data_parallel_size=2, enable_expert_parallel=True), dict(tensor_parallel_size=2, enable_expert_parallel=True),
-           dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)]  # SP MoE (auto)
-LAYOUT_IDS = ["tp2", "pp2", "dp2", "dp2-ep", "tp2-ep", "dp2-tp2-ep-sp"]
+           dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),  # SP MoE (auto)
+           dict(tensor_parallel_size=2, enable_expert_parallel=True, sequence_parallel_moe="on")]  # SP on two ranks
+LAYOUT_IDS = ["tp2", "pp2", "dp2", "dp2-ep", "tp2-ep", "dp2-tp2-ep-sp", "tp2-ep-sp"]
+
+
+def _world_size(layout: dict) -> int:
+    return (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
+            * layout.get("data_parallel_size", 1))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, layout, monkeypatch):
     """Greedy tokens of TP2 / PP2 / DP2 / DP2 with EP / TP2 with EP (experts split over the TP
-    ranks) on the Triton kernels whose ranks run decode steps through their graphs' static buffers (3 requests padded to 4; on PP the stream handed
+    ranks) / SP MoE (DP2 x TP2, and TP2 forced on) on the Triton kernels whose ranks run decode
+    steps through their graphs' static buffers (3 requests padded to 4; on PP the stream handed
     from the first stage's replay to the second's input buffer; on DP each replica replays its own
     share, 2 and 1 requests, from its own graphs; with EP both replicas one common size, the one
     whose requests finished replaying padding) equal the single-rank run's; every rank replayed."""
@@ -88,6 +95,37 @@ def test_ranks_replay_their_decode_graphs_like_one_rank(qwen3_5_moe_short_dir, l
     if layout.get("data_parallel_size"):  # the replicas' requests take 2 and 4 (or 1 and 4, ...) decode steps
         lockstep = layout.get("enable_expert_parallel", False)
         assert (len(set(replays)) == 1) == lockstep, replays  # with EP the finished replica replayed padding
+
+
+def _reference_kernels_on_tp_rank_one(runner):  # collective_rpc: one rank's layers off the Triton set
+    if runner.model.ctx.tp_rank == 1:
+        for module in runner.model.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = "reference"
+    return runner.why_no_graphs(static_off_cuda=True)
+
+
+def _rank_graphs(runner):
+    return runner.decode_graphs is not None, runner.no_graphs_reason
+
+
+def test_ranks_capture_all_or_none_when_one_cannot(qwen3_5_moe_short_dir, monkeypatch):
+    """Every rank is asked whether it can capture before any does: one that skipped while its TP
+    peer captured would leave the peer's captured collectives waiting for it (on two GPUs a hang
+    until the NCCL timeout; e.g. Qwen4-Exp's PLE table kept on the host of one rank only). Here TP
+    rank 1's layers are moved off the Triton kernel set: no rank captures, and each says why."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU static-buffer path")
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    with LLM(str(qwen3_5_moe_short_dir), device="cpu", dtype="float32", max_num_seqs=4, show_progress=False,
+             tensor_parallel_size=2) as llm:
+        executor = llm.engine.executor
+        own = executor.collective_rpc(_reference_kernels_on_tp_rank_one)
+        per_rank = executor.capture_decode_graphs(4, llm.engine.max_model_len, static_off_cuda=True)
+        kept = executor.collective_rpc(_rank_graphs)
+    assert own[0] is None and "every layer on the Triton kernel set" in own[1], own
+    assert per_rank == [(False, f"not captured, as another rank cannot (rank 1: {own[1]})"), (False, own[1])], per_rank
+    assert kept == per_rank  # rank 0 never started a capture
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
@@ -132,10 +170,12 @@ def test_mtp_ranks_replay_their_verify_graphs(mtp_short_dir, layout, monkeypatch
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_graphs_on_two_gpus_match_one_gpu(qwen3_5_moe_short_dir, layout, monkeypatch):
     """TP2 (NCCL collectives captured), PP2 (a stage's stream sent between replays), DP2 (each
-    replica its own graphs) and DP2 with EP (the MoE's gathers captured, replicas in lockstep) with
-    CUDA graphs give one GPU's float32 greedy tokens."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
+    replica its own graphs), DP2 with EP (the MoE's gathers captured, replicas in lockstep) and SP
+    MoE (each TP rank's token shard of the padded batch; on two GPUs the TP2 layout with SP forced
+    on) with CUDA graphs give one GPU's float32 greedy tokens. Layouts of more ranks than the
+    machine has GPUs are skipped."""
+    if torch.cuda.device_count() < _world_size(layout):
+        pytest.skip(f"needs {_world_size(layout)} GPUs, {torch.cuda.device_count()} here")
     monkeypatch.setenv("LAMINA_MULTIRANK_GRAPHS", "1")
     monkeypatch.setenv("LAMINA_GDN_PREFILL", "reference")
     engine = dict(device="cuda", dtype="float32", max_num_seqs=4, show_progress=False)

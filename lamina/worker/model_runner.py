@@ -135,6 +135,19 @@ class ModelRunner:
                     cache = cache.view(torch.uint8)
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def why_no_graphs(self, static_off_cuda: bool = False) -> str | None:
+        """Why `capture_decode_graphs` would capture nothing on this rank (None: it captures). Asked
+        of every rank before any captures (lamina.worker.worker): a rank that skipped the capture
+        while its peers captured would leave their collectives waiting for it."""
+        from lamina.worker import cuda_graphs
+
+        if self.device.type != "cuda" and not static_off_cuda:
+            return f"CUDA graphs need a CUDA device, not {self.device}"
+        reason = cuda_graphs.why_not_capturable(self.model, verify=self.spec is not None)
+        if reason is None and self.spec is not None and self.spec.mtp is None:
+            reason = "speculative decoding with no MTP drafter on this rank: verification steps run eagerly"
+        return reason
+
     def capture_decode_graphs(
         self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0, static_off_cuda: bool = False,
         mixed_max_tokens: int = 0, capture_sizes: tuple[int, ...] | None = None, max_capture_size: int | None = None,
@@ -153,19 +166,13 @@ class ModelRunner:
 
         self.no_graphs_reason = self.no_mixed_graphs_reason = None
         self.decode_graphs = self.verify_graphs = self.mixed_graphs = None  # a capture replaces what was there
-        if self.device.type != "cuda" and not static_off_cuda:
-            self.no_graphs_reason = f"CUDA graphs need a CUDA device, not {self.device}"
-            return False
-        reason = cuda_graphs.why_not_capturable(self.model, verify=self.spec is not None)
+        reason = self.why_no_graphs(static_off_cuda)
         if reason is not None:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
             self.no_graphs_reason = reason
             return False
         max_blocks = -(-max_model_len // self.block_size)
         if self.spec is not None:
-            if self.spec.mtp is None:
-                self.no_graphs_reason = "speculative decoding with no MTP drafter on this rank: verification steps run eagerly"
-                return False
             from lamina.worker.verify_graphs import VerifyGraphs
 
             graphs = VerifyGraphs(

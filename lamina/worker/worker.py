@@ -182,9 +182,19 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                     conn.send(("allocated", None))
             elif kind == "capture":  # decode graphs on every rank, in step with the others (lamina.worker.cuda_graphs)
                 _, max_batch, max_model_len, num_speculative_tokens, static_off_cuda, sizes, max_size = command
-                captured = runner.capture_decode_graphs(max_batch, max_model_len, num_speculative_tokens=num_speculative_tokens,
-                                                        static_off_cuda=static_off_cuda, capture_sizes=sizes,
-                                                        max_capture_size=max_size)
+                # every rank or none: one that skipped while the others captured would leave their
+                # collectives waiting (e.g. Qwen4-Exp's PLE table on the host of one rank only, `auto`)
+                own = runner.why_no_graphs(static_off_cuda)
+                reasons = pdist.gather_objects(own, groups)
+                blockers = pdist.broadcast_object(
+                    "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why) if rank == 0 else None, groups)
+                if not blockers:
+                    captured = runner.capture_decode_graphs(
+                        max_batch, max_model_len, num_speculative_tokens=num_speculative_tokens,
+                        static_off_cuda=static_off_cuda, capture_sizes=sizes, max_capture_size=max_size)
+                else:
+                    runner.decode_graphs = runner.verify_graphs = None
+                    captured, runner.no_graphs_reason = False, own or f"not captured, as another rank cannot ({blockers})"
                 per_rank = pdist.gather_objects((captured, runner.no_graphs_reason), groups)  # on rank 0
                 every_rank = pdist.broadcast_object(all(ok for ok, _ in per_rank) if rank == 0 else None, groups)
                 if not every_rank:
