@@ -224,6 +224,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                         if r is not None:
                             merged[r[0]].update(r[1])
                     conn.send(("result", merged))
+        # graphs with captured NCCL kernels go before the communicators they launch on
+        runner.decode_graphs = runner.verify_graphs = runner.mixed_graphs = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         pdist.shutdown()
         conn.send(("bye", rank))
     except BaseException as e:  # report, then die: the engine names this rank
