@@ -28,6 +28,32 @@ def test_bench_latency_writes_a_record_per_batch_size(qwen3_next_dir, tmp_path, 
     assert "| batch_size |" in capsys.readouterr().out
 
 
+def test_roofline_only_where_the_bench_reads_the_model(qwen3_next_dir):
+    """The roofline needs the model in the bench's process (routed experts, weight bytes): one GPU.
+    With several ranks the records carry TPOT and tok/s only (reading the ranks' models crashed a
+    tensor-parallel latency run on GPUs after its first batch size)."""
+    import torch
+
+    from lamina.entrypoints.bench import _engine_kwargs, measures_roofline
+    from lamina.entrypoints.cli import build_parser
+
+    def kwargs(*flags):
+        return _engine_kwargs(build_parser().parse_args(["bench", "latency", "--model", str(qwen3_next_dir), *flags]))
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert measures_roofline(cuda, kwargs()) and not measures_roofline(cpu, kwargs())
+    for flags in (["-tp", "2"], ["-pp", "2"], ["-dp", "2"]):
+        assert not measures_roofline(cuda, kwargs(*flags)), flags
+
+
+def test_bench_latency_with_tensor_parallel_ranks(qwen3_next_dir, tmp_path):
+    out = tmp_path / "latency_tp2.json"
+    assert main(["bench", "latency", "--model", str(qwen3_next_dir), *COMMON, "--batch-size", "2", "-tp", "2",
+                 "--output-json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["decode_steps"] == 3 and record["tpot_ms"] > 0 and "-tp 2" in record["command"]
+
+
 def test_bench_throughput(qwen3_next_dir, tmp_path):
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--model", str(qwen3_next_dir), *COMMON, "--num-prompts", "3",

@@ -89,13 +89,25 @@ def test_dp2_tp2_ep_sp_world4_second_seed_case(qwen3_next_dir):
 
 def test_dp_replicas_draw_their_own_unseeded_noise(qwen3_next_dir):
     """Unseeded sampling draws from each rank's global RNG: each data-parallel replica has its own
-    stream, so the same prompt on two replicas does not get the same "random" text (one replica
-    draws what a single-rank engine does)."""
+    stream, so the same prompt on two replicas does not get the same "random" text; one replica
+    draws what a single-rank engine does. The engine restarts the ranks' streams after its GPU
+    warm-up (`restart_unseeded_streams`), as a single-rank engine restarts its own: then the same
+    requests draw the same text again."""
     prompt = {"prompt_token_ids": [5, 77, 300, 12, 9, 41, 600]}
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def texts(llm, n):
+        return [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
     with LLM(str(qwen3_next_dir), data_parallel_size=2, **ENGINE) as llm:
-        first, second = (o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params, use_tqdm=False))
+        first, second = texts(llm, 2)
+        llm.engine.executor.restart_unseeded_streams(llm.engine.args.seed)
+        again = texts(llm, 2)
+    with LLM(str(qwen3_next_dir), **ENGINE) as one:
+        (alone,) = texts(one, 1)
     assert first != second
+    assert again == [first, second]
+    assert alone in (first, second)
 
 
 def test_sp_with_mixed_dense_and_moe_layers(qwen3_next_mixed_dir):

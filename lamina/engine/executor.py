@@ -12,6 +12,7 @@ import torch
 from lamina.step_plan import SampledToken, StepPlan
 from lamina.worker.model_runner import ModelRunner
 from lamina.worker.rpc import call_on_runner
+from lamina.worker.sampling_rng import seed_unseeded_stream
 
 
 class InProcessExecutor:
@@ -31,6 +32,10 @@ class InProcessExecutor:
 
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self.runner.allocate_caches(num_blocks, block_size, num_slots)
+
+    def restart_unseeded_streams(self, seed: int) -> None:
+        """Start the noise of unseeded requests again at `seed` (lamina.worker.sampling_rng)."""
+        seed_unseeded_stream(seed, self.runner.device)
 
     def execute_replicas(self, plans: list[StepPlan]) -> list[dict[str, SampledToken]]:
         return [self.runner.execute(plans[0])]

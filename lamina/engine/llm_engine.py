@@ -31,7 +31,6 @@ from lamina.step_plan import PENDING_TOKEN_ID
 from lamina.models.hybrid_config import num_mtp_layers
 from lamina.worker.model_loader import build_model
 from lamina.worker.model_runner import ModelRunner
-from lamina.worker.sampling_rng import seed_unseeded_stream
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +183,14 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         self.draft_override = None  # tests: callable(request, proposed drafts) -> drafts
         self._reset_statistics()
         # the noise of unseeded requests: the engine's own stream (the caller's global torch RNG is neither
-        # read nor reseeded: lamina.worker.sampling_rng), started again after the warm-up's draws
-        seed_unseeded_stream(args.seed, self.device)
+        # read nor reseeded: lamina.worker.sampling_rng), started again after the warm-up's draws (on every
+        # rank: their sampler warm-up at allocation draws too)
+        self.executor.restart_unseeded_streams(args.seed)
         if self.device.type == "cuda":
             with self._out_of_memory_explained("warming up (a step of max_num_batched_tokens tokens)"):
                 self.warm_up()
             self._capture_mixed_graphs_at_start()
-            seed_unseeded_stream(args.seed, self.device)
+            self.executor.restart_unseeded_streams(args.seed)
             torch.cuda.set_rng_state(callers_cuda_rng, self.device)
 
     def _capture_mixed_graphs_at_start(self) -> None:

@@ -232,6 +232,11 @@ class MultiprocExecutor:
     def allocate(self, num_blocks: int, block_size: int, num_slots: int) -> None:
         self._call(("allocate", num_blocks, block_size, num_slots), "allocated")
 
+    def restart_unseeded_streams(self, seed: int) -> None:
+        """Every rank starts its replica's noise stream again (`seed` is the engine's: the spec's)."""
+        assert seed == self.spec.seed, (seed, self.spec.seed)
+        self._call(("reseed",), "reseeded")
+
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, *, num_speculative_tokens: int = 0,
                               static_off_cuda: bool = False, capture_sizes: tuple[int, ...] | None = None,
                               max_capture_size: int | None = None) -> list:

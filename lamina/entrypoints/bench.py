@@ -60,6 +60,7 @@ def _add_offline_args(p) -> None:
     from lamina.entrypoints import cli
 
     cli.add_engine_args(p)
+    cli.add_parallel_args(p)  # vLLM's bench commands take every engine flag, -tp / -pp / -dp too
     b = p.add_argument_group("benchmark")
     b.add_argument("--preset", default=DEFAULT_PRESET, choices=preset_names(),
                    help="config written when --model is not given (weights: --load-format dummy)")
@@ -215,17 +216,27 @@ def _engine_kwargs(args) -> dict:
     return kwargs
 
 
+def measures_roofline(device: torch.device, engine_kwargs: dict) -> bool:
+    """Whether a latency record gets the HBM roofline: on one GPU, whose model the bench reads in
+    this process (routed experts, weight bytes). Several ranks keep their models in their own
+    processes (and a roofline would be per rank): their records carry TPOT and tok/s only."""
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        ranks *= engine_kwargs.get(key) or 1
+    return device.type == "cuda" and ranks == 1
+
+
 def run_latency(args, model_path: str) -> list[dict]:
     from lamina import LLM, SamplingParams
     from lamina.config import resolve_device
     from lamina.engine.gc_heap import frozen_heap
 
     device = resolve_device(args.device)
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    kwargs = _engine_kwargs(args)
+    bandwidth = copy_bandwidth(device) if measures_roofline(device, kwargs) else None
     records = []
     rng = random.Random(0)
     max_batch = max(args.batch_size)
-    kwargs = _engine_kwargs(args)
     implicit_seqs = not kwargs.get("max_num_seqs")
     kwargs["max_num_seqs"] = kwargs.get("max_num_seqs") or max_batch
     kwargs["max_model_len"] = kwargs.get("max_model_len") or args.input_len + args.output_len + 16

@@ -93,6 +93,11 @@ def init_rank(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RankGroups:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # NCCL >= 2.19 allocates with cuMem by default, which costs 1-2 GiB more per GPU once CUDA graphs
+        # capture its collectives (NVIDIA/nccl#1234), memory the plan does not count; vLLM turns it off
+        # too. Set before any communicator exists; an explicit setting wins.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
         world_size=plan.world_size, timeout=datetime.timedelta(seconds=timeout_s),

@@ -120,6 +120,14 @@ def _replay_step(spec: WorkerSpec, me, runner, plan: StepPlan, size: int):
     return (me.dp, runner.sample(out, plan.chunks) if num_reqs else {})
 
 
+def _seed_replica_stream(spec: WorkerSpec, replica: int, device: torch.device) -> None:
+    """The noise of unseeded requests (lamina.worker.sampling_rng): one stream per data-parallel
+    replica (the same seed on every replica gave the same "random" text to the same prompt on each of
+    them); replica 0 keeps the engine's seed, so one replica draws what a single-rank engine does."""
+    seed = spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF
+    seed_unseeded_stream(seed, device)
+
+
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     """Entry point of a rank's process. `conn`: a pipe to the local launcher/engine."""
     try:
@@ -143,12 +151,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             spec.model_path, hf_config, groups.ctx, dtype=spec.dtype, device=device, progress=False,
             layer_range=me.layer_range, model_options=spec.model_options, load_format=spec.load_format, seed=spec.seed,
         )
-        # The noise of unseeded requests (lamina.worker.sampling_rng): one stream per data-parallel replica
-        # (the same seed on every replica gave the same "random" text to the same prompt on each of them);
-        # replica 0 keeps the engine's seed, so one replica draws what a single-rank engine does.
-        replica = groups.ctx.dp.rank
-        seed_unseeded_stream(spec.seed if replica == 0 else (spec.seed * 1_000_003 + replica) & 0x7FFF_FFFF_FFFF_FFFF,
-                             device)
+        _seed_replica_stream(spec, groups.ctx.dp.rank, device)
         runner = ModelRunner(model, device=device, eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size,
                              ssm_state_dtype=spec.ssm_state_dtype, kv_cache_dtype=spec.kv_cache_dtype,
                              logprobs_mode=spec.logprobs_mode)
@@ -180,6 +183,11 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 pdist.gather_objects(None, groups)
                 if rank == 0:
                     conn.send(("allocated", None))
+            elif kind == "reseed":  # after the engine's warm-up (its sampler draws), as a single-rank engine does
+                _seed_replica_stream(spec, groups.ctx.dp.rank, device)
+                pdist.gather_objects(None, groups)
+                if rank == 0:
+                    conn.send(("reseeded", None))
             elif kind == "capture":  # decode graphs on every rank, in step with the others (lamina.worker.cuda_graphs)
                 _, max_batch, max_model_len, num_speculative_tokens, static_off_cuda, sizes, max_size = command
                 # every rank or none: one that skipped while the others captured would leave their
