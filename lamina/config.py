@@ -104,7 +104,7 @@ class EngineArgs:
     debug_layouts: bool = False  # activations carry their layout; modules check it (tests)
     fail_at_step: int | None = None  # tests only: rank `fail_rank` fails at this step ...
     fail_rank: int | None = None
-    fail_mode: str = "exit"  # ... by exiting ("exit") or by raising ("raise")
+    fail_mode: str = "exit"  # ... by exiting ("exit"), by raising ("raise") or by stalling past the timeout ("stall")
     # MTP speculative decoding (vLLM's name): {"method": "mtp", "num_speculative_tokens": K,
     # "policy": "fixed" | "auto"}; see lamina.engine.spec_decode
     speculative_config: dict | None = None

@@ -173,6 +173,19 @@ def test_idle_engine_outlives_the_collective_timeout(qwen3_next_dir, monkeypatch
     assert [p.exitcode for p in procs.procs.values()] == [0, 0]  # every rank ended cleanly ("bye"), none timed out
 
 
+def test_timed_out_rank_names_the_timeout(qwen3_next_dir, monkeypatch):
+    """A rank that waits past LAMINA_DIST_TIMEOUT_S on the control group for a stalled peer (here
+    the first pipeline stage, for the last stage's tokens) fails, and the error says which setting
+    to raise."""
+    monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", "5")
+    llm = LLM(str(qwen3_next_dir), pipeline_parallel_size=2, fail_at_step=2, fail_rank=1, fail_mode="stall", **ENGINE)
+    procs = list(llm.engine.executor.procs.procs.values())
+    with pytest.raises(WorkerError, match="longer than LAMINA_DIST_TIMEOUT_S = 5 s for its peers"):
+        llm.generate(prompts(), PARAMS, use_tqdm=False)
+    llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
 @pytest.mark.parametrize("raw", ["0.5", "soon", "nan", "inf"])
 def test_bad_collective_timeout_raises_before_the_ranks_start(qwen3_next_dir, monkeypatch, raw):
     monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", raw)

@@ -99,6 +99,7 @@ class RankProcesses:
     """Rank processes of one node (`worker_start_method`), each with a pipe, and their supervision."""
 
     def __init__(self, spec: WorkerSpec, ranks: list[int]):
+        self.spec = spec
         method = worker_start_method()
         ctx = mp.get_context(method)
         if method == "forkserver":  # (only the first call before the server starts takes effect)
@@ -143,7 +144,11 @@ class RankProcesses:
         silent = [r for r in dead if r not in self.errors]
         parts = [f"rank {r} (pid {dead[r].pid}) died with exit code {dead[r].exitcode}" for r in sorted(silent)]
         parts += [f"rank {r} failed: {self.errors[r]}" for r in sorted(self.errors)]
-        return "; then ".join(parts)
+        message = "; then ".join(parts)
+        if any("Timed out" in e or "timed out" in e for e in self.errors.values()):
+            message += (f" (a rank waited longer than LAMINA_DIST_TIMEOUT_S = {self.spec.dist_timeout_s:g} s for its "
+                        "peers: raise it where ranks load or step at very different speeds)")
+        return message
 
     def check(self) -> None:
         """Raise WorkerError if any rank died or reported an error."""

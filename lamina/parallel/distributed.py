@@ -24,9 +24,11 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def timeout_from_env() -> float:
-    """How long a rank waits for its peers in a collective (rendezvous included) before it fails:
-    `LAMINA_DIST_TIMEOUT_S`, default 120 s. Raise it where ranks load or step at very different
-    speeds (slow shared storage, huge prompts on CPUs)."""
+    """How long a rank waits for its peers at the rendezvous and on the control group (step plans
+    out, results back; on CPUs that is the default group, which also carries the pipeline's
+    send / recv) before it fails: `LAMINA_DIST_TIMEOUT_S`, default 120 s. The TP / DP / EP groups'
+    collectives inside a step keep torch's defaults. Raise it where ranks load or step at very
+    different speeds (slow shared storage, huge prompts on CPUs)."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT_S

@@ -13,6 +13,7 @@ engine went down after two idle minutes before).
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class WorkerSpec:
     gpu_memory_utilization: float = 0.9
     fail_at_step: int | None = None  # tests: rank `fail_rank` fails at this step
     fail_rank: int | None = None
-    fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises
+    fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises; "stall": twice the timeout
     logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode
     dist_timeout_s: float = pdist.DEFAULT_TIMEOUT_S  # the process groups' (lamina.parallel.distributed.timeout_from_env)
 
@@ -221,9 +222,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             elif kind == "step":
                 step += 1
                 if spec.fail_at_step is not None and step == spec.fail_at_step and rank == spec.fail_rank:
-                    if spec.fail_mode == "raise":
+                    if spec.fail_mode == "stall":  # its peers time out waiting for it
+                        time.sleep(2 * spec.dist_timeout_s)
+                    elif spec.fail_mode == "raise":
                         raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-                    os._exit(17)  # tests: a rank dies mid-generation
+                    else:
+                        os._exit(17)  # tests: a rank dies mid-generation
                 result = _stage_step(spec, rank, runner, command[1])
                 results = pdist.gather_objects(result, groups)
                 if rank == 0:
