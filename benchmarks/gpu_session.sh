@@ -1394,7 +1394,8 @@ print({k: round(v, 1) for k, v in d['runtime_calls_per_prefill'].items()})" || t
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_capture_sizes.py \
         > $OUT/s45g_sizes.txt 2>&1; tail -2 $OUT/s45g_sizes.txt; grep -E "^(E  |FAILED)" $OUT/s45g_sizes.txt | head -8 ;;
     s45k)  # session 45: every other GPU-marked test (the kernels against their references) on the final code
-      timeout 520 python3 -m pytest -q -p no:cacheprovider -m gpu tests --deselect tests/test_multirank_graphs.py \
+      # (the server tests' modules do not import on the device machine: no uvicorn / openai; none is GPU-marked)
+      timeout 520 python3 -m pytest -q -p no:cacheprovider -m gpu tests --continue-on-collection-errors --deselect tests/test_multirank_graphs.py \
         --ignore tests/test_mixed_graphs.py --ignore tests/test_gpu_engine.py --ignore tests/test_mtp_triton.py \
         --ignore tests/test_qwen4_graphs.py --ignore tests/test_batch_invariance.py --ignore tests/test_prefix_caching.py \
         > $OUT/s45k_kernels.txt 2>&1; tail -2 $OUT/s45k_kernels.txt; grep -E "^(E  |FAILED)" $OUT/s45k_kernels.txt | head -12 ;;
