@@ -5,7 +5,7 @@ so every rank of every replica gets the same step plans (ranks on other nodes in
 rank derives its inputs from its replica's plan; only activations cross pipeline boundaries.
 Sampled tokens come back from each replica's last-stage TP-rank-0 through a gather to rank 0.
 While the engine sends nothing (an idle server), rank 0 broadcasts a no-op command every sixth of
-the process groups' timeout (`WorkerSpec.dist_timeout_s`, 120 s by default): the other ranks wait
+the control group's timeout (`WorkerSpec.dist_timeout_s`, 120 s by default): the other ranks wait
 for commands inside a control-group broadcast, which fails after that timeout (every multi-rank
 engine went down after two idle minutes before).
 """
@@ -53,7 +53,7 @@ class WorkerSpec:
     fail_rank: int | None = None
     fail_mode: str = "exit"  # "exit": the process dies; "raise": the step raises; "stall": twice the timeout
     logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode
-    dist_timeout_s: float = pdist.DEFAULT_TIMEOUT_S  # the process groups' (lamina.parallel.distributed.timeout_from_env)
+    dist_timeout_s: float = pdist.DEFAULT_TIMEOUT_S  # rendezvous and control group (lamina.parallel.distributed.timeout_from_env)
 
 
 def _stage_step(spec: WorkerSpec, rank: int, runner, plans: list[StepPlan]):
