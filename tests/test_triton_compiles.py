@@ -3,7 +3,8 @@ on the CPU: CI runs them under Triton's interpreter, which does not type-check (
 triton_compile_check.py records the interpreted launches and builds their Triton IR in a process
 without the interpreter). The launches of bf16 engines with an FP8 KV cache and MTP, with FP8
 experts and seeded top-k / top-p and top-p-only sampling, of Qwen4-Exp, and of the opt-in kernels (lamina.kernels.
-selection's switches); each also with programmatic dependent launch on. Every launch asks for FP
+selection's switches); each also with programmatic dependent launch on. And those of the rank
+processes of TP2 engines (with and without EP), whose shards' sizes no single-rank run launches. Every launch asks for FP
 contraction (lamina.kernels.launch_options). A control kernel that only the compiler refuses must be reported."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from lamina.kernels import selection
 from lamina.kernels.triton_align import align_pairs_blocked
 from tests import tiny_checkpoints as tc
 from tests.fp8_checkpoint import fp8_copy
-from tests.triton_compile_check import CONTROL_RECORD, compile_recorded, distinct, record_launches
+from tests.triton_compile_check import (CONTROL_RECORD, compile_recorded, distinct, record_launches,
+                                        start_rank_recording, stop_rank_recording)
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile for real"),
@@ -100,3 +102,27 @@ def test_bf16_engine_kernels_compile_for_sm90(tmp_path, mtp_short_dir, qwen3_5_m
     assert control, "the control kernel compiled: the check would not see a compile error"
     assert not errors, "\n\n".join(errors)
     assert result["compiled"] >= len(distinct(records))
+
+
+def test_tensor_parallel_ranks_kernels_compile_for_sm90(tmp_path, qwen3_5_moe_short_dir, monkeypatch):
+    """The launches of tensor-parallel ranks carry their shards' sizes (local heads, the MoE's
+    intermediate size / TP, local experts under EP) as constexprs that no single-rank run
+    launches (29 of the 35 distinct launches here, when written): each rank of a TP2 engine and of
+    a TP2 engine with EP records its launches, which must compile for sm90 too (Triton's GPU
+    compiler refuses some shapes the interpreter runs, e.g. a dot below its minimum size)."""
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    per_rank = []
+    for layout in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+        with LLM(str(qwen3_5_moe_short_dir), **ENGINE, **layout) as llm:
+            llm.engine.executor.collective_rpc(start_rank_recording)
+            assert all(len(o.outputs[0].token_ids) == 4 for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+            per_rank += llm.engine.executor.collective_rpc(stop_rank_recording)
+    assert len(per_rank) == 4 and all(per_rank), [len(r) for r in per_rank]  # every rank ran Triton kernels
+    records = distinct([r for rank in per_rank for r in rank])
+    result = compile_recorded(records + [CONTROL_RECORD], tmp_path)
+    if "unsupported" in result:
+        pytest.skip(f"this Triton's compiler internals differ: {result['unsupported']}")
+    errors = [e for e in result["errors"] if "_retyped_in_a_branch" not in e]
+    assert len(errors) < len(result["errors"]), "the control kernel compiled: the check would not see a compile error"
+    assert not errors, "\n\n".join(errors)
+    assert result["compiled"] >= len(records)

@@ -8,6 +8,8 @@ kernel on a bf16 model with an FP8 KV cache). Here:
 - `record_launches()` notes every launch made under the interpreter in its scope: the kernel
   (module and name), each argument (a tensor's dtype, or a scalar's value) and the launch's
   `num_warps` / `num_stages`;
+- `start_rank_recording` / `stop_rank_recording` do the same in the rank processes of a
+  multi-rank engine (through `collective_rpc`), whose launches carry the shards' sizes;
 - `compile_recorded(records)` builds each distinct launch's Triton IR for an sm90 target in a
   process without the interpreter (where the kernels are real `@triton.jit` functions), once as
   launched and, for kernels with a `PDL` constexpr, once with programmatic dependent launch on (what
@@ -77,6 +79,24 @@ def record_launches():
         yield records
     finally:
         triton_interpreter.launch_observers.remove(observe)
+
+
+_rank_recording: list = []  # in a rank process: the open `record_launches` scope and its records
+
+
+def start_rank_recording(runner) -> None:
+    """For `collective_rpc`: start recording the interpreted launches of this rank's process (rank
+    processes install tests/triton_interpreter.py too, tests/conftest.py)."""
+    scope = record_launches()
+    _rank_recording[:] = [scope, scope.__enter__()]
+
+
+def stop_rank_recording(runner) -> list[dict]:
+    """For `collective_rpc`: this rank's records since `start_rank_recording`."""
+    scope, records = _rank_recording
+    scope.__exit__(None, None, None)
+    _rank_recording.clear()
+    return records
 
 
 def distinct(records: list[dict]) -> list[dict]:
