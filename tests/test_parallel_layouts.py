@@ -146,10 +146,19 @@ def test_killed_rank_raises_not_hangs(qwen3_next_dir):
     assert not any(p.is_alive() for p in procs)
 
 
-def test_raising_rank_is_named_with_its_error(qwen3_next_dir):
-    llm = LLM(str(qwen3_next_dir), pipeline_parallel_size=2, fail_at_step=2, fail_rank=1, fail_mode="raise", **ENGINE)
+@pytest.mark.parametrize("mode, timeout_s, error", [
+    ("raise", None, "rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"),
+    # the first stage waits past the control group's timeout for the last stage's tokens
+    ("stall", "5", "longer than LAMINA_DIST_TIMEOUT_S = 5 s for its peers"),
+], ids=["raising", "stalled"])
+def test_failing_rank_is_named_with_its_error(qwen3_next_dir, monkeypatch, mode, timeout_s, error):
+    """A rank whose step raises is named with its error; one that stalls past
+    LAMINA_DIST_TIMEOUT_S fails its peers, and the error says which setting to raise."""
+    if timeout_s is not None:
+        monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", timeout_s)
+    llm = LLM(str(qwen3_next_dir), pipeline_parallel_size=2, fail_at_step=2, fail_rank=1, fail_mode=mode, **ENGINE)
     procs = list(llm.engine.executor.procs.procs.values())
-    with pytest.raises(WorkerError, match="rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"):
+    with pytest.raises(WorkerError, match=error):
         llm.generate(prompts(), PARAMS, use_tqdm=False)
     llm.shutdown()
     assert not any(p.is_alive() for p in procs)
@@ -157,7 +166,7 @@ def test_raising_rank_is_named_with_its_error(qwen3_next_dir):
 
 def test_idle_engine_outlives_the_collective_timeout(qwen3_next_dir, monkeypatch):
     """The other ranks wait for rank 0's next command inside a control-group broadcast, which fails
-    after the process groups' timeout: an engine left idle for longer (a server without traffic)
+    after the control group's timeout: an engine left idle for longer (a server without traffic)
     lost every rank but 0 (gloo: "Timed out waiting ... for recv operation"). Rank 0 now sends a
     no-op every sixth of the timeout; here the timeout is 8 s and the engine idles 10 s between
     two requests, then 10 s before shutting down."""
@@ -171,19 +180,6 @@ def test_idle_engine_outlives_the_collective_timeout(qwen3_next_dir, monkeypatch
         time.sleep(10)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert [p.exitcode for p in procs.procs.values()] == [0, 0]  # every rank ended cleanly ("bye"), none timed out
-
-
-def test_timed_out_rank_names_the_timeout(qwen3_next_dir, monkeypatch):
-    """A rank that waits past LAMINA_DIST_TIMEOUT_S on the control group for a stalled peer (here
-    the first pipeline stage, for the last stage's tokens) fails, and the error says which setting
-    to raise."""
-    monkeypatch.setenv("LAMINA_DIST_TIMEOUT_S", "5")
-    llm = LLM(str(qwen3_next_dir), pipeline_parallel_size=2, fail_at_step=2, fail_rank=1, fail_mode="stall", **ENGINE)
-    procs = list(llm.engine.executor.procs.procs.values())
-    with pytest.raises(WorkerError, match="longer than LAMINA_DIST_TIMEOUT_S = 5 s for its peers"):
-        llm.generate(prompts(), PARAMS, use_tqdm=False)
-    llm.shutdown()
-    assert not any(p.is_alive() for p in procs)
 
 
 @pytest.mark.parametrize("raw", ["0.5", "soon", "nan", "inf"])
