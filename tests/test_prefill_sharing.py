@@ -138,17 +138,22 @@ def test_preemption_with_a_tiny_cache(qwen3_next_dir, case):
 
 
 def test_abort_before_and_after_fork(qwen3_next_dir):
+    """Aborted while the first child prefills, after the fork, and by one child's id (`<id>#1`:
+    the whole request ends; aborted alone, that child never finished and its parent stayed for
+    ever, holding its id): every block and slot comes back, no parent is left, the id is free."""
     with LLM(str(qwen3_next_dir), max_num_batched_tokens=8, **ENGINE) as llm:
         engine = llm.engine
-        for steps in (1, 4):  # aborted while the first child prefills; after the fork
-            rid = engine.add_request(PROMPT, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20))
+        for steps, suffix in ((1, ""), (4, ""), (4, "#1")):
+            rid = engine.add_request(PROMPT, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20),
+                                     request_id="forked")
             for _ in range(steps):
                 engine.step()
-            engine.abort_request(rid)
+            engine.abort_request(rid + suffix)
             while engine.has_unfinished_requests():
                 engine.step()
             assert engine.cache_usage() == 0.0
             assert engine.cache.slots.num_free == engine.cache.slots.num_slots
+            assert not engine._parents and not engine._parent_of, (engine._parents, engine._parent_of)
 
 
 @pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"])

@@ -316,6 +316,9 @@ class LLMEngine(KVCacheSizing, RequestValidation, WarmUp):
         return request
 
     def abort_request(self, request_id: str) -> None:
+        """Abort a request; one sequence of an n / best_of request (`<id>#<i>`) aborts the whole
+        request (aborted alone, it never finished, and its parent waited for it for ever)."""
+        request_id = self._parent_of.get(request_id, request_id)
         parent = self._parents.pop(request_id, None)
         if parent is not None:
             for child_id in parent.child_ids:
