@@ -145,7 +145,7 @@ class RankProcesses:
         parts = [f"rank {r} (pid {dead[r].pid}) died with exit code {dead[r].exitcode}" for r in sorted(silent)]
         parts += [f"rank {r} failed: {self.errors[r]}" for r in sorted(self.errors)]
         message = "; then ".join(parts)
-        if any("Timed out" in e or "timed out" in e for e in self.errors.values()):
+        if any("timed out" in e.lower() for e in self.errors.values()):
             message += (f" (a rank waited longer than LAMINA_DIST_TIMEOUT_S = {self.spec.dist_timeout_s:g} s for its "
                         "peers: raise it where ranks load or step at very different speeds)")
         return message

@@ -220,10 +220,12 @@ def measures_roofline(device: torch.device, engine_kwargs: dict) -> bool:
     """Whether a latency record gets the HBM roofline: on one GPU, whose model the bench reads in
     this process (routed experts, weight bytes). Several ranks keep their models in their own
     processes (and a roofline would be per rank): their records carry TPOT and tok/s only."""
-    ranks = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        ranks *= engine_kwargs.get(key) or 1
-    return device.type == "cuda" and ranks == 1
+    from dataclasses import fields
+
+    from lamina.parallel.config import ParallelConfig
+
+    layout = ParallelConfig(**{f.name: engine_kwargs[f.name] for f in fields(ParallelConfig) if f.name in engine_kwargs})
+    return device.type == "cuda" and layout.is_single_rank
 
 
 def run_latency(args, model_path: str) -> list[dict]:
